@@ -1,0 +1,31 @@
+# bca: build, run and test. `make run` and `make test` are the README's two quickstart commands.
+MUSL := x86_64-unknown-linux-musl
+STATIC := target/$(MUSL)/release/bca
+export CC_x86_64_unknown_linux_musl := musl-gcc
+
+.PHONY: build run test deps check lint clean
+
+## The static release binary (musl, mimalloc, no OpenSSL, no libtss2).
+build: deps
+	cargo build --release --locked --target $(MUSL)
+	@file $(STATIC)
+	@ls -l $(STATIC) | awk '{printf "size: %.1f MiB\n", $$5/1048576}'
+
+## Build and run the appliance on its embedded defaults: state in ./.bca, loopback ports.
+run:
+	cargo build --release --locked
+	./target/release/bca dev
+
+## Every test, after installing what the tests need.
+test: deps
+	cargo test --locked --all-targets
+
+deps:
+	./scripts/install-deps.sh
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --locked --all-targets -- -D warnings
+
+clean:
+	cargo clean

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs what bca's build and tests need on a fresh Debian bookworm machine (idempotent).
+set -euo pipefail
+need=()
+command -v openssl >/dev/null || need+=(openssl)
+command -v musl-gcc >/dev/null || need+=(musl-tools)
+command -v file >/dev/null || need+=(file)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+command -v sqlite3 >/dev/null || need+=(sqlite3)
+command -v curl >/dev/null || need+=(curl)
+dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)   # josekit, the JWE oracle in tests
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+rustup target list --installed 2>/dev/null | grep -q x86_64-unknown-linux-musl \
+  || rustup target add x86_64-unknown-linux-musl

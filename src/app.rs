@@ -1,0 +1,84 @@
+//! The running appliance: what `serve` loads once and every listener shares.
+
+use crate::config::Config;
+use crate::keys::KeyBundle;
+use crate::pki::PublicPki;
+use crate::store::Store;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub struct App {
+    pub state_dir: PathBuf,
+    pub config: Config,
+    pub store: Arc<Store>,
+    pub root_tenant: String,
+    pub pki: PublicPki,
+    /// The document served at `GET /api/compute/.well-known/better-compute`.
+    pub well_known: Value,
+}
+
+pub const BASE_PATH: &str = "/api/compute";
+pub const PROTOCOL_MIN: u32 = 1;
+pub const PROTOCOL_MAX: u32 = 1;
+
+impl App {
+    /// Loads the config, the store and the public PKI of an initialised state directory.
+    pub fn load(state_dir: &Path) -> Result<Self, String> {
+        let config = Config::load(state_dir)?;
+        let db = state_dir.join("bca.db");
+        if !db.exists() {
+            return Err(format!("{} is missing: the state directory is incomplete", db.display()));
+        }
+        let store = Arc::new(Store::open(&db, false)?);
+        let root_tenant = store
+            .read(|tx| Ok(tx.query_row("SELECT id FROM tenants WHERE is_root = 1", [], |r| r.get::<_, String>(0))?))
+            .map_err(|e| format!("the database has no root tenant: {e}"))?;
+        let pki = PublicPki::load(&crate::pki::pki_dir(state_dir))?;
+        let well_known = well_known(&config, &pki)?;
+        Ok(Self { state_dir: state_dir.to_path_buf(), config, store, root_tenant, pki, well_known })
+    }
+
+    /// Checks that the unsealed keys are the ones the public PKI names.
+    pub fn check_keys(&self, keys: &KeyBundle) -> Result<(), String> {
+        let pairs = [
+            ("node CA", &self.pki.node_ca, &keys.node_ca),
+            ("serving CA", &self.pki.serving_ca, &keys.serving_ca),
+            ("gateway", &self.pki.gateway, &keys.gateway),
+            ("join-signing", &self.pki.join_signing, &keys.join_signing),
+        ];
+        for (name, cert, key) in pairs {
+            if crate::pki::cert_spki(cert)? != key.spki_der() {
+                return Err(format!("the {name} key does not match its certificate in {}", self.state_dir.display()));
+            }
+        }
+        if self.pki.join_encryption.point().as_deref() != Some(keys.join_encryption.public_point()) {
+            return Err("the join-encryption key does not match join-encryption.jwk".into());
+        }
+        Ok(())
+    }
+}
+
+pub fn well_known(config: &Config, pki: &PublicPki) -> Result<Value, String> {
+    let pins = pki.pins()?;
+    let mut doc = json!({
+        "name": "better-compute",
+        "version": env!("CARGO_PKG_VERSION"),
+        "basePath": BASE_PATH,
+        "protocol": {"min": PROTOCOL_MIN, "max": PROTOCOL_MAX},
+        "join": {
+            "encryptionJwk": pki.join_encryption,
+            "encryptionKeyPin": pins.join_encryption,
+            "signingCertificate": crate::crypto::b64(&pki.join_signing),
+            "signingKeyPin": pins.join_signing,
+        },
+    });
+    if let Some(url) = &config.gateway_url {
+        doc["gateway"] = json!({
+            "url": url,
+            "serverName": config.gateway_name(),
+            "servingCaPin": pins.serving_ca,
+        });
+    }
+    Ok(doc)
+}

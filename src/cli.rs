@@ -1,0 +1,785 @@
+//! The command line: `bca <command>`, following the seed's `better-compute` commands verb for verb.
+//!
+//! Raw arguments are parsed by clap, then turned into API calls; answers print as tables for
+//! people or, with `--json`, as the API's JSON. Errors print as `CODE: message` on stderr and the
+//! process exits 1 (clap's usage errors exit 2).
+
+use crate::client::Client;
+use crate::config::KeyProtection;
+use crate::error::{ApiError, ApiResult, Code};
+use clap::{Args, CommandFactory, Parser, Subcommand};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/bca";
+
+#[derive(Parser)]
+#[command(name = "bca", version, about = "The rack-local appliance that admits bare-metal machines into compute pools")]
+pub struct Cli {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Where the appliance's state and admin socket are; every admin command takes these.
+#[derive(Args, Clone)]
+pub struct Conn {
+    /// The state directory (default /var/lib/bca; ./.bca for `bca dev`).
+    #[arg(long, global = true, env = "BCA_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// The admin socket (default: from the state directory's config, else <state-dir>/admin.sock).
+    #[arg(long, global = true, env = "BCA_SOCKET")]
+    pub socket: Option<PathBuf>,
+    /// Print the API's JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+impl Conn {
+    pub fn state_dir(&self) -> PathBuf {
+        self.state_dir.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR))
+    }
+
+    pub fn client(&self) -> Client {
+        let dir = self.state_dir();
+        let path = self.socket.clone().unwrap_or_else(|| {
+            crate::config::Config::load(&dir).map(|c| c.admin_socket_path(&dir)).unwrap_or_else(|_| dir.join("admin.sock"))
+        });
+        Client::new(&path)
+    }
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Initialise a state directory: database, root tenant, site, PKI and keys.
+    Init(InitArgs),
+    /// Serve: the admin socket, the HTTP listener and the gateway.
+    Serve(ServeArgs),
+    /// Development: initialise ./.bca when needed (file keys) and serve on loopback ports.
+    Dev(DevArgs),
+    /// Tenants.
+    #[command(subcommand)]
+    Tenants(TenantsCmd),
+    /// Pools.
+    #[command(subcommand)]
+    Pools(PoolsCmd),
+    /// Join tokens.
+    #[command(subcommand, name = "join-tokens")]
+    JoinTokens(JoinTokensCmd),
+    /// Events.
+    #[command(subcommand)]
+    Events(EventsCmd),
+    /// Nodes.
+    #[command(subcommand)]
+    Nodes(crate::nodes::NodesCmd),
+    /// The appliance's PKI.
+    #[command(subcommand)]
+    Pki(PkiCmd),
+    /// Shell completions on stdout.
+    Completions {
+        shell: clap_complete::Shell,
+    },
+    /// The man page (roff) on stdout.
+    Man,
+}
+
+#[derive(Args)]
+pub struct InitArgs {
+    /// The SPIFFE trust domain (a lower-case DNS name).
+    #[arg(long)]
+    pub trust_domain: String,
+    /// The site's name.
+    #[arg(long)]
+    pub site: String,
+    /// A name (DNS or IP) for the gateway certificate; repeat for more (default: hostname, localhost, 127.0.0.1).
+    #[arg(long = "gateway-san")]
+    pub gateway_san: Vec<String>,
+    /// The gateway URL agents dial (https://host[:port]).
+    #[arg(long)]
+    pub gateway_url: Option<String>,
+    /// passphrase (default), file (development only) or tpm (not available yet).
+    #[arg(long, default_value = "passphrase")]
+    pub key_protection: String,
+}
+
+#[derive(Args, Default)]
+pub struct ServeArgs {
+    #[arg(long)]
+    pub listen_http: Option<String>,
+    #[arg(long)]
+    pub admin_socket: Option<PathBuf>,
+    #[arg(long)]
+    pub listen_gateway: Option<String>,
+}
+
+#[derive(Args)]
+pub struct DevArgs {
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen_http: String,
+    #[arg(long, default_value = "127.0.0.1:8443")]
+    pub listen_gateway: String,
+}
+
+#[derive(Subcommand)]
+pub enum TenantsCmd {
+    /// Create a tenant.
+    Create {
+        #[arg(long)]
+        name: String,
+    },
+    /// List tenants.
+    List {
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PoolsCmd {
+    /// Create a pool.
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// bcd (default) or none.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Comma-separated attestors allowed to admit machines (default: all).
+        #[arg(long, value_delimiter = ',')]
+        join_attestors: Option<Vec<String>>,
+        /// policy.kubernetes.platformOperated.
+        #[arg(long)]
+        k8s_platform_operated: bool,
+    },
+    /// List pools.
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Include archived pools.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show a pool.
+    Get {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Change a pool's name, agent or policy.
+    Update {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        agent: Option<String>,
+        #[arg(long, value_delimiter = ',')]
+        join_attestors: Option<Vec<String>>,
+        #[arg(long)]
+        k8s_platform_operated: Option<bool>,
+    },
+    /// Archive a pool: it admits no join and mints no token.
+    Archive {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum JoinTokensCmd {
+    /// Mint a join token for a pool; shown once.
+    Create {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Lifetime, 1m to 24h (e.g. 90m, 1h, 3600s, 1h30m).
+        #[arg(long)]
+        ttl: String,
+        #[arg(long)]
+        max_uses: Option<i64>,
+        #[arg(long)]
+        allow_reclaim: bool,
+        #[arg(long)]
+        expect_product_uuid: Option<String>,
+        #[arg(long)]
+        expect_serial: Option<String>,
+        #[arg(long)]
+        expect_mac: Option<String>,
+        #[arg(long)]
+        expect_gpu_uuid: Option<String>,
+        /// kubernetes
+        #[arg(long)]
+        hosted: Option<String>,
+        /// The idempotency key.
+        #[arg(long)]
+        key: String,
+        /// Write the token to this new 0600 file instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// List a pool's tokens (never their secrets).
+    List {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Include revoked, expired and used-up tokens.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Revoke a token by its id (jt_…).
+    Revoke {
+        id: String,
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum EventsCmd {
+    /// List events, newest first.
+    List {
+        /// Only events whose type starts with this.
+        #[arg(long = "type")]
+        type_prefix: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Every tenant's events.
+        #[arg(long, conflicts_with = "tenant")]
+        all_tenants: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PkiCmd {
+    /// Print the pins and a summary of each certificate.
+    Show,
+}
+
+/// The process's exit: prints the error as `CODE: message`.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    init_logging();
+    match run(cli) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{}: {}", e.code.as_str(), e.message);
+            1
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BCA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+pub fn root_tenant(client: &Client) -> ApiResult<String> {
+    let v = client.call("tenants/list", &json!({}))?;
+    v["items"]
+        .as_array()
+        .and_then(|a| a.iter().find(|t| t["root"] == json!(true)))
+        .and_then(|t| t["id"].as_str())
+        .map(str::to_string)
+        .ok_or_else(|| ApiError::new(Code::Internal, "the appliance reported no root tenant"))
+}
+
+pub fn tenant_or_root(client: &Client, t: Option<String>) -> ApiResult<String> {
+    match t {
+        Some(t) => Ok(t),
+        None => root_tenant(client),
+    }
+}
+
+/// Parses `1m` .. `24h` style durations (`h`, `m`, `s` parts, e.g. `1h30m`) to whole seconds.
+pub fn parse_duration(s: &str) -> Result<i64, String> {
+    let bad = || format!("--ttl {s:?} is not a duration such as 30m, 1h or 1h30m");
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total: i64 = 0;
+    let mut num = String::new();
+    let mut units = 0;
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            num.push(c);
+            if num.len() > 6 {
+                return Err(bad());
+            }
+        } else {
+            let mult = match c {
+                'h' => 3600,
+                'm' => 60,
+                's' => 1,
+                _ => return Err(bad()),
+            };
+            let n: i64 = num.parse().map_err(|_| bad())?;
+            total += n * mult;
+            num.clear();
+            units += 1;
+        }
+    }
+    if !num.is_empty() || units == 0 {
+        return Err(bad());
+    }
+    if !(60..=86_400).contains(&total) {
+        return Err(format!("--ttl {s} is {total} s; it must be from 1m to 24h"));
+    }
+    Ok(total)
+}
+
+fn print(conn: &Conn, v: &Value, table: impl FnOnce(&Value)) {
+    if conn.json {
+        println!("{}", serde_json::to_string_pretty(v).expect("serializes"));
+    } else {
+        table(v);
+    }
+}
+
+/// Prints rows as aligned columns.
+pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    let mut w: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            w[i] = w[i].max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let s: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{c:<width$}", width = w[i])).collect();
+        println!("{}", s.join("  ").trim_end());
+    };
+    line(headers.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        line(r);
+    }
+}
+
+pub fn s(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn items(v: &Value) -> Vec<Value> {
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+pub fn print_cursor(v: &Value) {
+    if let Some(c) = v["cursor"].as_str() {
+        println!("more: --cursor {c}");
+    }
+}
+
+fn print_record(v: &Value) {
+    if let Some(o) = v.as_object() {
+        for (k, val) in o {
+            println!("{k:<14} {}", s(val));
+        }
+    }
+}
+
+fn pool_table(v: &Value) {
+    print_table(
+        &["ID", "NAME", "AGENT", "ATTESTORS", "ARCHIVED"],
+        items(v)
+            .iter()
+            .map(|p| {
+                vec![
+                    s(&p["id"]),
+                    s(&p["name"]),
+                    s(&p["agent"]),
+                    p["policy"]["joinAttestors"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or("all".into()),
+                    s(&p["archivedAt"]),
+                ]
+            })
+            .collect(),
+    );
+    print_cursor(v);
+}
+
+fn run(cli: Cli) -> ApiResult<()> {
+    let conn = &cli.conn;
+    match cli.command {
+        Command::Init(a) => cmd_init(a, conn),
+        Command::Serve(a) => {
+            let opts = crate::serve::ServeOptions {
+                listen_http: a.listen_http,
+                listen_gateway: a.listen_gateway,
+                admin_socket: a.admin_socket,
+            };
+            crate::serve::run(&conn.state_dir(), opts).map_err(ApiError::invalid_config)
+        }
+        Command::Dev(a) => cmd_dev(a, conn.state_dir.clone().unwrap_or_else(|| PathBuf::from("./.bca"))),
+        Command::Tenants(TenantsCmd::Create { name }) => {
+            let v = conn.client().call("tenants/create", &json!({"name": name}))?;
+            print(conn, &v, print_record);
+            Ok(())
+        }
+        Command::Tenants(TenantsCmd::List {}) => {
+            let v = conn.client().call("tenants/list", &json!({}))?;
+            print(conn, &v, |v| {
+                print_table(
+                    &["ID", "NAME", "ROOT"],
+                    items(v).iter().map(|t| vec![s(&t["id"]), s(&t["name"]), s(&t["root"])]).collect(),
+                )
+            });
+            Ok(())
+        }
+        Command::Pools(cmd) => cmd_pools(cmd, conn),
+        Command::JoinTokens(cmd) => cmd_join_tokens(cmd, conn),
+        Command::Events(EventsCmd::List { type_prefix, tenant, all_tenants, limit, cursor }) => {
+            let c = conn.client();
+            let tenant = if all_tenants { None } else { Some(tenant_or_root(&c, tenant)?) };
+            let v = c.call(
+                "events/list",
+                &json!({"tenantId": tenant, "type": type_prefix, "limit": limit, "cursor": cursor}),
+            )?;
+            print(conn, &v, |v| {
+                print_table(
+                    &["TIME", "TYPE", "TENANT", "DATA"],
+                    items(v)
+                        .iter()
+                        .map(|e| vec![s(&e["createdAt"]), s(&e["type"]), s(&e["tenantId"]), e["data"].to_string()])
+                        .collect(),
+                );
+                print_cursor(v);
+            });
+            Ok(())
+        }
+        Command::Nodes(cmd) => crate::nodes::run_cli(cmd, conn),
+        Command::Pki(PkiCmd::Show) => cmd_pki_show(&conn.state_dir(), conn.json),
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "bca", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Man => {
+            clap_mangen::Man::new(Cli::command())
+                .render(&mut std::io::stdout())
+                .map_err(|e| ApiError::new(Code::Internal, e.to_string()))
+        }
+    }
+}
+
+fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
+    let state_dir = conn.state_dir();
+    let kp = KeyProtection::parse(&a.key_protection).ok_or_else(|| {
+        ApiError::invalid_input(format!("--key-protection {:?} must be passphrase, file or tpm", a.key_protection))
+    })?;
+    let passphrase = match kp {
+        KeyProtection::Passphrase if !crate::init::is_initialised(&state_dir) => {
+            Some(crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?)
+        }
+        _ => None,
+    };
+    let out = crate::init::init(
+        crate::init::InitOptions {
+            state_dir: state_dir.clone(),
+            trust_domain: a.trust_domain,
+            site: a.site,
+            gateway_sans: a.gateway_san,
+            gateway_url: a.gateway_url,
+            key_protection: kp,
+            passphrase,
+            listen_http: None,
+            listen_gateway: None,
+        },
+        crate::clock::now(),
+    )?;
+    print_init(&state_dir, &out, conn.json);
+    Ok(())
+}
+
+fn print_init(dir: &Path, out: &crate::init::Initialised, as_json: bool) {
+    if as_json {
+        let v = json!({"stateDir": dir, "siteId": out.site_id, "rootTenantId": out.root_tenant, "pins": out.pins});
+        println!("{}", serde_json::to_string_pretty(&v).expect("serializes"));
+        return;
+    }
+    println!("initialised {} (site {}, root tenant {})", dir.display(), out.site_id, out.root_tenant);
+    println!("the pins agents embed:");
+    println!("serving_ca_spki_pin = \"{}\"", out.pins.serving_ca);
+    println!("join_signing_key_pin = \"{}\"", out.pins.join_signing);
+    println!("join_encryption_key_pin = \"{}\"", out.pins.join_encryption);
+}
+
+fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
+    if !crate::init::is_initialised(&state_dir) {
+        let out = crate::init::init(
+            crate::init::InitOptions {
+                state_dir: state_dir.clone(),
+                trust_domain: "dev.bca.internal".into(),
+                site: "dev".into(),
+                gateway_sans: vec!["localhost".into(), "127.0.0.1".into()],
+                gateway_url: Some(format!("https://{}", a.listen_gateway)),
+                key_protection: KeyProtection::File,
+                passphrase: None,
+                listen_http: Some(a.listen_http.clone()),
+                listen_gateway: Some(a.listen_gateway.clone()),
+            },
+            crate::clock::now(),
+        )?;
+        print_init(&state_dir, &out, false);
+    }
+    let sd = state_dir.display();
+    println!(
+        "bca dev: serving {sd} (keys in plain files: development only). Try, in another shell:\n\
+         \x20 bca --state-dir {sd} pools create --name rack-a\n\
+         \x20 bca --state-dir {sd} join-tokens create --pool <pool id> --ttl 1h --key first --out ./join-token\n\
+         \x20 bca --state-dir {sd} daemon agent-config --gateway-url https://{gw} --out ./agent\n\
+         \x20 bca agent join --config ./agent/config.toml --data-dir ./agent --claims claims.json < ./join-token\n\
+         \x20 bca --state-dir {sd} nodes list\n\
+         \x20 curl http://{http}/api/compute/.well-known/better-compute",
+        gw = a.listen_gateway,
+        http = a.listen_http
+    );
+    crate::serve::run(
+        &state_dir,
+        crate::serve::ServeOptions {
+            listen_http: Some(a.listen_http),
+            listen_gateway: Some(a.listen_gateway),
+            admin_socket: None,
+        },
+    )
+    .map_err(ApiError::invalid_config)
+}
+
+fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
+    match cmd {
+        PoolsCmd::Create { name, tenant, agent, join_attestors, k8s_platform_operated } => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let mut policy = json!({});
+            if let Some(a) = join_attestors {
+                policy["joinAttestors"] = json!(a);
+            }
+            if k8s_platform_operated {
+                policy["kubernetes"] = json!({"platformOperated": true});
+            }
+            let v = c.call("pools/create", &json!({"tenantId": tenant, "name": name, "agent": agent, "policy": policy}))?;
+            print(conn, &v, print_record);
+        }
+        PoolsCmd::List { tenant, all } => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call("pools/list", &json!({"tenantId": tenant, "includeArchived": all}))?;
+            print(conn, &v, pool_table);
+        }
+        PoolsCmd::Get { id, tenant } => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call("pools/get", &json!({"tenantId": tenant, "poolId": id}))?;
+            print(conn, &v, print_record);
+        }
+        PoolsCmd::Update { id, tenant, name, agent, join_attestors, k8s_platform_operated } => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let mut body = json!({"tenantId": tenant, "poolId": id, "name": name, "agent": agent});
+            if join_attestors.is_some() || k8s_platform_operated.is_some() {
+                let cur = c.call("pools/get", &json!({"tenantId": tenant, "poolId": id}))?;
+                let mut policy = cur["policy"].clone();
+                if let Some(a) = join_attestors {
+                    policy["joinAttestors"] = json!(a);
+                }
+                if let Some(k) = k8s_platform_operated {
+                    policy["kubernetes"] = json!({"platformOperated": k});
+                }
+                body["policy"] = policy;
+            }
+            let v = c.call("pools/update", &body)?;
+            print(conn, &v, print_record);
+        }
+        PoolsCmd::Archive { id, tenant } => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call("pools/archive", &json!({"tenantId": tenant, "poolId": id}))?;
+            print(conn, &v, print_record);
+        }
+    }
+    Ok(())
+}
+
+fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> {
+    match cmd {
+        JoinTokensCmd::Create {
+            pool,
+            tenant,
+            ttl,
+            max_uses,
+            allow_reclaim,
+            expect_product_uuid,
+            expect_serial,
+            expect_mac,
+            expect_gpu_uuid,
+            hosted,
+            key,
+            out,
+        } => {
+            let ttl = parse_duration(&ttl).map_err(ApiError::invalid_input)?;
+            if let Some(o) = &out {
+                if std::fs::symlink_metadata(o).is_ok() {
+                    return Err(ApiError::already_exists(format!("{} exists; --out never writes over a file", o.display())));
+                }
+            }
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let mut body = json!({"tenantId": tenant, "poolId": pool, "ttlSeconds": ttl, "idempotencyKey": key,
+                "allowReclaim": allow_reclaim});
+            if let Some(m) = max_uses {
+                body["maxUses"] = json!(m);
+            }
+            if let Some(h) = hosted {
+                body["hosted"] = json!(h);
+            }
+            let mut expect = serde_json::Map::new();
+            for (k, v) in [
+                ("productUuid", expect_product_uuid),
+                ("serial", expect_serial),
+                ("mac", expect_mac),
+                ("gpuUuid", expect_gpu_uuid),
+            ] {
+                if let Some(v) = v {
+                    expect.insert(k.into(), json!(v));
+                }
+            }
+            if !expect.is_empty() {
+                body["expect"] = Value::Object(expect);
+            }
+            let mut v = c.call("joinTokens/create", &body)?;
+            if let Some(o) = &out {
+                let Some(token) = v.get("token").and_then(Value::as_str).map(|t| zeroize::Zeroizing::new(t.to_string()))
+                else {
+                    return Err(ApiError::invalid_state(format!(
+                        "--key {key} was used before: the answer carries no token (it is shown only once); revoke {} and create a new one",
+                        s(&v["id"])
+                    )));
+                };
+                crate::fsutil::write_new_private(o, format!("{}\n", token.as_str()).as_bytes()).map_err(|e| {
+                    ApiError::already_exists(format!("{e}; the token {} was minted: revoke it", s(&v["id"])))
+                })?;
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("token");
+                }
+                eprintln!("the token is in {} (0600); it is not shown again", o.display());
+            }
+            print(conn, &v, print_record);
+        }
+        JoinTokensCmd::List { pool, tenant, all, limit, cursor } => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call(
+                "joinTokens/list",
+                &json!({"tenantId": tenant, "poolId": pool, "includeInactive": all, "limit": limit, "cursor": cursor}),
+            )?;
+            print(conn, &v, |v| {
+                print_table(
+                    &["ID", "USES LEFT", "EXPIRES", "EXPECT", "RECLAIM", "REVOKED"],
+                    items(v)
+                        .iter()
+                        .map(|t| {
+                            vec![
+                                s(&t["id"]),
+                                format!("{}/{}", s(&t["usesLeft"]), s(&t["maxUses"])),
+                                s(&t["expiresAt"]),
+                                t.get("expect").map(|e| e.to_string()).unwrap_or("-".into()),
+                                s(&t["allowReclaim"]),
+                                s(&t["revokedAt"]),
+                            ]
+                        })
+                        .collect(),
+                );
+                print_cursor(v);
+            });
+        }
+        JoinTokensCmd::Revoke { id, pool, tenant } => {
+            if id.contains('.') {
+                return Err(ApiError::invalid_input(
+                    "that looks like a bearer token: revoke takes the token id (jt_…), never the secret; nothing was sent",
+                ));
+            }
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call("joinTokens/revoke", &json!({"tenantId": tenant, "poolId": pool, "tokenId": id}))?;
+            print(conn, &v, print_record);
+        }
+    }
+    Ok(())
+}
+
+fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
+    let p = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
+    let pins = p.pins().map_err(ApiError::invalid_config)?;
+    let summary = |der: &[u8]| -> Value {
+        use x509_parser::prelude::*;
+        match X509Certificate::from_der(der) {
+            Ok((_, c)) => json!({
+                "subject": c.subject().to_string(),
+                "issuer": c.issuer().to_string(),
+                "serial": c.raw_serial_as_string(),
+                "notBefore": crate::api::rfc3339(c.validity().not_before.timestamp()),
+                "notAfter": crate::api::rfc3339(c.validity().not_after.timestamp()),
+            }),
+            Err(e) => json!({"error": e.to_string()}),
+        }
+    };
+    let v = json!({
+        "pins": pins,
+        "certificates": {
+            "nodeCa": summary(&p.node_ca),
+            "servingCa": summary(&p.serving_ca),
+            "gateway": summary(&p.gateway),
+            "joinSigning": summary(&p.join_signing),
+        }
+    });
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&v).expect("serializes"));
+    } else {
+        println!("serving_ca_spki_pin = \"{}\"", pins.serving_ca);
+        println!("join_signing_key_pin = \"{}\"", pins.join_signing);
+        println!("join_encryption_key_pin = \"{}\"", pins.join_encryption);
+        for (name, c) in v["certificates"].as_object().expect("object") {
+            println!("{name}: {} (serial {}), valid {} to {}", s(&c["subject"]), s(&c["serial"]), s(&c["notBefore"]), s(&c["notAfter"]));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1h"), Ok(3600));
+        assert_eq!(parse_duration("1m"), Ok(60));
+        assert_eq!(parse_duration("24h"), Ok(86_400));
+        assert_eq!(parse_duration("1h30m"), Ok(5400));
+        assert_eq!(parse_duration("3600s"), Ok(3600));
+        assert!(parse_duration("59s").is_err());
+        assert!(parse_duration("25h").is_err());
+        assert!(parse_duration("1.5h").is_err());
+        assert!(parse_duration("60").is_err());
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("h").is_err());
+    }
+
+    #[test]
+    fn the_cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,19 @@
+//! The one place that reads the wall clock. Everything that decides takes `now` as an argument.
+
+/// Unix seconds, UTC.
+#[allow(clippy::disallowed_methods)]
+pub fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// Unix milliseconds, UTC.
+#[allow(clippy::disallowed_methods)]
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

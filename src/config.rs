@@ -1,0 +1,182 @@
+//! `config.toml` in the state directory: every key documented here and in `docs/config.md`.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// How the appliance's private keys are protected at rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyProtection {
+    /// Sealed under a passphrase (`BCA_SECRET` or a prompt): Argon2id, then AES-256-GCM.
+    Passphrase,
+    /// Plain 0600 files; for development only, with a warning on every start.
+    File,
+    /// Sealed to the box's TPM (not available yet).
+    Tpm,
+}
+
+impl KeyProtection {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "passphrase" => Some(Self::Passphrase),
+            "file" => Some(Self::File),
+            "tpm" => Some(Self::Tpm),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The SPIFFE trust domain of every node certificate.
+    pub trust_domain: String,
+    /// This appliance's site id (`site_…`), fixed at init.
+    pub site_id: String,
+    /// The site's name, as given to `bca init --site`.
+    pub site_name: String,
+    /// The gateway URL agents dial, published in the well-known document's `gateway` section.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_url: Option<String>,
+    /// The name agents expect on the gateway's certificate (default: the URL's host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_server_name: Option<String>,
+    /// `passphrase`, `file` or `tpm`.
+    pub key_protection: KeyProtection,
+    /// The HTTP listener (well-known document; boot files later).
+    #[serde(default = "default_http")]
+    pub listen_http: String,
+    /// The gateway's TLS listener.
+    #[serde(default = "default_gateway")]
+    pub listen_gateway: String,
+    /// The admin socket; empty means `<state-dir>/admin.sock`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_socket: Option<PathBuf>,
+    /// A group id whose members may use the admin socket (the socket is then 0660 in that group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_group: Option<u32>,
+    #[serde(default)]
+    pub pki: PkiConfig,
+    #[serde(default)]
+    pub join: JoinConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PkiConfig {
+    /// Lifetime of the node CA and the serving CA, in years.
+    #[serde(default = "default_ca_years")]
+    pub ca_validity_years: u32,
+    /// Lifetime of the gateway's TLS leaf, in days.
+    #[serde(default = "default_gateway_days")]
+    pub gateway_leaf_validity_days: u32,
+    /// Lifetime of a node certificate, in seconds (at most 86,400).
+    #[serde(default = "default_cert_ttl")]
+    pub cert_ttl_seconds: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JoinConfig {
+    /// How far a sealed token's `iat` may be from the appliance's clock, in seconds (both ways).
+    #[serde(default = "default_seal_window")]
+    pub seal_max_skew_seconds: u32,
+}
+
+fn default_http() -> String {
+    "0.0.0.0:80".into()
+}
+fn default_gateway() -> String {
+    "0.0.0.0:443".into()
+}
+fn default_ca_years() -> u32 {
+    10
+}
+fn default_gateway_days() -> u32 {
+    90
+}
+fn default_cert_ttl() -> u32 {
+    86_400
+}
+fn default_seal_window() -> u32 {
+    300
+}
+
+impl Default for PkiConfig {
+    fn default() -> Self {
+        Self {
+            ca_validity_years: default_ca_years(),
+            gateway_leaf_validity_days: default_gateway_days(),
+            cert_ttl_seconds: default_cert_ttl(),
+        }
+    }
+}
+
+impl Default for JoinConfig {
+    fn default() -> Self {
+        Self { seal_max_skew_seconds: default_seal_window() }
+    }
+}
+
+impl Config {
+    pub fn load(state_dir: &Path) -> Result<Self, String> {
+        let p = state_dir.join("config.toml");
+        let text = std::fs::read_to_string(&p).map_err(|e| {
+            format!("cannot read {}: {e} (is this an initialised state directory? run bca init)", p.display())
+        })?;
+        let c: Config = toml::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
+        c.validate().map_err(|e| format!("{}: {e}", p.display()))?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.pki.cert_ttl_seconds == 0 || self.pki.cert_ttl_seconds > 86_400 {
+            return Err("pki.cert_ttl_seconds must be 1 to 86400".into());
+        }
+        if self.pki.ca_validity_years == 0 || self.pki.ca_validity_years > 50 {
+            return Err("pki.ca_validity_years must be 1 to 50".into());
+        }
+        if self.pki.gateway_leaf_validity_days == 0 || self.pki.gateway_leaf_validity_days > 825 {
+            return Err("pki.gateway_leaf_validity_days must be 1 to 825".into());
+        }
+        if !(30..=900).contains(&self.join.seal_max_skew_seconds) {
+            return Err("join.seal_max_skew_seconds must be 30 to 900".into());
+        }
+        Ok(())
+    }
+
+    pub fn admin_socket_path(&self, state_dir: &Path) -> PathBuf {
+        self.admin_socket.clone().unwrap_or_else(|| state_dir.join("admin.sock"))
+    }
+
+    /// The name agents verify on the gateway's certificate.
+    pub fn gateway_name(&self) -> Option<String> {
+        self.gateway_server_name.clone().or_else(|| self.gateway_url.as_deref().and_then(url_host))
+    }
+}
+
+/// The host of an `https://host[:port][/...]` URL.
+pub fn url_host(url: &str) -> Option<String> {
+    let rest = url.strip_prefix("https://")?;
+    let authority = rest.split('/').next()?;
+    let host = if let Some(v6) = authority.strip_prefix('[') {
+        v6.split(']').next()?.to_string()
+    } else {
+        authority.rsplit_once(':').map(|(h, _)| h).unwrap_or(authority).to_string()
+    };
+    (!host.is_empty()).then_some(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_hosts() {
+        assert_eq!(url_host("https://gw.example.com:8443/x").as_deref(), Some("gw.example.com"));
+        assert_eq!(url_host("https://127.0.0.1").as_deref(), Some("127.0.0.1"));
+        assert_eq!(url_host("https://[::1]:443").as_deref(), Some("::1"));
+        assert_eq!(url_host("http://gw"), None);
+        assert_eq!(url_host("https://"), None);
+    }
+}

@@ -1,0 +1,154 @@
+//! HTTP on hyper: the public listener (the well-known document) and the admin API on the Unix
+//! socket, whose callers are identified by `SO_PEERCRED` and recorded in audit rows.
+
+use crate::api::{self, Ctx};
+use crate::app::{App, BASE_PATH};
+use crate::error::ApiError;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::Value;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+
+/// The largest request body either listener reads.
+pub const MAX_BODY: usize = 64 * 1024;
+
+fn respond(status: u16, v: &Value) -> Response<Full<Bytes>> {
+    let mut body = serde_json::to_vec_pretty(v).expect("serializes");
+    body.push(b'\n');
+    Response::builder()
+        .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+        .header("content-type", "application/json")
+        .header("cache-control", "no-store")
+        .body(Full::new(Bytes::from(body)))
+        .expect("a valid response")
+}
+
+fn error(e: &ApiError) -> Response<Full<Bytes>> {
+    respond(e.code.http_status(), &api::error_body(e))
+}
+
+fn well_known_path() -> String {
+    format!("{BASE_PATH}/.well-known/better-compute")
+}
+
+/// The public listener: only the well-known document for now.
+async fn public(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    if req.uri().path() == well_known_path() {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return Ok(error(&ApiError::invalid_input("use GET for the well-known document")));
+        }
+        return Ok(respond(200, &app.well_known));
+    }
+    Ok(error(&ApiError::not_found(format!("no resource at {}", req.uri().path()))))
+}
+
+/// Who is on the other end of the admin socket.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Root, the service's own uid, or a member (primary group) of the configured admin group.
+pub fn admin_allowed(peer: Peer, own_uid: u32, admin_group: Option<u32>) -> bool {
+    peer.uid == 0 || peer.uid == own_uid || admin_group.is_some_and(|g| g == peer.gid)
+}
+
+async fn admin(app: Arc<App>, peer: Peer, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    if !admin_allowed(peer, crate::fsutil::own_uid(), app.config.admin_group) {
+        tracing::warn!(uid = peer.uid, gid = peer.gid, "admin socket: caller refused");
+        return Ok(error(&ApiError::access_denied(format!("uid {} may not use the admin socket", peer.uid))));
+    }
+    let path = req.uri().path().to_string();
+    if path == well_known_path() {
+        return public(app, req).await;
+    }
+    let Some(method) = path.strip_prefix(&format!("{BASE_PATH}/")).map(str::to_string) else {
+        return Ok(error(&ApiError::not_found(format!("no resource at {path}"))));
+    };
+    if req.method() != Method::POST {
+        return Ok(error(&ApiError::invalid_input("admin methods are called with POST")));
+    }
+    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return Ok(error(&ApiError::invalid_input(format!("the request body is larger than {MAX_BODY} bytes")))),
+    };
+    let caller = format!("uid:{}", peer.uid);
+    let res = tokio::task::spawn_blocking(move || {
+        let ctx = Ctx {
+            caller: &caller,
+            now: crate::clock::now(),
+            site_id: &app.config.site_id,
+            root_tenant: &app.root_tenant,
+        };
+        api::dispatch(&app.store, &ctx, &method, &body)
+    })
+    .await;
+    Ok(match res {
+        Ok(Ok(v)) => respond(200, &v),
+        Ok(Err(e)) => error(&e),
+        Err(join) => error(&ApiError::internal(join)),
+    })
+}
+
+fn builder() -> hyper::server::conn::http1::Builder {
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).keep_alive(true);
+    b
+}
+
+pub async fn serve_public(listener: TcpListener, app: Arc<App>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            acc = listener.accept() => {
+                let Ok((stream, _)) = acc else { continue };
+                let app = app.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| public(app.clone(), req));
+                    let _ = builder().serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+        }
+    }
+}
+
+pub async fn serve_admin(listener: UnixListener, app: Arc<App>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            acc = listener.accept() => {
+                let Ok((stream, _)) = acc else { continue };
+                let Ok(cred) = stream.peer_cred() else { continue };
+                let peer = Peer { uid: cred.uid(), gid: cred.gid() };
+                let app = app.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| admin(app.clone(), peer, req));
+                    let _ = builder().serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn who_may_administer() {
+        let p = |uid, gid| Peer { uid, gid };
+        assert!(admin_allowed(p(0, 0), 1000, None));
+        assert!(admin_allowed(p(1000, 1000), 1000, None));
+        assert!(!admin_allowed(p(1001, 1001), 1000, None));
+        assert!(admin_allowed(p(1001, 50), 1000, Some(50)));
+        assert!(!admin_allowed(p(1001, 51), 1000, Some(50)));
+    }
+}

@@ -1,0 +1,235 @@
+//! The appliance's private keys and how they rest on disk.
+//!
+//! All five keys are P-256: the node CA, the serving CA, the gateway's TLS leaf, the join-signing
+//! key and the join-encryption key. They live together in one [`KeyBundle`] so that they are loaded
+//! once, at `serve`, and zeroized on drop. How the bundle rests is a [`KeyProtection`]:
+//!
+//! - `passphrase`: `keys/keys.sealed`, the bundle encrypted with AES-256-GCM under a key derived
+//!   by Argon2id (64 MiB, 3 passes) from the passphrase;
+//! - `file`: `keys/keys.json`, the bundle in clear in a 0600 file (development only);
+//! - `tpm`: reserved for sealing to the box's TPM; a new protection is a new file name and a new
+//!   arm in [`seal`] / [`unseal`], nothing else changes.
+
+use crate::config::KeyProtection;
+use crate::crypto::{self, SigningKey};
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use zeroize::Zeroizing;
+
+pub struct KeyBundle {
+    pub node_ca: SigningKey,
+    pub serving_ca: SigningKey,
+    pub gateway: SigningKey,
+    pub join_signing: SigningKey,
+    pub join_encryption: SigningKey,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct BundleFile {
+    version: u32,
+    node_ca: String,
+    serving_ca: String,
+    gateway: String,
+    join_signing: String,
+    join_encryption: String,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SealedFile {
+    version: u32,
+    kdf: String,
+    m_kib: u32,
+    t: u32,
+    p: u32,
+    salt: String,
+    nonce: String,
+    ciphertext: String,
+}
+
+const AAD: &[u8] = b"bca keys v1";
+const ARGON_M_KIB: u32 = 64 * 1024;
+const ARGON_T: u32 = 3;
+
+impl KeyBundle {
+    pub fn generate() -> Self {
+        Self {
+            node_ca: SigningKey::generate(),
+            serving_ca: SigningKey::generate(),
+            gateway: SigningKey::generate(),
+            join_signing: SigningKey::generate(),
+            join_encryption: SigningKey::generate(),
+        }
+    }
+
+    fn to_json(&self) -> Zeroizing<Vec<u8>> {
+        let f = BundleFile {
+            version: 1,
+            node_ca: crypto::b64(self.node_ca.pkcs8()),
+            serving_ca: crypto::b64(self.serving_ca.pkcs8()),
+            gateway: crypto::b64(self.gateway.pkcs8()),
+            join_signing: crypto::b64(self.join_signing.pkcs8()),
+            join_encryption: crypto::b64(self.join_encryption.pkcs8()),
+        };
+        let out = Zeroizing::new(serde_json::to_vec_pretty(&f).expect("serializes"));
+        let BundleFile { node_ca, serving_ca, gateway, join_signing, join_encryption, .. } = f;
+        for s in [node_ca, serving_ca, gateway, join_signing, join_encryption] {
+            drop(Zeroizing::new(s));
+        }
+        out
+    }
+
+    fn from_json(bytes: &[u8]) -> Result<Self, String> {
+        let f: BundleFile = serde_json::from_slice(bytes).map_err(|e| format!("the key file is damaged: {e}"))?;
+        if f.version != 1 {
+            return Err(format!("the key file has version {}, this bca reads version 1", f.version));
+        }
+        let one = |name: &str, s: &str| -> Result<SigningKey, String> {
+            let der = Zeroizing::new(crypto::b64_decode(s).ok_or_else(|| format!("the {name} key is not base64"))?);
+            SigningKey::from_pkcs8(&der).map_err(|e| format!("the {name} key: {e}"))
+        };
+        let k = Self {
+            node_ca: one("node CA", &f.node_ca)?,
+            serving_ca: one("serving CA", &f.serving_ca)?,
+            gateway: one("gateway", &f.gateway)?,
+            join_signing: one("join-signing", &f.join_signing)?,
+            join_encryption: one("join-encryption", &f.join_encryption)?,
+        };
+        let BundleFile { node_ca, serving_ca, gateway, join_signing, join_encryption, .. } = f;
+        for s in [node_ca, serving_ca, gateway, join_signing, join_encryption] {
+            drop(Zeroizing::new(s));
+        }
+        Ok(k)
+    }
+}
+
+pub fn keys_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("keys")
+}
+
+fn file_for(state_dir: &Path, p: KeyProtection) -> PathBuf {
+    keys_dir(state_dir).join(match p {
+        KeyProtection::File => "keys.json",
+        KeyProtection::Passphrase => "keys.sealed",
+        KeyProtection::Tpm => "keys.tpm",
+    })
+}
+
+/// Writes the bundle under the given protection. `passphrase` is required for `Passphrase`.
+pub fn seal(state_dir: &Path, bundle: &KeyBundle, p: KeyProtection, passphrase: Option<&[u8]>) -> Result<(), String> {
+    let dir = keys_dir(state_dir);
+    crate::fsutil::create_private_dir(&dir)?;
+    let bytes: Zeroizing<Vec<u8>> = match p {
+        KeyProtection::File => bundle.to_json(),
+        KeyProtection::Passphrase => {
+            let pass = passphrase.ok_or("a passphrase is required")?;
+            let mut salt = [0u8; 16];
+            crypto::fill_random(&mut salt);
+            let mut nonce = [0u8; 12];
+            crypto::fill_random(&mut nonce);
+            let key = derive(pass, &salt, ARGON_M_KIB, ARGON_T, 1)?;
+            let aead = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?);
+            let mut buf = bundle.to_json().to_vec();
+            aead.seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut buf)
+                .map_err(|_| "sealing failed")?;
+            let f = SealedFile {
+                version: 1,
+                kdf: "argon2id".into(),
+                m_kib: ARGON_M_KIB,
+                t: ARGON_T,
+                p: 1,
+                salt: crypto::b64(&salt),
+                nonce: crypto::b64(&nonce),
+                ciphertext: crypto::b64(&buf),
+            };
+            Zeroizing::new(serde_json::to_vec_pretty(&f).expect("serializes"))
+        }
+        KeyProtection::Tpm => return Err(tpm_not_available()),
+    };
+    crate::fsutil::write_new_private(&file_for(state_dir, p), &bytes)
+}
+
+pub fn tpm_not_available() -> String {
+    "key protection `tpm` is not available in this version of bca yet; use `passphrase`".into()
+}
+
+/// Reads the bundle back. A wrong passphrase is an error that names it; nothing is changed.
+pub fn unseal(state_dir: &Path, p: KeyProtection, passphrase: Option<&[u8]>) -> Result<KeyBundle, String> {
+    let path = file_for(state_dir, p);
+    let raw = Zeroizing::new(std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?);
+    match p {
+        KeyProtection::File => KeyBundle::from_json(&raw),
+        KeyProtection::Passphrase => {
+            let pass = passphrase.ok_or("a passphrase is required (set BCA_SECRET or run on a terminal)")?;
+            let f: SealedFile =
+                serde_json::from_slice(&raw).map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+            if f.version != 1 || f.kdf != "argon2id" || f.p != 1 || f.m_kib > 4 * 1024 * 1024 || f.t > 64 {
+                return Err(format!("{} has parameters this bca does not read", path.display()));
+            }
+            let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
+            let nonce: [u8; 12] = crypto::b64_decode(&f.nonce)
+                .and_then(|n| n.try_into().ok())
+                .ok_or("damaged nonce")?;
+            let mut ct = Zeroizing::new(crypto::b64_decode(&f.ciphertext).ok_or("damaged ciphertext")?);
+            let key = derive(pass, &salt, f.m_kib, f.t, f.p)?;
+            let aead = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?);
+            let plain = aead
+                .open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut ct)
+                .map_err(|_| "wrong passphrase: the appliance's keys could not be unsealed (nothing was changed)".to_string())?;
+            KeyBundle::from_json(plain)
+        }
+        KeyProtection::Tpm => Err(tpm_not_available()),
+    }
+}
+
+fn derive(pass: &[u8], salt: &[u8], m_kib: u32, t: u32, p: u32) -> Result<Zeroizing<[u8; 32]>, String> {
+    let params = argon2::Params::new(m_kib, t, p, Some(32)).map_err(|e| format!("argon2 parameters: {e}"))?;
+    let a = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
+    let mut out = Zeroizing::new([0u8; 32]);
+    a.hash_password_into(pass, salt, out.as_mut()).map_err(|e| format!("argon2: {e}"))?;
+    Ok(out)
+}
+
+/// The passphrase from `BCA_SECRET`, else a prompt on the terminal (twice when `confirm`).
+pub fn passphrase_from_env_or_prompt(confirm: bool) -> Result<Zeroizing<String>, String> {
+    if let Ok(s) = std::env::var("BCA_SECRET") {
+        if s.is_empty() {
+            return Err("BCA_SECRET is empty".into());
+        }
+        return Ok(Zeroizing::new(s));
+    }
+    let a = Zeroizing::new(
+        rpassword::prompt_password("bca passphrase: ")
+            .map_err(|e| format!("no passphrase: set BCA_SECRET or run on a terminal ({e})"))?,
+    );
+    if a.len() < 12 {
+        return Err("the passphrase must be at least 12 characters".into());
+    }
+    if confirm {
+        let b = Zeroizing::new(rpassword::prompt_password("again: ").map_err(|e| e.to_string())?);
+        if *a != *b {
+            return Err("the two passphrases differ".into());
+        }
+    }
+    Ok(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passphrase_seal_round_trips_and_refuses_a_wrong_passphrase() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = KeyBundle::generate();
+        seal(dir.path(), &b, KeyProtection::Passphrase, Some(b"correct horse battery")).unwrap();
+        let back = unseal(dir.path(), KeyProtection::Passphrase, Some(b"correct horse battery")).unwrap();
+        assert_eq!(back.join_signing.public_point(), b.join_signing.public_point());
+        let e = unseal(dir.path(), KeyProtection::Passphrase, Some(b"wrong horse battery")).err().unwrap();
+        assert!(e.contains("wrong passphrase"), "{e}");
+        let raw = std::fs::read_to_string(dir.path().join("keys/keys.sealed")).unwrap();
+        assert!(!raw.contains(&crypto::b64(b.node_ca.pkcs8())));
+    }
+}

@@ -1,0 +1,22 @@
+//! bca: the rack-local appliance that admits bare-metal machines into compute pools and gives each
+//! a short-lived X.509 identity. See `ARCHITECTURE.md` for the parts and their invariants.
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod app;
+pub mod cli;
+pub mod client;
+pub mod clock;
+pub mod config;
+pub mod crypto;
+pub mod error;
+pub mod fsutil;
+pub mod http;
+pub mod ids;
+pub mod init;
+pub mod keys;
+pub mod nodes;
+pub mod pki;
+pub mod serve;
+pub mod store;
+pub mod validate;

@@ -1,0 +1,340 @@
+//! The appliance's PKI: the node CA, the serving CA with the gateway's leaf, the join-signing
+//! certificate and the join-encryption key's JWK; pins; and node certificate issuance.
+//!
+//! CA subjects are derived from the site, so a CA's issuer object can be rebuilt from its key at
+//! `serve` without parsing the stored certificate (the subject and key identifier are the same).
+
+use crate::config::Config;
+use crate::crypto::{self, SigningKey};
+use crate::keys::KeyBundle;
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, KeyUsagePurpose,
+    SanType, SerialNumber,
+};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use time::OffsetDateTime;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CaKind {
+    Node,
+    Serving,
+}
+
+pub fn pki_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("pki")
+}
+
+fn ts(unix: i64) -> OffsetDateTime {
+    OffsetDateTime::from_unix_timestamp(unix).expect("time in range")
+}
+
+fn ca_params(kind: CaKind, cfg: &Config) -> CertificateParams {
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, cfg.trust_domain.clone());
+    dn.push(
+        DnType::CommonName,
+        match kind {
+            CaKind::Node => format!("bca node CA {}", cfg.site_id),
+            CaKind::Serving => format!("bca serving CA {}", cfg.site_id),
+        },
+    );
+    p.distinguished_name = dn;
+    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    p
+}
+
+fn random_serial() -> SerialNumber {
+    let mut b = [0u8; 16];
+    crypto::fill_random(&mut b);
+    b[0] &= 0x7f;
+    b[0] |= 0x01; // positive and of fixed length
+    SerialNumber::from_slice(&b)
+}
+
+/// The rcgen issuer for a CA, rebuilt from its key.
+pub fn issuer(kind: CaKind, cfg: &Config, key: &SigningKey) -> (rcgen::Certificate, rcgen::KeyPair) {
+    let kp = key.rcgen();
+    let cert = ca_params(kind, cfg).self_signed(&kp).expect("CA parameters are valid");
+    (cert, kp)
+}
+
+/// DER of the certificates `init` creates.
+pub struct Issued {
+    pub node_ca: Vec<u8>,
+    pub serving_ca: Vec<u8>,
+    pub gateway: Vec<u8>,
+    pub join_signing: Vec<u8>,
+}
+
+/// Creates the CA certificates, the gateway leaf for `sans` and the join-signing certificate.
+pub fn create(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -> Result<Issued, String> {
+    let years = cfg.pki.ca_validity_years as i64;
+    let mut node = ca_params(CaKind::Node, cfg);
+    node.not_before = ts(now - 3600);
+    node.not_after = ts(now + years * 365 * 86_400);
+    node.serial_number = Some(random_serial());
+    let node_ca = node.self_signed(&keys.node_ca.rcgen()).map_err(|e| e.to_string())?;
+
+    let mut serving = ca_params(CaKind::Serving, cfg);
+    serving.not_before = ts(now - 3600);
+    serving.not_after = ts(now + years * 365 * 86_400);
+    serving.serial_number = Some(random_serial());
+    let serving_ca = serving.self_signed(&keys.serving_ca.rcgen()).map_err(|e| e.to_string())?;
+
+    let gateway = gateway_leaf(cfg, keys, sans, now)?;
+
+    let mut js = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, cfg.trust_domain.clone());
+    dn.push(DnType::CommonName, format!("bca join signing {}", cfg.site_id));
+    js.distinguished_name = dn;
+    js.is_ca = IsCa::ExplicitNoCa;
+    js.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    js.not_before = ts(now - 3600);
+    js.not_after = ts(now + years * 365 * 86_400);
+    js.serial_number = Some(random_serial());
+    let join_signing = js.self_signed(&keys.join_signing.rcgen()).map_err(|e| e.to_string())?;
+
+    Ok(Issued {
+        node_ca: node_ca.der().to_vec(),
+        serving_ca: serving_ca.der().to_vec(),
+        gateway,
+        join_signing: join_signing.der().to_vec(),
+    })
+}
+
+/// A gateway leaf for `sans` (DNS names or IP addresses), signed by the serving CA.
+pub fn gateway_leaf(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -> Result<Vec<u8>, String> {
+    if sans.is_empty() {
+        return Err("the gateway certificate needs at least one name".into());
+    }
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, cfg.trust_domain.clone());
+    dn.push(DnType::CommonName, sans[0].clone());
+    p.distinguished_name = dn;
+    p.subject_alt_names = sans
+        .iter()
+        .map(|s| match s.parse::<std::net::IpAddr>() {
+            Ok(ip) => Ok(SanType::IpAddress(ip)),
+            Err(_) => s
+                .clone()
+                .try_into()
+                .map(SanType::DnsName)
+                .map_err(|_| format!("{s:?} is neither a DNS name nor an IP address")),
+        })
+        .collect::<Result<_, _>>()?;
+    p.is_ca = IsCa::ExplicitNoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    p.use_authority_key_identifier_extension = true;
+    p.not_before = ts(now - 3600);
+    p.not_after = ts(now + cfg.pki.gateway_leaf_validity_days as i64 * 86_400);
+    p.serial_number = Some(random_serial());
+    let (ca, ca_key) = issuer(CaKind::Serving, cfg, &keys.serving_ca);
+    let leaf = p.signed_by(&keys.gateway.rcgen(), &ca, &ca_key).map_err(|e| e.to_string())?;
+    Ok(leaf.der().to_vec())
+}
+
+/// A node certificate's contents, all decided by the JoinService.
+pub struct NodeCertSpec<'a> {
+    pub spiffe_id: &'a str,
+    pub statements: &'a [String],
+    pub role: &'a str,
+    pub not_before: i64,
+    pub not_after: i64,
+    /// The uncompressed P-256 point the certificate certifies (from the verified CSR).
+    pub public_point: &'a [u8],
+}
+
+struct CsrKey<'a>(&'a [u8]);
+
+impl rcgen::PublicKeyData for CsrKey<'_> {
+    fn der_bytes(&self) -> &[u8] {
+        self.0
+    }
+    fn algorithm(&self) -> &rcgen::SignatureAlgorithm {
+        &rcgen::PKCS_ECDSA_P256_SHA256
+    }
+}
+
+/// Signs a node certificate: exactly one SPIFFE URI SAN first, then `urn:bc:` statements, one
+/// subject attribute `OU=bc-role:<role>`, client-auth only, no private-arc OID. Returns (DER, serial hex).
+pub fn issue_node_cert(
+    spec: &NodeCertSpec<'_>,
+    node_ca: &(rcgen::Certificate, rcgen::KeyPair),
+) -> Result<(Vec<u8>, String), String> {
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationalUnitName, format!("bc-role:{}", spec.role));
+    p.distinguished_name = dn;
+    let mut sans = vec![SanType::URI(spec.spiffe_id.to_string().try_into().map_err(|_| "bad SPIFFE id")?)];
+    for s in spec.statements {
+        sans.push(SanType::URI(s.clone().try_into().map_err(|_| "bad statement")?));
+    }
+    p.subject_alt_names = sans;
+    p.is_ca = IsCa::ExplicitNoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    p.use_authority_key_identifier_extension = true;
+    p.not_before = ts(spec.not_before);
+    p.not_after = ts(spec.not_after);
+    let serial = random_serial();
+    let serial_hex = crypto::hex(&serial.to_bytes());
+    p.serial_number = Some(serial);
+    let cert = p
+        .signed_by(&CsrKey(spec.public_point), &node_ca.0, &node_ca.1)
+        .map_err(|e| format!("signing the node certificate failed: {e}"))?;
+    Ok((cert.der().to_vec(), serial_hex))
+}
+
+pub fn pem(label: &str, der: &[u8]) -> String {
+    let b = crypto::b64(der);
+    let mut s = format!("-----BEGIN {label}-----\n");
+    for chunk in b.as_bytes().chunks(64) {
+        s.push_str(std::str::from_utf8(chunk).expect("base64 is ASCII"));
+        s.push('\n');
+    }
+    s.push_str(&format!("-----END {label}-----\n"));
+    s
+}
+
+/// The DER blocks of every `label` block in a PEM text.
+pub fn pem_decode_all(text: &str, label: &str) -> Vec<Vec<u8>> {
+    let begin = format!("-----BEGIN {label}-----");
+    let end = format!("-----END {label}-----");
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find(&begin) {
+        let after = &rest[i + begin.len()..];
+        let Some(j) = after.find(&end) else { break };
+        let body: String = after[..j].chars().filter(|c| !c.is_whitespace()).collect();
+        if let Some(der) = crypto::b64_decode(&body) {
+            out.push(der);
+        }
+        rest = &after[j + end.len()..];
+    }
+    out
+}
+
+/// The SubjectPublicKeyInfo DER of a certificate.
+pub fn cert_spki(der: &[u8]) -> Result<Vec<u8>, String> {
+    use x509_parser::prelude::*;
+    let (_, c) = X509Certificate::from_der(der).map_err(|e| format!("not a certificate: {e}"))?;
+    Ok(c.public_key().raw.to_vec())
+}
+
+/// A JWK for a P-256 public point.
+pub fn jwk(point: &[u8]) -> Jwk {
+    Jwk {
+        kty: "EC".into(),
+        crv: "P-256".into(),
+        x: crypto::b64url(&point[1..33]),
+        y: crypto::b64url(&point[33..65]),
+    }
+}
+
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Jwk {
+    pub kty: String,
+    pub crv: String,
+    pub x: String,
+    pub y: String,
+}
+
+impl Jwk {
+    /// The uncompressed point, if this is a P-256 key with 32-byte coordinates.
+    pub fn point(&self) -> Option<Vec<u8>> {
+        if self.kty != "EC" || self.crv != "P-256" {
+            return None;
+        }
+        let x = crypto::b64url_decode(&self.x)?;
+        let y = crypto::b64url_decode(&self.y)?;
+        if x.len() != 32 || y.len() != 32 {
+            return None;
+        }
+        let mut p = vec![4u8];
+        p.extend_from_slice(&x);
+        p.extend_from_slice(&y);
+        Some(p)
+    }
+}
+
+/// The three pins agents embed.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Pins {
+    pub serving_ca: String,
+    pub join_signing: String,
+    pub join_encryption: String,
+}
+
+/// The public half of the PKI as it lies in `<state>/pki/`.
+pub struct PublicPki {
+    pub node_ca: Vec<u8>,
+    pub serving_ca: Vec<u8>,
+    pub gateway: Vec<u8>,
+    pub join_signing: Vec<u8>,
+    pub join_encryption: Jwk,
+}
+
+impl PublicPki {
+    pub fn write(dir: &Path, issued: &Issued, join_encryption_point: &[u8]) -> Result<(), String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let w = |name: &str, text: String| crate::fsutil::write_new(&dir.join(name), text.as_bytes(), 0o644);
+        w("node-ca.pem", pem("CERTIFICATE", &issued.node_ca))?;
+        w("serving-ca.pem", pem("CERTIFICATE", &issued.serving_ca))?;
+        w("gateway.pem", pem("CERTIFICATE", &issued.gateway) + &pem("CERTIFICATE", &issued.serving_ca))?;
+        w("join-signing.pem", pem("CERTIFICATE", &issued.join_signing))?;
+        w(
+            "join-encryption.jwk",
+            serde_json::to_string_pretty(&jwk(join_encryption_point)).expect("serializes") + "\n",
+        )
+    }
+
+    pub fn load(dir: &Path) -> Result<Self, String> {
+        let one = |name: &str| -> Result<Vec<u8>, String> {
+            let p = dir.join(name);
+            let t = std::fs::read_to_string(&p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            pem_decode_all(&t, "CERTIFICATE")
+                .into_iter()
+                .next()
+                .ok_or_else(|| format!("{} holds no certificate", p.display()))
+        };
+        let jp = dir.join("join-encryption.jwk");
+        let jt = std::fs::read_to_string(&jp).map_err(|e| format!("cannot read {}: {e}", jp.display()))?;
+        Ok(Self {
+            node_ca: one("node-ca.pem")?,
+            serving_ca: one("serving-ca.pem")?,
+            gateway: one("gateway.pem")?,
+            join_signing: one("join-signing.pem")?,
+            join_encryption: serde_json::from_str(&jt).map_err(|e| format!("{}: {e}", jp.display()))?,
+        })
+    }
+
+    pub fn pins(&self) -> Result<Pins, String> {
+        let point = self.join_encryption.point().ok_or("join-encryption.jwk is not a P-256 key")?;
+        Ok(Pins {
+            serving_ca: crypto::spki_pin(&cert_spki(&self.serving_ca)?),
+            join_signing: crypto::spki_pin(&cert_spki(&self.join_signing)?),
+            join_encryption: crypto::spki_pin(&crypto::p256_spki_from_point(&point)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pem_round_trips() {
+        let der = vec![1u8, 2, 3, 4, 5];
+        let text = pem("CERTIFICATE", &der) + &pem("CERTIFICATE", &[9u8; 100]);
+        let all = pem_decode_all(&text, "CERTIFICATE");
+        assert_eq!(all, vec![der, vec![9u8; 100]]);
+    }
+}

@@ -1,0 +1,111 @@
+//! `bca serve`: load the state directory once, unseal the keys, open the listeners, and stop
+//! cleanly on SIGTERM or SIGINT.
+
+use crate::app::App;
+use crate::config::KeyProtection;
+use crate::keys;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::sync::watch;
+
+#[derive(Default, Clone)]
+pub struct ServeOptions {
+    pub listen_http: Option<String>,
+    pub listen_gateway: Option<String>,
+    pub admin_socket: Option<PathBuf>,
+}
+
+/// Loads everything `serve` needs; every failure here is a clear message and changes nothing.
+pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
+    let app = App::load(state_dir)?;
+    let passphrase = match app.config.key_protection {
+        KeyProtection::Passphrase => Some(keys::passphrase_from_env_or_prompt(false)?),
+        KeyProtection::File => {
+            tracing::warn!(
+                "the appliance's private keys are plain files (key_protection = \"file\"): for development only"
+            );
+            None
+        }
+        KeyProtection::Tpm => return Err(keys::tpm_not_available()),
+    };
+    let bundle = keys::unseal(state_dir, app.config.key_protection, passphrase.as_ref().map(|p| p.as_bytes()))?;
+    app.check_keys(&bundle)?;
+    Ok((app, bundle))
+}
+
+pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
+    let (app, keys) = prepare(state_dir)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    rt.block_on(serve(app, keys, opts))
+}
+
+async fn bind_admin(path: &Path, group: Option<u32>) -> Result<tokio::net::UnixListener, String> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            return Err(format!("{} exists and is not a socket; not touching it", path.display()));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!("another bca is serving on {}", path.display()));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    let l = tokio::net::UnixListener::bind(path).map_err(|e| format!("cannot bind {}: {e}", path.display()))?;
+    let mode = if let Some(g) = group {
+        std::os::unix::fs::chown(path, None, Some(g)).map_err(|e| format!("cannot chown {}: {e}", path.display()))?;
+        0o660
+    } else {
+        0o600
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| e.to_string())?;
+    Ok(l)
+}
+
+async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<(), String> {
+    let http_addr = opts.listen_http.clone().unwrap_or_else(|| app.config.listen_http.clone());
+    let gw_addr = opts.listen_gateway.clone().unwrap_or_else(|| app.config.listen_gateway.clone());
+    let admin_path = opts.admin_socket.clone().unwrap_or_else(|| app.config.admin_socket_path(&app.state_dir));
+
+    let http = tokio::net::TcpListener::bind(&http_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {http_addr} (--listen-http): {e}"))?;
+    let gateway = tokio::net::TcpListener::bind(&gw_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {gw_addr} (--listen-gateway): {e}"))?;
+    let admin = bind_admin(&admin_path, app.config.admin_group).await?;
+
+    let app = Arc::new(app);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let _keys = keys;
+
+    let ready = serde_json::json!({
+        "ready": true,
+        "http": http.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+        "gateway": gateway.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+        "admin": admin_path.display().to_string(),
+        "site": app.config.site_id,
+    });
+    tracing::info!(http = %ready["http"], gateway = %ready["gateway"], admin = %admin_path.display(), "serving");
+    println!("{ready}");
+
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(crate::http::serve_public(http, app.clone(), stop_rx.clone()));
+    tasks.spawn(crate::http::serve_admin(admin, app.clone(), stop_rx.clone()));
+    let _gateway = gateway;
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = int.recv() => tracing::info!("SIGINT: stopping"),
+    }
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async { while tasks.join_next().await.is_some() {} }).await;
+    let _ = std::fs::remove_file(&admin_path);
+    tracing::info!("stopped");
+    Ok(())
+}
