@@ -23,13 +23,21 @@ pub struct Ctx<'a> {
 pub fn rfc3339(t: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp(t)
         .ok()
-        .and_then(|d| d.format(&time::format_description::well_known::Rfc3339).ok())
+        .and_then(|d| {
+            d.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
         .unwrap_or_default()
 }
 
 fn parse<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
-    let body = if body.iter().all(u8::is_ascii_whitespace) { b"{}".as_slice() } else { body };
-    serde_json::from_slice(body).map_err(|e| ApiError::invalid_input(format!("invalid request body: {e}")))
+    let body = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        body
+    };
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid_input(format!("invalid request body: {e}")))
 }
 
 /// Runs one method. `path` is `<group>/<method>`.
@@ -87,7 +95,13 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> ApiRes
 // ---------- events and audit ----------
 
 /// Publishes an event to a tenant's stream.
-pub fn publish(tx: &Transaction<'_>, now: i64, tenant: &str, kind: &str, data: Value) -> ApiResult<()> {
+pub fn publish(
+    tx: &Transaction<'_>,
+    now: i64,
+    tenant: &str,
+    kind: &str,
+    data: Value,
+) -> ApiResult<()> {
     let id = ids::new_id("ev", now * 1000);
     tx.execute(
         "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
@@ -97,7 +111,15 @@ pub fn publish(tx: &Transaction<'_>, now: i64, tenant: &str, kind: &str, data: V
 }
 
 /// Writes an audit row.
-pub fn audit(tx: &Transaction<'_>, now: i64, tenant: &str, action: &str, actor: &str, target: &str, data: Value) -> ApiResult<()> {
+pub fn audit(
+    tx: &Transaction<'_>,
+    now: i64,
+    tenant: &str,
+    action: &str,
+    actor: &str,
+    target: &str,
+    data: Value,
+) -> ApiResult<()> {
     tx.execute(
         "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         params![tenant, action, actor, target, data.to_string(), now],
@@ -122,17 +144,21 @@ fn events_list(tx: &Transaction<'_>, i: EventsListInput) -> ApiResult<Value> {
     let limit = i.limit.unwrap_or(100);
     validate::range("limit", limit, 1, 200)?;
     if let Some(p) = &i.type_prefix {
-        if p.len() > 128 || !p.bytes().all(|c| c.is_ascii_alphanumeric() || b".-_".contains(&c)) {
-            return Err(ApiError::invalid_input("type must be at most 128 characters of [A-Za-z0-9._-]"));
+        if p.len() > 128
+            || !p
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b".-_".contains(&c))
+        {
+            return Err(ApiError::invalid_input(
+                "type must be at most 128 characters of [A-Za-z0-9._-]",
+            ));
         }
     }
     let before: i64 = match &i.cursor {
         None => i64::MAX,
-        Some(c) => c
-            .parse()
-            .ok()
-            .filter(|v| *v > 0)
-            .ok_or_else(|| ApiError::invalid_input("cursor must be a cursor returned by events.list"))?,
+        Some(c) => c.parse().ok().filter(|v| *v > 0).ok_or_else(|| {
+            ApiError::invalid_input("cursor must be a cursor returned by events.list")
+        })?,
     };
     let prefix = i.type_prefix.unwrap_or_default();
     let mut st = tx.prepare(
@@ -161,7 +187,11 @@ fn events_list(tx: &Transaction<'_>, i: EventsListInput) -> ApiResult<Value> {
 fn page<K>(mut rows: Vec<(K, Value)>, limit: i64, cursor: impl Fn(&K) -> String) -> Value {
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
-    let next = if more { rows.last().map(|(k, _)| cursor(k)) } else { None };
+    let next = if more {
+        rows.last().map(|(k, _)| cursor(k))
+    } else {
+        None
+    };
     json!({ "items": rows.into_iter().map(|(_, v)| v).collect::<Vec<_>>(), "cursor": next })
 }
 
@@ -179,14 +209,31 @@ fn tenant_json(id: String, name: String, root: bool, created: i64) -> Value {
 
 fn tenants_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: TenantsCreateInput) -> ApiResult<Value> {
     validate::name("name", &i.name)?;
-    let exists: Option<String> =
-        tx.query_row("SELECT id FROM tenants WHERE name = ?1", [&i.name], |r| r.get(0)).optional()?;
+    let exists: Option<String> = tx
+        .query_row("SELECT id FROM tenants WHERE name = ?1", [&i.name], |r| {
+            r.get(0)
+        })
+        .optional()?;
     if let Some(id) = exists {
-        return Err(ApiError::already_exists(format!("a tenant named {} exists already ({id})", i.name)));
+        return Err(ApiError::already_exists(format!(
+            "a tenant named {} exists already ({id})",
+            i.name
+        )));
     }
     let id = ids::new_id("tn", ctx.now * 1000);
-    tx.execute("INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, ?2, 0, ?3)", params![id, i.name, ctx.now])?;
-    audit(tx, ctx.now, &id, "tenants.create", ctx.caller, &id, json!({"name": i.name}))?;
+    tx.execute(
+        "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, ?2, 0, ?3)",
+        params![id, i.name, ctx.now],
+    )?;
+    audit(
+        tx,
+        ctx.now,
+        &id,
+        "tenants.create",
+        ctx.caller,
+        &id,
+        json!({"name": i.name}),
+    )?;
     Ok(tenant_json(id, i.name, false, ctx.now))
 }
 
@@ -197,13 +244,24 @@ struct Empty {}
 fn tenants_list(tx: &Transaction<'_>, _: Empty) -> ApiResult<Value> {
     let mut st = tx.prepare("SELECT id, name, is_root, created_at FROM tenants ORDER BY id")?;
     let items = st
-        .query_map([], |r| Ok(tenant_json(r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? == 1, r.get(3)?)))?
+        .query_map([], |r| {
+            Ok(tenant_json(
+                r.get(0)?,
+                r.get(1)?,
+                r.get::<_, i64>(2)? == 1,
+                r.get(3)?,
+            ))
+        })?
         .collect::<Result<Vec<_>, _>>()?;
     Ok(json!({"items": items, "cursor": null}))
 }
 
 fn tenant_must_exist(tx: &Transaction<'_>, tenant: &str) -> ApiResult<()> {
-    let n: i64 = tx.query_row("SELECT count(*) FROM tenants WHERE id = ?1", [tenant], |r| r.get(0))?;
+    let n: i64 = tx.query_row(
+        "SELECT count(*) FROM tenants WHERE id = ?1",
+        [tenant],
+        |r| r.get(0),
+    )?;
     if n == 0 {
         return Err(ApiError::not_found(format!("tenant {tenant} not found")));
     }
@@ -234,7 +292,9 @@ impl Policy {
     fn validate(&self) -> ApiResult<()> {
         if let Some(a) = &self.join_attestors {
             if a.is_empty() {
-                return Err(ApiError::invalid_input("policy.joinAttestors must name at least one attestor"));
+                return Err(ApiError::invalid_input(
+                    "policy.joinAttestors must name at least one attestor",
+                ));
             }
             for (n, x) in a.iter().enumerate() {
                 if !ATTESTORS.contains(&x.as_str()) {
@@ -244,7 +304,9 @@ impl Policy {
                     )));
                 }
                 if a[..n].contains(x) {
-                    return Err(ApiError::invalid_input(format!("policy.joinAttestors names {x} twice")));
+                    return Err(ApiError::invalid_input(format!(
+                        "policy.joinAttestors names {x} twice"
+                    )));
                 }
             }
         }
@@ -280,7 +342,10 @@ impl Pool {
 
     /// Whether the pool's policy lets `attestor` admit machines (no list means every attestor).
     pub fn allows_attestor(&self, attestor: &str) -> bool {
-        self.policy.join_attestors.as_ref().is_none_or(|l| l.iter().any(|a| a == attestor))
+        self.policy
+            .join_attestors
+            .as_ref()
+            .is_none_or(|l| l.iter().any(|a| a == attestor))
     }
 }
 
@@ -298,7 +363,9 @@ fn pool_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Pool> {
         agent: r.get(4)?,
         policy: Policy {
             join_attestors: attestors.and_then(|s| serde_json::from_str(&s).ok()),
-            kubernetes: (k8s == 1).then_some(KubernetesPolicy { platform_operated: true }),
+            kubernetes: (k8s == 1).then_some(KubernetesPolicy {
+                platform_operated: true,
+            }),
         },
         archived_at: r.get(7)?,
         created_at: r.get(8)?,
@@ -311,14 +378,24 @@ pub fn pool_load(tx: &Transaction<'_>, tenant: &str, pool: &str) -> ApiResult<Po
     validate::tenant_id("tenantId", tenant)?;
     validate::pool_id("poolId", pool)?;
     found(
-        tx.query_row(&format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1 AND tenant_id = ?2"), [pool, tenant], pool_row),
+        tx.query_row(
+            &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1 AND tenant_id = ?2"),
+            [pool, tenant],
+            pool_row,
+        ),
         || format!("pool {pool} not found in tenant {tenant}"),
     )
 }
 
 /// The pool by id alone, for the JoinService (which then checks the tenant itself).
 pub fn pool_by_id(tx: &Transaction<'_>, pool: &str) -> ApiResult<Option<Pool>> {
-    Ok(tx.query_row(&format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1"), [pool], pool_row).optional()?)
+    Ok(tx
+        .query_row(
+            &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1"),
+            [pool],
+            pool_row,
+        )
+        .optional()?)
 }
 
 fn pool_save(tx: &Transaction<'_>, p: &Pool) -> ApiResult<()> {
@@ -340,7 +417,9 @@ fn pool_save(tx: &Transaction<'_>, p: &Pool) -> ApiResult<()> {
 fn agent_value(a: Option<String>) -> ApiResult<String> {
     let a = a.unwrap_or_else(|| "bcd".into());
     if a != "bcd" && a != "none" {
-        return Err(ApiError::invalid_input(format!("agent must be bcd or none, got {a:?}")));
+        return Err(ApiError::invalid_input(format!(
+            "agent must be bcd or none, got {a:?}"
+        )));
     }
     Ok(a)
 }
@@ -362,10 +441,17 @@ fn pools_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: PoolsCreateInput) -> Api
     i.policy.validate()?;
     tenant_must_exist(tx, &i.tenant_id)?;
     let dup: Option<String> = tx
-        .query_row("SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2", [&i.tenant_id, &i.name], |r| r.get(0))
+        .query_row(
+            "SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2",
+            [&i.tenant_id, &i.name],
+            |r| r.get(0),
+        )
         .optional()?;
     if let Some(id) = dup {
-        return Err(ApiError::already_exists(format!("tenant {} has a pool named {} already ({id})", i.tenant_id, i.name)));
+        return Err(ApiError::already_exists(format!(
+            "tenant {} has a pool named {} already ({id})",
+            i.tenant_id, i.name
+        )));
     }
     let p = Pool {
         id: ids::new_id("pool", ctx.now * 1000),
@@ -383,7 +469,15 @@ fn pools_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: PoolsCreateInput) -> Api
         params![p.id, p.tenant_id, p.site_id, p.name, p.agent, p.created_at],
     )?;
     pool_save(tx, &p)?;
-    audit(tx, ctx.now, &p.tenant_id, "pools.create", ctx.caller, &p.id, p.to_json())?;
+    audit(
+        tx,
+        ctx.now,
+        &p.tenant_id,
+        "pools.create",
+        ctx.caller,
+        &p.id,
+        p.to_json(),
+    )?;
     Ok(p.to_json())
 }
 
@@ -409,7 +503,15 @@ fn pools_list(tx: &Transaction<'_>, i: PoolsListInput) -> ApiResult<Value> {
         "SELECT {POOL_COLS} FROM pools WHERE tenant_id = ?1 AND id > ?2 AND (?3 OR archived_at IS NULL) ORDER BY id LIMIT ?4"
     ))?;
     let rows = st
-        .query_map(params![i.tenant_id, i.cursor.unwrap_or_default(), i.include_archived, limit + 1], pool_row)?
+        .query_map(
+            params![
+                i.tenant_id,
+                i.cursor.unwrap_or_default(),
+                i.include_archived,
+                limit + 1
+            ],
+            pool_row,
+        )?
         .map(|p| p.map(|p| (p.id.clone(), p.to_json())))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(page(rows, limit, |id| id.clone()))
@@ -442,15 +544,25 @@ fn pools_update(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: PoolsUpdateInput) -> Api
     }
     let mut p = pool_load(tx, &i.tenant_id, &i.pool_id)?;
     if p.archived_at.is_some() {
-        return Err(ApiError::invalid_state(format!("pool {} is archived and cannot change", p.id)));
+        return Err(ApiError::invalid_state(format!(
+            "pool {} is archived and cannot change",
+            p.id
+        )));
     }
     if let Some(n) = i.name {
         if n != p.name {
             let dup: Option<String> = tx
-                .query_row("SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2", [&p.tenant_id, &n], |r| r.get(0))
+                .query_row(
+                    "SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2",
+                    [&p.tenant_id, &n],
+                    |r| r.get(0),
+                )
                 .optional()?;
             if let Some(id) = dup {
-                return Err(ApiError::already_exists(format!("tenant {} has a pool named {n} already ({id})", p.tenant_id)));
+                return Err(ApiError::already_exists(format!(
+                    "tenant {} has a pool named {n} already ({id})",
+                    p.tenant_id
+                )));
             }
         }
         p.name = n;
@@ -463,7 +575,15 @@ fn pools_update(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: PoolsUpdateInput) -> Api
     }
     p.updated_at = ctx.now;
     pool_save(tx, &p)?;
-    audit(tx, ctx.now, &p.tenant_id, "pools.update", ctx.caller, &p.id, p.to_json())?;
+    audit(
+        tx,
+        ctx.now,
+        &p.tenant_id,
+        "pools.update",
+        ctx.caller,
+        &p.id,
+        p.to_json(),
+    )?;
     Ok(p.to_json())
 }
 
@@ -473,7 +593,15 @@ fn pools_archive(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: PoolRef) -> ApiResult<V
         p.archived_at = Some(ctx.now);
         p.updated_at = ctx.now;
         pool_save(tx, &p)?;
-        audit(tx, ctx.now, &p.tenant_id, "pools.archive", ctx.caller, &p.id, json!({}))?;
+        audit(
+            tx,
+            ctx.now,
+            &p.tenant_id,
+            "pools.archive",
+            ctx.caller,
+            &p.id,
+            json!({}),
+        )?;
     }
     Ok(p.to_json())
 }
@@ -614,15 +742,26 @@ impl Bearer {
         if crypto::b64url(&arr) != secret {
             return None;
         }
-        Some(Self { id: id.to_string(), secret: zeroize::Zeroizing::new(arr) })
+        Some(Self {
+            id: id.to_string(),
+            secret: zeroize::Zeroizing::new(arr),
+        })
     }
 
     pub fn render(&self) -> zeroize::Zeroizing<String> {
-        zeroize::Zeroizing::new(format!("bcjt_{}.{}", self.id, crypto::b64url(self.secret.as_ref())))
+        zeroize::Zeroizing::new(format!(
+            "bcjt_{}.{}",
+            self.id,
+            crypto::b64url(self.secret.as_ref())
+        ))
     }
 }
 
-fn join_tokens_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensCreateInput) -> ApiResult<Value> {
+fn join_tokens_create(
+    tx: &Transaction<'_>,
+    ctx: &Ctx<'_>,
+    i: JoinTokensCreateInput,
+) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     validate::pool_id("poolId", &i.pool_id)?;
     let max_uses = i.max_uses.unwrap_or(1);
@@ -633,16 +772,31 @@ fn join_tokens_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensCreateIn
     }
     if let Some(h) = &i.hosted {
         if h != "kubernetes" {
-            return Err(ApiError::invalid_input(format!("hosted must be \"kubernetes\", got {h:?}")));
+            return Err(ApiError::invalid_input(format!(
+                "hosted must be \"kubernetes\", got {h:?}"
+            )));
         }
     }
     validate::idempotency_key("idempotencyKey", &i.idempotency_key)?;
 
-    let id = ids::derived_id("jt", "bca join token id v1", &[&i.tenant_id, ctx.caller, &i.idempotency_key]);
-    let existing =
-        tx.query_row(&format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"), [&id], token_row).optional()?;
+    let id = ids::derived_id(
+        "jt",
+        "bca join token id v1",
+        &[&i.tenant_id, ctx.caller, &i.idempotency_key],
+    );
+    let existing = tx
+        .query_row(
+            &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
+            [&id],
+            token_row,
+        )
+        .optional()?;
     if let Some(t) = existing {
-        if t.pool_id != i.pool_id || t.expect != i.expect || t.allow_reclaim != i.allow_reclaim || t.hosted != i.hosted {
+        if t.pool_id != i.pool_id
+            || t.expect != i.expect
+            || t.allow_reclaim != i.allow_reclaim
+            || t.hosted != i.hosted
+        {
             return Err(ApiError::conflict(format!(
                 "idempotency key {} was used for a token with another pool, expect, allowReclaim or hosted ({})",
                 i.idempotency_key, t.id
@@ -654,7 +808,10 @@ fn join_tokens_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensCreateIn
     tenant_must_exist(tx, &i.tenant_id)?;
     let pool = pool_load(tx, &i.tenant_id, &i.pool_id)?;
     if pool.archived_at.is_some() {
-        return Err(ApiError::invalid_state(format!("pool {} is archived and mints no token", pool.id)));
+        return Err(ApiError::invalid_state(format!(
+            "pool {} is archived and mints no token",
+            pool.id
+        )));
     }
     if pool.agent != "bcd" {
         return Err(ApiError::invalid_state(format!(
@@ -664,7 +821,10 @@ fn join_tokens_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensCreateIn
     }
     let mut secret = zeroize::Zeroizing::new([0u8; 32]);
     crypto::fill_random(secret.as_mut());
-    let bearer = Bearer { id: id.clone(), secret };
+    let bearer = Bearer {
+        id: id.clone(),
+        secret,
+    };
     let t = TokenRow {
         id: id.clone(),
         tenant_id: i.tenant_id,
@@ -706,8 +866,22 @@ fn join_tokens_create(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensCreateIn
     if let Some(h) = &t.hosted {
         data["hosted"] = json!(h);
     }
-    publish(tx, ctx.now, &t.tenant_id, "security.join-token.created", data.clone())?;
-    audit(tx, ctx.now, &t.tenant_id, "joinTokens.create", ctx.caller, &t.id, data)?;
+    publish(
+        tx,
+        ctx.now,
+        &t.tenant_id,
+        "security.join-token.created",
+        data.clone(),
+    )?;
+    audit(
+        tx,
+        ctx.now,
+        &t.tenant_id,
+        "joinTokens.create",
+        ctx.caller,
+        &t.id,
+        data,
+    )?;
     let mut v = t.to_json();
     v["token"] = json!(bearer.render().as_str());
     Ok(v)
@@ -724,7 +898,11 @@ struct JoinTokensListInput {
     cursor: Option<String>,
 }
 
-fn join_tokens_list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensListInput) -> ApiResult<Value> {
+fn join_tokens_list(
+    tx: &Transaction<'_>,
+    ctx: &Ctx<'_>,
+    i: JoinTokensListInput,
+) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     validate::pool_id("poolId", &i.pool_id)?;
     let limit = i.limit.unwrap_or(100);
@@ -739,7 +917,14 @@ fn join_tokens_list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensListInput)
     ))?;
     let rows = st
         .query_map(
-            params![i.tenant_id, i.pool_id, i.cursor.unwrap_or_default(), i.include_inactive, ctx.now, limit + 1],
+            params![
+                i.tenant_id,
+                i.pool_id,
+                i.cursor.unwrap_or_default(),
+                i.include_inactive,
+                ctx.now,
+                limit + 1
+            ],
             token_row,
         )?
         .map(|t| t.map(|t| (t.id.clone(), t.to_json())))
@@ -755,7 +940,11 @@ struct JoinTokensRevokeInput {
     token_id: String,
 }
 
-fn join_tokens_revoke(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensRevokeInput) -> ApiResult<Value> {
+fn join_tokens_revoke(
+    tx: &Transaction<'_>,
+    ctx: &Ctx<'_>,
+    i: JoinTokensRevokeInput,
+) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     validate::pool_id("poolId", &i.pool_id)?;
     validate::id("tokenId", &i.token_id, "jt")?;
@@ -768,11 +957,28 @@ fn join_tokens_revoke(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: JoinTokensRevokeIn
         || format!("join token {} not found in tenant {} and pool {}", i.token_id, i.tenant_id, i.pool_id),
     )?;
     if t.revoked_at.is_none() {
-        tx.execute("UPDATE join_tokens SET revoked_at = ?2 WHERE id = ?1", params![t.id, ctx.now])?;
+        tx.execute(
+            "UPDATE join_tokens SET revoked_at = ?2 WHERE id = ?1",
+            params![t.id, ctx.now],
+        )?;
         t.revoked_at = Some(ctx.now);
         let data = json!({"tokenId": t.id, "poolId": t.pool_id});
-        publish(tx, ctx.now, &t.tenant_id, "security.join-token.revoked", data.clone())?;
-        audit(tx, ctx.now, &t.tenant_id, "joinTokens.revoke", ctx.caller, &t.id, data)?;
+        publish(
+            tx,
+            ctx.now,
+            &t.tenant_id,
+            "security.join-token.revoked",
+            data.clone(),
+        )?;
+        audit(
+            tx,
+            ctx.now,
+            &t.tenant_id,
+            "joinTokens.revoke",
+            ctx.caller,
+            &t.id,
+            data,
+        )?;
     }
     Ok(t.to_json())
 }
@@ -792,7 +998,10 @@ mod tests {
 
     #[test]
     fn bearer_parses_only_the_canonical_form() {
-        let b = Bearer { id: ids::new_id("jt", 1), secret: zeroize::Zeroizing::new([7u8; 32]) };
+        let b = Bearer {
+            id: ids::new_id("jt", 1),
+            secret: zeroize::Zeroizing::new([7u8; 32]),
+        };
         let s = b.render();
         let back = Bearer::parse(&s).unwrap();
         assert_eq!(back.id, b.id);

@@ -28,15 +28,31 @@ impl App {
         let config = Config::load(state_dir)?;
         let db = state_dir.join("bca.db");
         if !db.exists() {
-            return Err(format!("{} is missing: the state directory is incomplete", db.display()));
+            return Err(format!(
+                "{} is missing: the state directory is incomplete",
+                db.display()
+            ));
         }
         let store = Arc::new(Store::open(&db, false)?);
         let root_tenant = store
-            .read(|tx| Ok(tx.query_row("SELECT id FROM tenants WHERE is_root = 1", [], |r| r.get::<_, String>(0))?))
+            .read(|tx| {
+                Ok(
+                    tx.query_row("SELECT id FROM tenants WHERE is_root = 1", [], |r| {
+                        r.get::<_, String>(0)
+                    })?,
+                )
+            })
             .map_err(|e| format!("the database has no root tenant: {e}"))?;
         let pki = PublicPki::load(&crate::pki::pki_dir(state_dir))?;
         let well_known = well_known(&config, &pki)?;
-        Ok(Self { state_dir: state_dir.to_path_buf(), config, store, root_tenant, pki, well_known })
+        Ok(Self {
+            state_dir: state_dir.to_path_buf(),
+            config,
+            store,
+            root_tenant,
+            pki,
+            well_known,
+        })
     }
 
     /// Checks that the unsealed keys are the ones the public PKI names.
@@ -49,10 +65,14 @@ impl App {
         ];
         for (name, cert, key) in pairs {
             if crate::pki::cert_spki(cert)? != key.spki_der() {
-                return Err(format!("the {name} key does not match its certificate in {}", self.state_dir.display()));
+                return Err(format!(
+                    "the {name} key does not match its certificate in {}",
+                    self.state_dir.display()
+                ));
             }
         }
-        if self.pki.join_encryption.point().as_deref() != Some(keys.join_encryption.public_point()) {
+        if self.pki.join_encryption.point().as_deref() != Some(keys.join_encryption.public_point())
+        {
             return Err("the join-encryption key does not match join-encryption.jwk".into());
         }
         Ok(())

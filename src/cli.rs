@@ -14,7 +14,11 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/bca";
 
 #[derive(Parser)]
-#[command(name = "bca", version, about = "The rack-local appliance that admits bare-metal machines into compute pools")]
+#[command(
+    name = "bca",
+    version,
+    about = "The rack-local appliance that admits bare-metal machines into compute pools"
+)]
 pub struct Cli {
     #[command(flatten)]
     pub conn: Conn,
@@ -38,13 +42,17 @@ pub struct Conn {
 
 impl Conn {
     pub fn state_dir(&self) -> PathBuf {
-        self.state_dir.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR))
+        self.state_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR))
     }
 
     pub fn client(&self) -> Client {
         let dir = self.state_dir();
         let path = self.socket.clone().unwrap_or_else(|| {
-            crate::config::Config::load(&dir).map(|c| c.admin_socket_path(&dir)).unwrap_or_else(|_| dir.join("admin.sock"))
+            crate::config::Config::load(&dir)
+                .map(|c| c.admin_socket_path(&dir))
+                .unwrap_or_else(|_| dir.join("admin.sock"))
         });
         Client::new(&path)
     }
@@ -76,10 +84,14 @@ pub enum Command {
     /// The appliance's PKI.
     #[command(subcommand)]
     Pki(PkiCmd),
+    /// The machine side: join this machine.
+    #[command(subcommand)]
+    Agent(AgentCmd),
+    /// What agents need from this appliance.
+    #[command(subcommand)]
+    Daemon(DaemonCmd),
     /// Shell completions on stdout.
-    Completions {
-        shell: clap_complete::Shell,
-    },
+    Completions { shell: clap_complete::Shell },
     /// The man page (roff) on stdout.
     Man,
 }
@@ -129,8 +141,7 @@ pub enum TenantsCmd {
         name: String,
     },
     /// List tenants.
-    List {
-    },
+    List {},
 }
 
 #[derive(Subcommand)]
@@ -264,6 +275,40 @@ pub enum EventsCmd {
 }
 
 #[derive(Subcommand)]
+pub enum AgentCmd {
+    /// Join this machine with a join token read from standard input or BCD_JOIN_TOKEN.
+    Join {
+        #[arg(long, default_value = crate::agent::DEFAULT_CONFIG)]
+        config: PathBuf,
+        #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        /// Claims from a JSON file instead of this machine (simulated machines, tests).
+        #[arg(long)]
+        claims: Option<PathBuf>,
+        /// node (default) or ramdisk.
+        #[arg(long, default_value = "node")]
+        role: String,
+        /// Move the current identity aside (renamed <name>.reset-<UTC time>) and join again.
+        #[arg(long)]
+        reset: bool,
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum DaemonCmd {
+    /// Write an agent's config.toml (0600) and join-encryption.jwk (0644) into a new folder.
+    #[command(name = "agent-config")]
+    AgentConfig {
+        #[arg(long)]
+        gateway_url: String,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
 pub enum PkiCmd {
     /// Print the pins and a summary of each certificate.
     Show,
@@ -285,7 +330,10 @@ pub fn main() -> i32 {
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("BCA_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 pub fn root_tenant(client: &Client) -> ApiResult<String> {
@@ -359,7 +407,11 @@ pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
         }
     }
     let line = |cells: Vec<String>| {
-        let s: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{c:<width$}", width = w[i])).collect();
+        let s: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<width$}", width = w[i]))
+            .collect();
         println!("{}", s.join("  ").trim_end());
     };
     line(headers.iter().map(|h| h.to_string()).collect());
@@ -404,7 +456,10 @@ fn pool_table(v: &Value) {
                     s(&p["id"]),
                     s(&p["name"]),
                     s(&p["agent"]),
-                    p["policy"]["joinAttestors"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or("all".into()),
+                    p["policy"]["joinAttestors"]
+                        .as_array()
+                        .map(|a| a.iter().map(s).collect::<Vec<_>>().join(","))
+                        .unwrap_or("all".into()),
                     s(&p["archivedAt"]),
                 ]
             })
@@ -425,9 +480,16 @@ fn run(cli: Cli) -> ApiResult<()> {
             };
             crate::serve::run(&conn.state_dir(), opts).map_err(ApiError::invalid_config)
         }
-        Command::Dev(a) => cmd_dev(a, conn.state_dir.clone().unwrap_or_else(|| PathBuf::from("./.bca"))),
+        Command::Dev(a) => cmd_dev(
+            a,
+            conn.state_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("./.bca")),
+        ),
         Command::Tenants(TenantsCmd::Create { name }) => {
-            let v = conn.client().call("tenants/create", &json!({"name": name}))?;
+            let v = conn
+                .client()
+                .call("tenants/create", &json!({"name": name}))?;
             print(conn, &v, print_record);
             Ok(())
         }
@@ -436,16 +498,29 @@ fn run(cli: Cli) -> ApiResult<()> {
             print(conn, &v, |v| {
                 print_table(
                     &["ID", "NAME", "ROOT"],
-                    items(v).iter().map(|t| vec![s(&t["id"]), s(&t["name"]), s(&t["root"])]).collect(),
+                    items(v)
+                        .iter()
+                        .map(|t| vec![s(&t["id"]), s(&t["name"]), s(&t["root"])])
+                        .collect(),
                 )
             });
             Ok(())
         }
         Command::Pools(cmd) => cmd_pools(cmd, conn),
         Command::JoinTokens(cmd) => cmd_join_tokens(cmd, conn),
-        Command::Events(EventsCmd::List { type_prefix, tenant, all_tenants, limit, cursor }) => {
+        Command::Events(EventsCmd::List {
+            type_prefix,
+            tenant,
+            all_tenants,
+            limit,
+            cursor,
+        }) => {
             let c = conn.client();
-            let tenant = if all_tenants { None } else { Some(tenant_or_root(&c, tenant)?) };
+            let tenant = if all_tenants {
+                None
+            } else {
+                Some(tenant_or_root(&c, tenant)?)
+            };
             let v = c.call(
                 "events/list",
                 &json!({"tenantId": tenant, "type": type_prefix, "limit": limit, "cursor": cursor}),
@@ -455,7 +530,14 @@ fn run(cli: Cli) -> ApiResult<()> {
                     &["TIME", "TYPE", "TENANT", "DATA"],
                     items(v)
                         .iter()
-                        .map(|e| vec![s(&e["createdAt"]), s(&e["type"]), s(&e["tenantId"]), e["data"].to_string()])
+                        .map(|e| {
+                            vec![
+                                s(&e["createdAt"]),
+                                s(&e["type"]),
+                                s(&e["tenantId"]),
+                                e["data"].to_string(),
+                            ]
+                        })
                         .collect(),
                 );
                 print_cursor(v);
@@ -464,27 +546,56 @@ fn run(cli: Cli) -> ApiResult<()> {
         }
         Command::Nodes(cmd) => crate::nodes::run_cli(cmd, conn),
         Command::Pki(PkiCmd::Show) => cmd_pki_show(&conn.state_dir(), conn.json),
+        Command::Agent(AgentCmd::Join {
+            config,
+            data_dir,
+            claims,
+            role,
+            reset,
+            yes,
+        }) => {
+            let node = crate::agent::join(&crate::agent::JoinOptions {
+                config,
+                data_dir,
+                claims,
+                role,
+                reset,
+                yes,
+            })?;
+            println!("{node}");
+            Ok(())
+        }
+        Command::Daemon(DaemonCmd::AgentConfig { gateway_url, out }) => {
+            crate::agent::write_agent_config(&conn.state_dir(), &gateway_url, &out)?;
+            println!(
+                "wrote {}/config.toml (0600) and {}/join-encryption.jwk (0644)",
+                out.display(),
+                out.display()
+            );
+            Ok(())
+        }
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "bca", &mut std::io::stdout());
             Ok(())
         }
-        Command::Man => {
-            clap_mangen::Man::new(Cli::command())
-                .render(&mut std::io::stdout())
-                .map_err(|e| ApiError::new(Code::Internal, e.to_string()))
-        }
+        Command::Man => clap_mangen::Man::new(Cli::command())
+            .render(&mut std::io::stdout())
+            .map_err(|e| ApiError::new(Code::Internal, e.to_string())),
     }
 }
 
 fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
     let state_dir = conn.state_dir();
     let kp = KeyProtection::parse(&a.key_protection).ok_or_else(|| {
-        ApiError::invalid_input(format!("--key-protection {:?} must be passphrase, file or tpm", a.key_protection))
+        ApiError::invalid_input(format!(
+            "--key-protection {:?} must be passphrase, file or tpm",
+            a.key_protection
+        ))
     })?;
     let passphrase = match kp {
-        KeyProtection::Passphrase if !crate::init::is_initialised(&state_dir) => {
-            Some(crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?)
-        }
+        KeyProtection::Passphrase if !crate::init::is_initialised(&state_dir) => Some(
+            crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?,
+        ),
         _ => None,
     };
     let out = crate::init::init(
@@ -511,7 +622,12 @@ fn print_init(dir: &Path, out: &crate::init::Initialised, as_json: bool) {
         println!("{}", serde_json::to_string_pretty(&v).expect("serializes"));
         return;
     }
-    println!("initialised {} (site {}, root tenant {})", dir.display(), out.site_id, out.root_tenant);
+    println!(
+        "initialised {} (site {}, root tenant {})",
+        dir.display(),
+        out.site_id,
+        out.root_tenant
+    );
     println!("the pins agents embed:");
     println!("serving_ca_spki_pin = \"{}\"", out.pins.serving_ca);
     println!("join_signing_key_pin = \"{}\"", out.pins.join_signing);
@@ -561,7 +677,13 @@ fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
 
 fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
     match cmd {
-        PoolsCmd::Create { name, tenant, agent, join_attestors, k8s_platform_operated } => {
+        PoolsCmd::Create {
+            name,
+            tenant,
+            agent,
+            join_attestors,
+            k8s_platform_operated,
+        } => {
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
             let mut policy = json!({});
@@ -571,13 +693,19 @@ fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
             if k8s_platform_operated {
                 policy["kubernetes"] = json!({"platformOperated": true});
             }
-            let v = c.call("pools/create", &json!({"tenantId": tenant, "name": name, "agent": agent, "policy": policy}))?;
+            let v = c.call(
+                "pools/create",
+                &json!({"tenantId": tenant, "name": name, "agent": agent, "policy": policy}),
+            )?;
             print(conn, &v, print_record);
         }
         PoolsCmd::List { tenant, all } => {
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
-            let v = c.call("pools/list", &json!({"tenantId": tenant, "includeArchived": all}))?;
+            let v = c.call(
+                "pools/list",
+                &json!({"tenantId": tenant, "includeArchived": all}),
+            )?;
             print(conn, &v, pool_table);
         }
         PoolsCmd::Get { id, tenant } => {
@@ -586,7 +714,14 @@ fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
             let v = c.call("pools/get", &json!({"tenantId": tenant, "poolId": id}))?;
             print(conn, &v, print_record);
         }
-        PoolsCmd::Update { id, tenant, name, agent, join_attestors, k8s_platform_operated } => {
+        PoolsCmd::Update {
+            id,
+            tenant,
+            name,
+            agent,
+            join_attestors,
+            k8s_platform_operated,
+        } => {
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
             let mut body = json!({"tenantId": tenant, "poolId": id, "name": name, "agent": agent});
@@ -633,7 +768,10 @@ fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> {
             let ttl = parse_duration(&ttl).map_err(ApiError::invalid_input)?;
             if let Some(o) = &out {
                 if std::fs::symlink_metadata(o).is_ok() {
-                    return Err(ApiError::already_exists(format!("{} exists; --out never writes over a file", o.display())));
+                    return Err(ApiError::already_exists(format!(
+                        "{} exists; --out never writes over a file",
+                        o.display()
+                    )));
                 }
             }
             let c = conn.client();
@@ -662,24 +800,40 @@ fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> {
             }
             let mut v = c.call("joinTokens/create", &body)?;
             if let Some(o) = &out {
-                let Some(token) = v.get("token").and_then(Value::as_str).map(|t| zeroize::Zeroizing::new(t.to_string()))
+                let Some(token) = v
+                    .get("token")
+                    .and_then(Value::as_str)
+                    .map(|t| zeroize::Zeroizing::new(t.to_string()))
                 else {
                     return Err(ApiError::invalid_state(format!(
                         "--key {key} was used before: the answer carries no token (it is shown only once); revoke {} and create a new one",
                         s(&v["id"])
                     )));
                 };
-                crate::fsutil::write_new_private(o, format!("{}\n", token.as_str()).as_bytes()).map_err(|e| {
-                    ApiError::already_exists(format!("{e}; the token {} was minted: revoke it", s(&v["id"])))
-                })?;
+                crate::fsutil::write_new_private(o, format!("{}\n", token.as_str()).as_bytes())
+                    .map_err(|e| {
+                        ApiError::already_exists(format!(
+                            "{e}; the token {} was minted: revoke it",
+                            s(&v["id"])
+                        ))
+                    })?;
                 if let Some(o) = v.as_object_mut() {
                     o.remove("token");
                 }
-                eprintln!("the token is in {} (0600); it is not shown again", o.display());
+                eprintln!(
+                    "the token is in {} (0600); it is not shown again",
+                    o.display()
+                );
             }
             print(conn, &v, print_record);
         }
-        JoinTokensCmd::List { pool, tenant, all, limit, cursor } => {
+        JoinTokensCmd::List {
+            pool,
+            tenant,
+            all,
+            limit,
+            cursor,
+        } => {
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
             let v = c.call(
@@ -714,7 +868,10 @@ fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> {
             }
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
-            let v = c.call("joinTokens/revoke", &json!({"tenantId": tenant, "poolId": pool, "tokenId": id}))?;
+            let v = c.call(
+                "joinTokens/revoke",
+                &json!({"tenantId": tenant, "poolId": pool, "tokenId": id}),
+            )?;
             print(conn, &v, print_record);
         }
     }
@@ -722,7 +879,8 @@ fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> {
 }
 
 fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
-    let p = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
+    let p = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))
+        .map_err(ApiError::invalid_config)?;
     let pins = p.pins().map_err(ApiError::invalid_config)?;
     let summary = |der: &[u8]| -> Value {
         use x509_parser::prelude::*;
@@ -753,7 +911,13 @@ fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
         println!("join_signing_key_pin = \"{}\"", pins.join_signing);
         println!("join_encryption_key_pin = \"{}\"", pins.join_encryption);
         for (name, c) in v["certificates"].as_object().expect("object") {
-            println!("{name}: {} (serial {}), valid {} to {}", s(&c["subject"]), s(&c["serial"]), s(&c["notBefore"]), s(&c["notAfter"]));
+            println!(
+                "{name}: {} (serial {}), valid {} to {}",
+                s(&c["subject"]),
+                s(&c["serial"]),
+                s(&c["notBefore"]),
+                s(&c["notAfter"])
+            );
         }
     }
     Ok(())

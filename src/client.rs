@@ -13,7 +13,9 @@ pub struct Client {
 
 impl Client {
     pub fn new(socket: &Path) -> Self {
-        Self { socket: socket.to_path_buf() }
+        Self {
+            socket: socket.to_path_buf(),
+        }
     }
 
     /// Calls `<group>/<method>` with a JSON body; an error answer becomes its `ApiError`.
@@ -34,20 +36,34 @@ impl Client {
             crate::app::BASE_PATH,
             payload.len()
         );
-        let io = |e: std::io::Error| ApiError::new(Code::Internal, format!("talking to the appliance failed: {e}"));
+        let io = |e: std::io::Error| {
+            ApiError::new(
+                Code::Internal,
+                format!("talking to the appliance failed: {e}"),
+            )
+        };
         s.write_all(head.as_bytes()).map_err(io)?;
         s.write_all(&payload).map_err(io)?;
         let mut raw = Vec::new();
         s.read_to_end(&mut raw).map_err(io)?;
-        let (status, body) = split_response(&raw)
-            .ok_or_else(|| ApiError::new(Code::Internal, "the appliance sent a malformed answer"))?;
-        let v: Value = serde_json::from_slice(body)
-            .map_err(|e| ApiError::new(Code::Internal, format!("the appliance sent invalid JSON: {e}")))?;
+        let (status, body) = split_response(&raw).ok_or_else(|| {
+            ApiError::new(Code::Internal, "the appliance sent a malformed answer")
+        })?;
+        let v: Value = serde_json::from_slice(body).map_err(|e| {
+            ApiError::new(
+                Code::Internal,
+                format!("the appliance sent invalid JSON: {e}"),
+            )
+        })?;
         if status == 200 {
             Ok(v)
         } else {
             let code = crate::api::code_of(&v).unwrap_or(Code::Internal);
-            let msg = v.get("message").and_then(Value::as_str).unwrap_or("no message").to_string();
+            let msg = v
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("no message")
+                .to_string();
             Err(ApiError::new(code, msg))
         }
     }
@@ -61,7 +77,10 @@ fn split_response(raw: &[u8]) -> Option<(u16, &[u8])> {
     let body = &raw[end + 4..];
     let len = head
         .lines()
-        .find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case("content-length")))
+        .find_map(|l| {
+            l.split_once(':')
+                .filter(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        })
         .and_then(|(_, v)| v.trim().parse::<usize>().ok())
         .unwrap_or(body.len());
     body.get(..len).map(|b| (status, b))

@@ -114,7 +114,9 @@ impl Default for PkiConfig {
 
 impl Default for JoinConfig {
     fn default() -> Self {
-        Self { seal_max_skew_seconds: default_seal_window() }
+        Self {
+            seal_max_skew_seconds: default_seal_window(),
+        }
     }
 }
 
@@ -122,7 +124,10 @@ impl Config {
     pub fn load(state_dir: &Path) -> Result<Self, String> {
         let p = state_dir.join("config.toml");
         let text = std::fs::read_to_string(&p).map_err(|e| {
-            format!("cannot read {}: {e} (is this an initialised state directory? run bca init)", p.display())
+            format!(
+                "cannot read {}: {e} (is this an initialised state directory? run bca init)",
+                p.display()
+            )
         })?;
         let c: Config = toml::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
         c.validate().map_err(|e| format!("{}: {e}", p.display()))?;
@@ -146,12 +151,16 @@ impl Config {
     }
 
     pub fn admin_socket_path(&self, state_dir: &Path) -> PathBuf {
-        self.admin_socket.clone().unwrap_or_else(|| state_dir.join("admin.sock"))
+        self.admin_socket
+            .clone()
+            .unwrap_or_else(|| state_dir.join("admin.sock"))
     }
 
     /// The name agents verify on the gateway's certificate.
     pub fn gateway_name(&self) -> Option<String> {
-        self.gateway_server_name.clone().or_else(|| self.gateway_url.as_deref().and_then(url_host))
+        self.gateway_server_name
+            .clone()
+            .or_else(|| self.gateway_url.as_deref().and_then(url_host))
     }
 }
 
@@ -162,7 +171,11 @@ pub fn url_host(url: &str) -> Option<String> {
     let host = if let Some(v6) = authority.strip_prefix('[') {
         v6.split(']').next()?.to_string()
     } else {
-        authority.rsplit_once(':').map(|(h, _)| h).unwrap_or(authority).to_string()
+        authority
+            .rsplit_once(':')
+            .map(|(h, _)| h)
+            .unwrap_or(authority)
+            .to_string()
     };
     (!host.is_empty()).then_some(host)
 }
@@ -173,7 +186,10 @@ mod tests {
 
     #[test]
     fn url_hosts() {
-        assert_eq!(url_host("https://gw.example.com:8443/x").as_deref(), Some("gw.example.com"));
+        assert_eq!(
+            url_host("https://gw.example.com:8443/x").as_deref(),
+            Some("gw.example.com")
+        );
         assert_eq!(url_host("https://127.0.0.1").as_deref(), Some("127.0.0.1"));
         assert_eq!(url_host("https://[::1]:443").as_deref(), Some("::1"));
         assert_eq!(url_host("http://gw"), None);

@@ -93,7 +93,10 @@ impl SigningKey {
     pub fn from_pkcs8(der: &[u8]) -> Result<Self, String> {
         let pair = EcdsaKeyPair::from_pkcs8(&signature::ECDSA_P256_SHA256_ASN1_SIGNING, der)
             .map_err(|e| format!("not a P-256 PKCS#8 key: {e}"))?;
-        Ok(Self { pair, pkcs8: Zeroizing::new(der.to_vec()) })
+        Ok(Self {
+            pair,
+            pkcs8: Zeroizing::new(der.to_vec()),
+        })
     }
 
     pub fn pkcs8(&self) -> &[u8] {
@@ -113,7 +116,11 @@ impl SigningKey {
     pub fn sign(&self, purpose: &str, message: &[u8]) -> Vec<u8> {
         let rng = rand::SystemRandom::new();
         let msg = purposed(purpose, message);
-        self.pair.sign(&rng, &msg).expect("ECDSA signing failed").as_ref().to_vec()
+        self.pair
+            .sign(&rng, &msg)
+            .expect("ECDSA signing failed")
+            .as_ref()
+            .to_vec()
     }
 
     /// An rcgen key pair for certificate signing (same key).

@@ -13,6 +13,8 @@ pub enum Code {
     AlreadyExists,
     AccessDenied,
     InvalidConfig,
+    /// Busy or stopping: retry later.
+    Unavailable,
     Internal,
 }
 
@@ -26,6 +28,7 @@ impl Code {
             Code::AlreadyExists => "ALREADY_EXISTS",
             Code::AccessDenied => "ACCESS_DENIED",
             Code::InvalidConfig => "INVALID_CONFIG",
+            Code::Unavailable => "UNAVAILABLE",
             Code::Internal => "INTERNAL",
         }
     }
@@ -37,6 +40,7 @@ impl Code {
             Code::AccessDenied => 403,
             Code::NotFound => 404,
             Code::InvalidState | Code::Conflict | Code::AlreadyExists => 409,
+            Code::Unavailable => 503,
             Code::InvalidConfig | Code::Internal => 500,
         }
     }
@@ -51,7 +55,10 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
     pub fn invalid_input(m: impl Into<String>) -> Self {
         Self::new(Code::InvalidInput, m)

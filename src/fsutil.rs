@@ -30,7 +30,9 @@ pub fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> {
                 format!("cannot create {}: {e}", path.display())
             }
         })?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     // The umask may have narrowed the mode further; make it exact.
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(|e| e.to_string())
 }
@@ -56,5 +58,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), String> 
 /// The effective uid of this process (read from `/proc/self`, which needs no `unsafe`).
 pub fn own_uid() -> u32 {
     use std::os::unix::fs::MetadataExt;
-    fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(u32::MAX)
+    fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX)
 }

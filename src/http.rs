@@ -39,14 +39,22 @@ fn well_known_path() -> String {
 }
 
 /// The public listener: only the well-known document for now.
-async fn public(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn public(
+    app: Arc<App>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     if req.uri().path() == well_known_path() {
         if req.method() != Method::GET && req.method() != Method::HEAD {
-            return Ok(error(&ApiError::invalid_input("use GET for the well-known document")));
+            return Ok(error(&ApiError::invalid_input(
+                "use GET for the well-known document",
+            )));
         }
         return Ok(respond(200, &app.well_known));
     }
-    Ok(error(&ApiError::not_found(format!("no resource at {}", req.uri().path()))))
+    Ok(error(&ApiError::not_found(format!(
+        "no resource at {}",
+        req.uri().path()
+    ))))
 }
 
 /// Who is on the other end of the admin socket.
@@ -61,24 +69,46 @@ pub fn admin_allowed(peer: Peer, own_uid: u32, admin_group: Option<u32>) -> bool
     peer.uid == 0 || peer.uid == own_uid || admin_group.is_some_and(|g| g == peer.gid)
 }
 
-async fn admin(app: Arc<App>, peer: Peer, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn admin(
+    app: Arc<App>,
+    peer: Peer,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     if !admin_allowed(peer, crate::fsutil::own_uid(), app.config.admin_group) {
-        tracing::warn!(uid = peer.uid, gid = peer.gid, "admin socket: caller refused");
-        return Ok(error(&ApiError::access_denied(format!("uid {} may not use the admin socket", peer.uid))));
+        tracing::warn!(
+            uid = peer.uid,
+            gid = peer.gid,
+            "admin socket: caller refused"
+        );
+        return Ok(error(&ApiError::access_denied(format!(
+            "uid {} may not use the admin socket",
+            peer.uid
+        ))));
     }
     let path = req.uri().path().to_string();
     if path == well_known_path() {
         return public(app, req).await;
     }
-    let Some(method) = path.strip_prefix(&format!("{BASE_PATH}/")).map(str::to_string) else {
-        return Ok(error(&ApiError::not_found(format!("no resource at {path}"))));
+    let Some(method) = path
+        .strip_prefix(&format!("{BASE_PATH}/"))
+        .map(str::to_string)
+    else {
+        return Ok(error(&ApiError::not_found(format!(
+            "no resource at {path}"
+        ))));
     };
     if req.method() != Method::POST {
-        return Ok(error(&ApiError::invalid_input("admin methods are called with POST")));
+        return Ok(error(&ApiError::invalid_input(
+            "admin methods are called with POST",
+        )));
     }
     let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
-        Err(_) => return Ok(error(&ApiError::invalid_input(format!("the request body is larger than {MAX_BODY} bytes")))),
+        Err(_) => {
+            return Ok(error(&ApiError::invalid_input(format!(
+                "the request body is larger than {MAX_BODY} bytes"
+            ))))
+        }
     };
     let caller = format!("uid:{}", peer.uid);
     let res = tokio::task::spawn_blocking(move || {
@@ -100,7 +130,9 @@ async fn admin(app: Arc<App>, peer: Peer, req: Request<Incoming>) -> Result<Resp
 
 fn builder() -> hyper::server::conn::http1::Builder {
     let mut b = hyper::server::conn::http1::Builder::new();
-    b.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).keep_alive(true);
+    b.timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10))
+        .keep_alive(true);
     b
 }
 

@@ -63,8 +63,14 @@ mod tests {
         assert_eq!(id.len(), "node_".len() + 26);
         let j = derived_id("jt", "bca-join-token-id", &["tn_x", "uid:0", "key"]);
         assert!(is_id(&j, "jt", 52));
-        assert_eq!(j, derived_id("jt", "bca-join-token-id", &["tn_x", "uid:0", "key"]));
-        assert_ne!(j, derived_id("jt", "bca-join-token-id", &["tn_x", "uid:0k", "ey"]));
+        assert_eq!(
+            j,
+            derived_id("jt", "bca-join-token-id", &["tn_x", "uid:0", "key"])
+        );
+        assert_ne!(
+            j,
+            derived_id("jt", "bca-join-token-id", &["tn_x", "uid:0k", "ey"])
+        );
     }
 
     #[test]

@@ -28,7 +28,14 @@ pub struct Initialised {
 }
 
 /// The files and folders `init` creates; all of them go again when `init` fails half-way.
-const CREATED: &[&str] = &["config.toml", "bca.db", "bca.db-wal", "bca.db-shm", "pki", "keys"];
+const CREATED: &[&str] = &[
+    "config.toml",
+    "bca.db",
+    "bca.db-wal",
+    "bca.db-shm",
+    "pki",
+    "keys",
+];
 
 pub fn is_initialised(dir: &Path) -> bool {
     dir.join("config.toml").exists() || dir.join("bca.db").exists() || dir.join("keys").exists()
@@ -43,7 +50,8 @@ pub fn check_trust_domain(td: &str) -> ApiResult<()> {
                 && l.len() <= 63
                 && !l.starts_with('-')
                 && !l.ends_with('-')
-                && l.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+                && l.bytes()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
         });
     if ok {
         Ok(())
@@ -72,7 +80,9 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
     crate::validate::name("--site", &o.site)?;
     if let Some(u) = &o.gateway_url {
         if crate::config::url_host(u).is_none() {
-            return Err(ApiError::invalid_input(format!("--gateway-url {u:?} must be an https:// URL with a host")));
+            return Err(ApiError::invalid_input(format!(
+                "--gateway-url {u:?} must be an https:// URL with a host"
+            )));
         }
     }
     if o.key_protection == KeyProtection::Tpm {
@@ -110,7 +120,10 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         gateway_server_name: None,
         key_protection: o.key_protection,
         listen_http: o.listen_http.clone().unwrap_or_else(|| "0.0.0.0:80".into()),
-        listen_gateway: o.listen_gateway.clone().unwrap_or_else(|| "0.0.0.0:443".into()),
+        listen_gateway: o
+            .listen_gateway
+            .clone()
+            .unwrap_or_else(|| "0.0.0.0:443".into()),
         admin_socket: None,
         admin_group: None,
         pki: PkiConfig::default(),
@@ -130,19 +143,43 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
             "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, 'root', 1, ?2)",
             params![root_tenant, now],
         )?;
-        crate::api::audit(tx, now, &root_tenant, "site.init", "local:init", &site_id, serde_json::json!({"trustDomain": o.trust_domain}))
+        crate::api::audit(
+            tx,
+            now,
+            &root_tenant,
+            "site.init",
+            "local:init",
+            &site_id,
+            serde_json::json!({"trustDomain": o.trust_domain}),
+        )
     })?;
     drop(store);
 
-    PublicPki::write(&pki::pki_dir(&o.state_dir), &issued, keys.join_encryption.public_point())
-        .map_err(ApiError::internal)?;
-    keys::seal(&o.state_dir, &keys, o.key_protection, o.passphrase.as_ref().map(|p| p.as_bytes()))
-        .map_err(ApiError::internal)?;
+    PublicPki::write(
+        &pki::pki_dir(&o.state_dir),
+        &issued,
+        keys.join_encryption.public_point(),
+    )
+    .map_err(ApiError::internal)?;
+    keys::seal(
+        &o.state_dir,
+        &keys,
+        o.key_protection,
+        o.passphrase.as_ref().map(|p| p.as_bytes()),
+    )
+    .map_err(ApiError::internal)?;
     let text = format!(
         "# bca configuration; every key is described in docs/config.md\n{}",
         toml::to_string_pretty(&config).map_err(ApiError::internal)?
     );
-    fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes()).map_err(ApiError::internal)?;
-    let pins = PublicPki::load(&pki::pki_dir(&o.state_dir)).and_then(|p| p.pins()).map_err(ApiError::internal)?;
-    Ok(Initialised { site_id, root_tenant, pins })
+    fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes())
+        .map_err(ApiError::internal)?;
+    let pins = PublicPki::load(&pki::pki_dir(&o.state_dir))
+        .and_then(|p| p.pins())
+        .map_err(ApiError::internal)?;
+    Ok(Initialised {
+        site_id,
+        root_tenant,
+        pins,
+    })
 }

@@ -74,7 +74,14 @@ impl KeyBundle {
             join_encryption: crypto::b64(self.join_encryption.pkcs8()),
         };
         let out = Zeroizing::new(serde_json::to_vec_pretty(&f).expect("serializes"));
-        let BundleFile { node_ca, serving_ca, gateway, join_signing, join_encryption, .. } = f;
+        let BundleFile {
+            node_ca,
+            serving_ca,
+            gateway,
+            join_signing,
+            join_encryption,
+            ..
+        } = f;
         for s in [node_ca, serving_ca, gateway, join_signing, join_encryption] {
             drop(Zeroizing::new(s));
         }
@@ -82,12 +89,18 @@ impl KeyBundle {
     }
 
     fn from_json(bytes: &[u8]) -> Result<Self, String> {
-        let f: BundleFile = serde_json::from_slice(bytes).map_err(|e| format!("the key file is damaged: {e}"))?;
+        let f: BundleFile =
+            serde_json::from_slice(bytes).map_err(|e| format!("the key file is damaged: {e}"))?;
         if f.version != 1 {
-            return Err(format!("the key file has version {}, this bca reads version 1", f.version));
+            return Err(format!(
+                "the key file has version {}, this bca reads version 1",
+                f.version
+            ));
         }
         let one = |name: &str, s: &str| -> Result<SigningKey, String> {
-            let der = Zeroizing::new(crypto::b64_decode(s).ok_or_else(|| format!("the {name} key is not base64"))?);
+            let der = Zeroizing::new(
+                crypto::b64_decode(s).ok_or_else(|| format!("the {name} key is not base64"))?,
+            );
             SigningKey::from_pkcs8(&der).map_err(|e| format!("the {name} key: {e}"))
         };
         let k = Self {
@@ -97,7 +110,14 @@ impl KeyBundle {
             join_signing: one("join-signing", &f.join_signing)?,
             join_encryption: one("join-encryption", &f.join_encryption)?,
         };
-        let BundleFile { node_ca, serving_ca, gateway, join_signing, join_encryption, .. } = f;
+        let BundleFile {
+            node_ca,
+            serving_ca,
+            gateway,
+            join_signing,
+            join_encryption,
+            ..
+        } = f;
         for s in [node_ca, serving_ca, gateway, join_signing, join_encryption] {
             drop(Zeroizing::new(s));
         }
@@ -118,7 +138,12 @@ fn file_for(state_dir: &Path, p: KeyProtection) -> PathBuf {
 }
 
 /// Writes the bundle under the given protection. `passphrase` is required for `Passphrase`.
-pub fn seal(state_dir: &Path, bundle: &KeyBundle, p: KeyProtection, passphrase: Option<&[u8]>) -> Result<(), String> {
+pub fn seal(
+    state_dir: &Path,
+    bundle: &KeyBundle,
+    p: KeyProtection,
+    passphrase: Option<&[u8]>,
+) -> Result<(), String> {
     let dir = keys_dir(state_dir);
     crate::fsutil::create_private_dir(&dir)?;
     let bytes: Zeroizing<Vec<u8>> = match p {
@@ -130,10 +155,16 @@ pub fn seal(state_dir: &Path, bundle: &KeyBundle, p: KeyProtection, passphrase: 
             let mut nonce = [0u8; 12];
             crypto::fill_random(&mut nonce);
             let key = derive(pass, &salt, ARGON_M_KIB, ARGON_T, 1)?;
-            let aead = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?);
+            let aead = LessSafeKey::new(
+                UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?,
+            );
             let mut buf = bundle.to_json().to_vec();
-            aead.seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut buf)
-                .map_err(|_| "sealing failed")?;
+            aead.seal_in_place_append_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(AAD),
+                &mut buf,
+            )
+            .map_err(|_| "sealing failed")?;
             let f = SealedFile {
                 version: 1,
                 kdf: "argon2id".into(),
@@ -156,25 +187,43 @@ pub fn tpm_not_available() -> String {
 }
 
 /// Reads the bundle back. A wrong passphrase is an error that names it; nothing is changed.
-pub fn unseal(state_dir: &Path, p: KeyProtection, passphrase: Option<&[u8]>) -> Result<KeyBundle, String> {
+pub fn unseal(
+    state_dir: &Path,
+    p: KeyProtection,
+    passphrase: Option<&[u8]>,
+) -> Result<KeyBundle, String> {
     let path = file_for(state_dir, p);
-    let raw = Zeroizing::new(std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?);
+    let raw = Zeroizing::new(
+        std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+    );
     match p {
         KeyProtection::File => KeyBundle::from_json(&raw),
         KeyProtection::Passphrase => {
-            let pass = passphrase.ok_or("a passphrase is required (set BCA_SECRET or run on a terminal)")?;
-            let f: SealedFile =
-                serde_json::from_slice(&raw).map_err(|e| format!("{} is damaged: {e}", path.display()))?;
-            if f.version != 1 || f.kdf != "argon2id" || f.p != 1 || f.m_kib > 4 * 1024 * 1024 || f.t > 64 {
-                return Err(format!("{} has parameters this bca does not read", path.display()));
+            let pass = passphrase
+                .ok_or("a passphrase is required (set BCA_SECRET or run on a terminal)")?;
+            let f: SealedFile = serde_json::from_slice(&raw)
+                .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+            if f.version != 1
+                || f.kdf != "argon2id"
+                || f.p != 1
+                || f.m_kib > 4 * 1024 * 1024
+                || f.t > 64
+            {
+                return Err(format!(
+                    "{} has parameters this bca does not read",
+                    path.display()
+                ));
             }
             let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
             let nonce: [u8; 12] = crypto::b64_decode(&f.nonce)
                 .and_then(|n| n.try_into().ok())
                 .ok_or("damaged nonce")?;
-            let mut ct = Zeroizing::new(crypto::b64_decode(&f.ciphertext).ok_or("damaged ciphertext")?);
+            let mut ct =
+                Zeroizing::new(crypto::b64_decode(&f.ciphertext).ok_or("damaged ciphertext")?);
             let key = derive(pass, &salt, f.m_kib, f.t, f.p)?;
-            let aead = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?);
+            let aead = LessSafeKey::new(
+                UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?,
+            );
             let plain = aead
                 .open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut ct)
                 .map_err(|_| "wrong passphrase: the appliance's keys could not be unsealed (nothing was changed)".to_string())?;
@@ -184,11 +233,19 @@ pub fn unseal(state_dir: &Path, p: KeyProtection, passphrase: Option<&[u8]>) -> 
     }
 }
 
-fn derive(pass: &[u8], salt: &[u8], m_kib: u32, t: u32, p: u32) -> Result<Zeroizing<[u8; 32]>, String> {
-    let params = argon2::Params::new(m_kib, t, p, Some(32)).map_err(|e| format!("argon2 parameters: {e}"))?;
+fn derive(
+    pass: &[u8],
+    salt: &[u8],
+    m_kib: u32,
+    t: u32,
+    p: u32,
+) -> Result<Zeroizing<[u8; 32]>, String> {
+    let params = argon2::Params::new(m_kib, t, p, Some(32))
+        .map_err(|e| format!("argon2 parameters: {e}"))?;
     let a = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
     let mut out = Zeroizing::new([0u8; 32]);
-    a.hash_password_into(pass, salt, out.as_mut()).map_err(|e| format!("argon2: {e}"))?;
+    a.hash_password_into(pass, salt, out.as_mut())
+        .map_err(|e| format!("argon2: {e}"))?;
     Ok(out)
 }
 
@@ -224,10 +281,30 @@ mod tests {
     fn passphrase_seal_round_trips_and_refuses_a_wrong_passphrase() {
         let dir = tempfile::tempdir().unwrap();
         let b = KeyBundle::generate();
-        seal(dir.path(), &b, KeyProtection::Passphrase, Some(b"correct horse battery")).unwrap();
-        let back = unseal(dir.path(), KeyProtection::Passphrase, Some(b"correct horse battery")).unwrap();
-        assert_eq!(back.join_signing.public_point(), b.join_signing.public_point());
-        let e = unseal(dir.path(), KeyProtection::Passphrase, Some(b"wrong horse battery")).err().unwrap();
+        seal(
+            dir.path(),
+            &b,
+            KeyProtection::Passphrase,
+            Some(b"correct horse battery"),
+        )
+        .unwrap();
+        let back = unseal(
+            dir.path(),
+            KeyProtection::Passphrase,
+            Some(b"correct horse battery"),
+        )
+        .unwrap();
+        assert_eq!(
+            back.join_signing.public_point(),
+            b.join_signing.public_point()
+        );
+        let e = unseal(
+            dir.path(),
+            KeyProtection::Passphrase,
+            Some(b"wrong horse battery"),
+        )
+        .err()
+        .unwrap();
         assert!(e.contains("wrong passphrase"), "{e}");
         let raw = std::fs::read_to_string(dir.path().join("keys/keys.sealed")).unwrap();
         assert!(!raw.contains(&crypto::b64(b.node_ca.pkcs8())));

@@ -2,21 +2,30 @@
 //! a short-lived X.509 identity. See `ARCHITECTURE.md` for the parts and their invariants.
 #![forbid(unsafe_code)]
 
+pub mod admission;
+pub mod agent;
 pub mod api;
 pub mod app;
+pub mod claims;
 pub mod cli;
 pub mod client;
 pub mod clock;
 pub mod config;
 pub mod crypto;
+pub mod csr;
 pub mod error;
 pub mod fsutil;
+pub mod gateway;
 pub mod http;
 pub mod ids;
 pub mod init;
+pub mod joinservice;
+pub mod jwe;
 pub mod keys;
 pub mod nodes;
 pub mod pki;
+pub mod protocol;
 pub mod serve;
 pub mod store;
+pub mod tlsclient;
 pub mod validate;

@@ -1,18 +1,376 @@
 //! Nodes: the admin API's `nodes.*` methods and `bca nodes`.
 
-use crate::api::Ctx;
-use crate::error::ApiResult;
-use crate::store::Store;
+use crate::api::{audit, publish, rfc3339, Ctx};
+use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
+use crate::error::{ApiError, ApiResult};
+use crate::store::{found, Store};
+use crate::validate;
 use clap::Subcommand;
-use serde_json::Value;
+use rusqlite::{params, Transaction};
+use serde::Deserialize;
+use serde_json::{json, Value};
 
 #[derive(Subcommand)]
-pub enum NodesCmd {}
-
-pub fn dispatch(_store: &Store, _ctx: &Ctx<'_>, _path: &str, _body: &[u8]) -> Option<ApiResult<Value>> {
-    None
+pub enum NodesCmd {
+    /// List nodes.
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        pool: Option<String>,
+        /// Include retired nodes.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Show a node and its certificates.
+    Get {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Retire a node: it can neither renew nor reclaim.
+    Retire {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Delete a node: its certificates are revoked and its hardware key freed.
+    Delete {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Revoke every certificate of a node.
+    #[command(name = "revoke-identity")]
+    RevokeIdentity {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        reason: Option<String>,
+    },
 }
 
-pub fn run_cli(cmd: NodesCmd, _conn: &crate::cli::Conn) -> ApiResult<()> {
-    match cmd {}
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ListInput {
+    tenant_id: String,
+    pool_id: Option<String>,
+    #[serde(default)]
+    include_retired: bool,
+    limit: Option<i64>,
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NodeRef {
+    tenant_id: String,
+    node_id: String,
+    reason: Option<String>,
+}
+
+const COLS: &str = "id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted, identity_generation,
+    attestor, hostname, claims_json, created_at, updated_at, retired_at";
+
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
+    let mut v = json!({
+        "id": r.get::<_, String>(0)?, "tenantId": r.get::<_, String>(1)?, "siteId": r.get::<_, String>(2)?,
+        "poolId": r.get::<_, String>(3)?, "role": r.get::<_, String>(4)?, "state": r.get::<_, String>(5)?,
+        "trust": r.get::<_, String>(6)?, "hardwareKey": r.get::<_, Option<String>>(7)?,
+        "hardwareKeyTrusted": r.get::<_, i64>(8)? == 1, "identityGeneration": r.get::<_, i64>(9)?,
+        "attestor": r.get::<_, String>(10)?, "hostname": r.get::<_, Option<String>>(11)?,
+        "claims": serde_json::from_str::<Value>(&r.get::<_, String>(12)?).unwrap_or(Value::Null),
+        "createdAt": rfc3339(r.get(13)?), "updatedAt": rfc3339(r.get(14)?),
+    });
+    if let Some(t) = r.get::<_, Option<i64>>(15)? {
+        v["retiredAt"] = json!(rfc3339(t));
+    }
+    Ok(v)
+}
+
+fn validate_ref(i: &NodeRef) -> ApiResult<()> {
+    validate::tenant_id("tenantId", &i.tenant_id)?;
+    validate::id("nodeId", &i.node_id, "node")?;
+    if let Some(r) = &i.reason {
+        if r.len() > 512 {
+            return Err(ApiError::invalid_input(
+                "reason must be at most 512 characters",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn load(tx: &Transaction<'_>, tenant: &str, node: &str) -> ApiResult<Value> {
+    found(
+        tx.query_row(
+            &format!("SELECT {COLS} FROM nodes WHERE id = ?1 AND tenant_id = ?2"),
+            [node, tenant],
+            row,
+        ),
+        || format!("node {node} not found in tenant {tenant}"),
+    )
+}
+
+fn certs(tx: &Transaction<'_>, node: &str) -> ApiResult<Vec<Value>> {
+    let mut st = tx.prepare(
+        "SELECT serial, identity_generation, role, not_before, not_after, revoked_at, revoke_reason FROM node_certs
+         WHERE node_id = ?1 ORDER BY created_at, serial",
+    )?;
+    let out = st
+        .query_map([node], |r| {
+            Ok(json!({
+                "serial": r.get::<_, String>(0)?, "identityGeneration": r.get::<_, i64>(1)?, "role": r.get::<_, String>(2)?,
+                "notBefore": rfc3339(r.get(3)?), "notAfter": rfc3339(r.get(4)?),
+                "revokedAt": r.get::<_, Option<i64>>(5)?.map(rfc3339), "revokeReason": r.get::<_, Option<String>>(6)?,
+            }))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(out)
+}
+
+/// Revokes every live certificate of a node, publishing one event each.
+fn revoke_all(
+    tx: &Transaction<'_>,
+    now: i64,
+    tenant: &str,
+    node: &str,
+    reason: &str,
+) -> ApiResult<Vec<String>> {
+    let serials: Vec<String> = tx
+        .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
+        .query_map([node], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    for s in &serials {
+        tx.execute(
+            "UPDATE node_certs SET revoked_at = ?2, revoke_reason = ?3 WHERE serial = ?1",
+            params![s, now, reason],
+        )?;
+        publish(
+            tx,
+            now,
+            tenant,
+            "security.certificate-revoked",
+            json!({"nodeId": node, "serial": s, "reason": reason}),
+        )?;
+    }
+    Ok(serials)
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid_input(format!("invalid request body: {e}")))
+}
+
+pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option<ApiResult<Value>> {
+    Some(match path {
+        "nodes/list" => parse::<ListInput>(body).and_then(|i| store.read(|tx| list(tx, i))),
+        "nodes/get" => parse::<NodeRef>(body).and_then(|i| {
+            validate_ref(&i)?;
+            store.read(|tx| {
+                let mut v = load(tx, &i.tenant_id, &i.node_id)?;
+                v["certificates"] = json!(certs(tx, &i.node_id)?);
+                Ok(v)
+            })
+        }),
+        "nodes/retire" => parse::<NodeRef>(body).and_then(|i| {
+            validate_ref(&i)?;
+            store.write(|tx| {
+                let v = load(tx, &i.tenant_id, &i.node_id)?;
+                if v["state"] != "retired" {
+                    tx.execute("UPDATE nodes SET state = 'retired', retired_at = ?2, updated_at = ?2 WHERE id = ?1", params![i.node_id, ctx.now])?;
+                    let data = json!({"nodeId": i.node_id, "reason": i.reason});
+                    publish(tx, ctx.now, &i.tenant_id, "node.retired", data.clone())?;
+                    audit(tx, ctx.now, &i.tenant_id, "nodes.retire", ctx.caller, &i.node_id, data)?;
+                }
+                load(tx, &i.tenant_id, &i.node_id)
+            })
+        }),
+        "nodes/delete" => parse::<NodeRef>(body).and_then(|i| {
+            validate_ref(&i)?;
+            store.write(|tx| {
+                let v = load(tx, &i.tenant_id, &i.node_id)?;
+                let revoked = revoke_all(tx, ctx.now, &i.tenant_id, &i.node_id, "deleted")?;
+                tx.execute("DELETE FROM nodes WHERE id = ?1", [&i.node_id])?;
+                let data = json!({"nodeId": i.node_id, "hardwareKey": v["hardwareKey"], "revokedSerials": revoked});
+                publish(tx, ctx.now, &i.tenant_id, "node.deleted", data.clone())?;
+                audit(tx, ctx.now, &i.tenant_id, "nodes.delete", ctx.caller, &i.node_id, data)?;
+                Ok(v)
+            })
+        }),
+        "nodes/revokeIdentity" => parse::<NodeRef>(body).and_then(|i| {
+            validate_ref(&i)?;
+            store.write(|tx| {
+                load(tx, &i.tenant_id, &i.node_id)?;
+                let revoked = revoke_all(tx, ctx.now, &i.tenant_id, &i.node_id, "revoked")?;
+                let data = json!({"nodeId": i.node_id, "revokedSerials": revoked, "reason": i.reason});
+                audit(tx, ctx.now, &i.tenant_id, "nodes.revokeIdentity", ctx.caller, &i.node_id, data)?;
+                let mut v = load(tx, &i.tenant_id, &i.node_id)?;
+                v["certificates"] = json!(certs(tx, &i.node_id)?);
+                Ok(v)
+            })
+        }),
+        _ => return None,
+    })
+}
+
+fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
+    validate::tenant_id("tenantId", &i.tenant_id)?;
+    if let Some(p) = &i.pool_id {
+        validate::pool_id("poolId", p)?;
+    }
+    let limit = i.limit.unwrap_or(100);
+    validate::range("limit", limit, 1, 200)?;
+    if let Some(c) = &i.cursor {
+        validate::id("cursor", c, "node")?;
+    }
+    let mut st = tx.prepare(&format!(
+        "SELECT {COLS} FROM nodes WHERE tenant_id = ?1 AND (?2 IS NULL OR pool_id = ?2) AND id > ?3
+         AND (?4 OR state != 'retired') ORDER BY id LIMIT ?5"
+    ))?;
+    let mut rows: Vec<(String, Value)> = st
+        .query_map(
+            params![
+                i.tenant_id,
+                i.pool_id,
+                i.cursor.unwrap_or_default(),
+                i.include_retired,
+                limit + 1
+            ],
+            row,
+        )?
+        .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
+        .collect::<Result<_, _>>()?;
+    let more = rows.len() as i64 > limit;
+    rows.truncate(limit as usize);
+    let cursor = if more {
+        rows.last().map(|(k, _)| k.clone())
+    } else {
+        None
+    };
+    Ok(json!({"items": rows.into_iter().map(|(_, v)| v).collect::<Vec<_>>(), "cursor": cursor}))
+}
+
+pub fn run_cli(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
+    let c = conn.client();
+    let out = |v: &Value, table: &dyn Fn(&Value)| {
+        if conn.json {
+            println!("{}", serde_json::to_string_pretty(v).expect("serializes"));
+        } else {
+            table(v);
+        }
+    };
+    let record = |v: &Value| {
+        for k in [
+            "id",
+            "poolId",
+            "role",
+            "state",
+            "trust",
+            "identityGeneration",
+            "hostname",
+            "hardwareKeyTrusted",
+            "createdAt",
+        ] {
+            println!("{k:<20} {}", s(&v[k]));
+        }
+        if let Some(cs) = v["certificates"].as_array() {
+            for c in cs {
+                println!(
+                    "certificate          {} gen {} until {}{}",
+                    s(&c["serial"]),
+                    s(&c["identityGeneration"]),
+                    s(&c["notAfter"]),
+                    c["revokedAt"]
+                        .as_str()
+                        .map(|r| format!(" revoked {r} ({})", s(&c["revokeReason"])))
+                        .unwrap_or_default()
+                );
+            }
+        }
+    };
+    match cmd {
+        NodesCmd::List {
+            tenant,
+            pool,
+            all,
+            limit,
+            cursor,
+        } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call(
+                "nodes/list",
+                &json!({"tenantId": tenant, "poolId": pool, "includeRetired": all, "limit": limit, "cursor": cursor}),
+            )?;
+            out(&v, &|v| {
+                print_table(
+                    &["ID", "POOL", "STATE", "ROLE", "GEN", "HOSTNAME"],
+                    v["items"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|n| {
+                            vec![
+                                s(&n["id"]),
+                                s(&n["poolId"]),
+                                s(&n["state"]),
+                                s(&n["role"]),
+                                s(&n["identityGeneration"]),
+                                s(&n["hostname"]),
+                            ]
+                        })
+                        .collect(),
+                );
+                print_cursor(v);
+            });
+        }
+        NodesCmd::Get { id, tenant } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call("nodes/get", &json!({"tenantId": tenant, "nodeId": id}))?,
+                &record,
+            );
+        }
+        NodesCmd::Retire { id, tenant, reason } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call(
+                    "nodes/retire",
+                    &json!({"tenantId": tenant, "nodeId": id, "reason": reason}),
+                )?,
+                &record,
+            );
+        }
+        NodesCmd::Delete { id, tenant, yes } => {
+            if !yes {
+                return Err(ApiError::invalid_input("deleting a node revokes its certificates and frees its hardware key; confirm with --yes"));
+            }
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call("nodes/delete", &json!({"tenantId": tenant, "nodeId": id}))?,
+                &record,
+            );
+        }
+        NodesCmd::RevokeIdentity { id, tenant, reason } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call(
+                    "nodes/revokeIdentity",
+                    &json!({"tenantId": tenant, "nodeId": id, "reason": reason}),
+                )?,
+                &record,
+            );
+        }
+    }
+    Ok(())
 }

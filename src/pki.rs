@@ -8,8 +8,8 @@ use crate::config::Config;
 use crate::crypto::{self, SigningKey};
 use crate::keys::KeyBundle;
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, KeyUsagePurpose,
-    SanType, SerialNumber,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyUsagePurpose, SanType, SerialNumber,
 };
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -42,7 +42,11 @@ fn ca_params(kind: CaKind, cfg: &Config) -> CertificateParams {
     );
     p.distinguished_name = dn;
     p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     p
 }
 
@@ -55,9 +59,15 @@ fn random_serial() -> SerialNumber {
 }
 
 /// The rcgen issuer for a CA, rebuilt from its key.
-pub fn issuer(kind: CaKind, cfg: &Config, key: &SigningKey) -> (rcgen::Certificate, rcgen::KeyPair) {
+pub fn issuer(
+    kind: CaKind,
+    cfg: &Config,
+    key: &SigningKey,
+) -> (rcgen::Certificate, rcgen::KeyPair) {
     let kp = key.rcgen();
-    let cert = ca_params(kind, cfg).self_signed(&kp).expect("CA parameters are valid");
+    let cert = ca_params(kind, cfg)
+        .self_signed(&kp)
+        .expect("CA parameters are valid");
     (cert, kp)
 }
 
@@ -76,27 +86,36 @@ pub fn create(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -> Resu
     node.not_before = ts(now - 3600);
     node.not_after = ts(now + years * 365 * 86_400);
     node.serial_number = Some(random_serial());
-    let node_ca = node.self_signed(&keys.node_ca.rcgen()).map_err(|e| e.to_string())?;
+    let node_ca = node
+        .self_signed(&keys.node_ca.rcgen())
+        .map_err(|e| e.to_string())?;
 
     let mut serving = ca_params(CaKind::Serving, cfg);
     serving.not_before = ts(now - 3600);
     serving.not_after = ts(now + years * 365 * 86_400);
     serving.serial_number = Some(random_serial());
-    let serving_ca = serving.self_signed(&keys.serving_ca.rcgen()).map_err(|e| e.to_string())?;
+    let serving_ca = serving
+        .self_signed(&keys.serving_ca.rcgen())
+        .map_err(|e| e.to_string())?;
 
     let gateway = gateway_leaf(cfg, keys, sans, now)?;
 
     let mut js = CertificateParams::default();
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, cfg.trust_domain.clone());
-    dn.push(DnType::CommonName, format!("bca join signing {}", cfg.site_id));
+    dn.push(
+        DnType::CommonName,
+        format!("bca join signing {}", cfg.site_id),
+    );
     js.distinguished_name = dn;
     js.is_ca = IsCa::ExplicitNoCa;
     js.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     js.not_before = ts(now - 3600);
     js.not_after = ts(now + years * 365 * 86_400);
     js.serial_number = Some(random_serial());
-    let join_signing = js.self_signed(&keys.join_signing.rcgen()).map_err(|e| e.to_string())?;
+    let join_signing = js
+        .self_signed(&keys.join_signing.rcgen())
+        .map_err(|e| e.to_string())?;
 
     Ok(Issued {
         node_ca: node_ca.der().to_vec(),
@@ -107,7 +126,12 @@ pub fn create(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -> Resu
 }
 
 /// A gateway leaf for `sans` (DNS names or IP addresses), signed by the serving CA.
-pub fn gateway_leaf(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -> Result<Vec<u8>, String> {
+pub fn gateway_leaf(
+    cfg: &Config,
+    keys: &KeyBundle,
+    sans: &[String],
+    now: i64,
+) -> Result<Vec<u8>, String> {
     if sans.is_empty() {
         return Err("the gateway certificate needs at least one name".into());
     }
@@ -135,7 +159,9 @@ pub fn gateway_leaf(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -
     p.not_after = ts(now + cfg.pki.gateway_leaf_validity_days as i64 * 86_400);
     p.serial_number = Some(random_serial());
     let (ca, ca_key) = issuer(CaKind::Serving, cfg, &keys.serving_ca);
-    let leaf = p.signed_by(&keys.gateway.rcgen(), &ca, &ca_key).map_err(|e| e.to_string())?;
+    let leaf = p
+        .signed_by(&keys.gateway.rcgen(), &ca, &ca_key)
+        .map_err(|e| e.to_string())?;
     Ok(leaf.der().to_vec())
 }
 
@@ -169,11 +195,21 @@ pub fn issue_node_cert(
 ) -> Result<(Vec<u8>, String), String> {
     let mut p = CertificateParams::default();
     let mut dn = DistinguishedName::new();
-    dn.push(DnType::OrganizationalUnitName, format!("bc-role:{}", spec.role));
+    dn.push(
+        DnType::OrganizationalUnitName,
+        format!("bc-role:{}", spec.role),
+    );
     p.distinguished_name = dn;
-    let mut sans = vec![SanType::URI(spec.spiffe_id.to_string().try_into().map_err(|_| "bad SPIFFE id")?)];
+    let mut sans = vec![SanType::URI(
+        spec.spiffe_id
+            .to_string()
+            .try_into()
+            .map_err(|_| "bad SPIFFE id")?,
+    )];
     for s in spec.statements {
-        sans.push(SanType::URI(s.clone().try_into().map_err(|_| "bad statement")?));
+        sans.push(SanType::URI(
+            s.clone().try_into().map_err(|_| "bad statement")?,
+        ));
     }
     p.subject_alt_names = sans;
     p.is_ca = IsCa::ExplicitNoCa;
@@ -284,11 +320,17 @@ pub struct PublicPki {
 
 impl PublicPki {
     pub fn write(dir: &Path, issued: &Issued, join_encryption_point: &[u8]) -> Result<(), String> {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        let w = |name: &str, text: String| crate::fsutil::write_new(&dir.join(name), text.as_bytes(), 0o644);
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let w = |name: &str, text: String| {
+            crate::fsutil::write_new(&dir.join(name), text.as_bytes(), 0o644)
+        };
         w("node-ca.pem", pem("CERTIFICATE", &issued.node_ca))?;
         w("serving-ca.pem", pem("CERTIFICATE", &issued.serving_ca))?;
-        w("gateway.pem", pem("CERTIFICATE", &issued.gateway) + &pem("CERTIFICATE", &issued.serving_ca))?;
+        w(
+            "gateway.pem",
+            pem("CERTIFICATE", &issued.gateway) + &pem("CERTIFICATE", &issued.serving_ca),
+        )?;
         w("join-signing.pem", pem("CERTIFICATE", &issued.join_signing))?;
         w(
             "join-encryption.jwk",
@@ -299,25 +341,31 @@ impl PublicPki {
     pub fn load(dir: &Path) -> Result<Self, String> {
         let one = |name: &str| -> Result<Vec<u8>, String> {
             let p = dir.join(name);
-            let t = std::fs::read_to_string(&p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            let t = std::fs::read_to_string(&p)
+                .map_err(|e| format!("cannot read {}: {e}", p.display()))?;
             pem_decode_all(&t, "CERTIFICATE")
                 .into_iter()
                 .next()
                 .ok_or_else(|| format!("{} holds no certificate", p.display()))
         };
         let jp = dir.join("join-encryption.jwk");
-        let jt = std::fs::read_to_string(&jp).map_err(|e| format!("cannot read {}: {e}", jp.display()))?;
+        let jt = std::fs::read_to_string(&jp)
+            .map_err(|e| format!("cannot read {}: {e}", jp.display()))?;
         Ok(Self {
             node_ca: one("node-ca.pem")?,
             serving_ca: one("serving-ca.pem")?,
             gateway: one("gateway.pem")?,
             join_signing: one("join-signing.pem")?,
-            join_encryption: serde_json::from_str(&jt).map_err(|e| format!("{}: {e}", jp.display()))?,
+            join_encryption: serde_json::from_str(&jt)
+                .map_err(|e| format!("{}: {e}", jp.display()))?,
         })
     }
 
     pub fn pins(&self) -> Result<Pins, String> {
-        let point = self.join_encryption.point().ok_or("join-encryption.jwk is not a P-256 key")?;
+        let point = self
+            .join_encryption
+            .point()
+            .ok_or("join-encryption.jwk is not a P-256 key")?;
         Ok(Pins {
             serving_ca: crypto::spki_pin(&cert_spki(&self.serving_ca)?),
             join_signing: crypto::spki_pin(&cert_spki(&self.join_signing)?),

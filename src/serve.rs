@@ -29,7 +29,11 @@ pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
         }
         KeyProtection::Tpm => return Err(keys::tpm_not_available()),
     };
-    let bundle = keys::unseal(state_dir, app.config.key_protection, passphrase.as_ref().map(|p| p.as_bytes()))?;
+    let bundle = keys::unseal(
+        state_dir,
+        app.config.key_protection,
+        passphrase.as_ref().map(|p| p.as_bytes()),
+    )?;
     app.check_keys(&bundle)?;
     Ok((app, bundle))
 }
@@ -47,28 +51,43 @@ async fn bind_admin(path: &Path, group: Option<u32>) -> Result<tokio::net::UnixL
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {
-            return Err(format!("{} exists and is not a socket; not touching it", path.display()));
+            return Err(format!(
+                "{} exists and is not a socket; not touching it",
+                path.display()
+            ));
         }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(format!("another bca is serving on {}", path.display()));
         }
         let _ = std::fs::remove_file(path);
     }
-    let l = tokio::net::UnixListener::bind(path).map_err(|e| format!("cannot bind {}: {e}", path.display()))?;
+    let l = tokio::net::UnixListener::bind(path)
+        .map_err(|e| format!("cannot bind {}: {e}", path.display()))?;
     let mode = if let Some(g) = group {
-        std::os::unix::fs::chown(path, None, Some(g)).map_err(|e| format!("cannot chown {}: {e}", path.display()))?;
+        std::os::unix::fs::chown(path, None, Some(g))
+            .map_err(|e| format!("cannot chown {}: {e}", path.display()))?;
         0o660
     } else {
         0o600
     };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| e.to_string())?;
     Ok(l)
 }
 
 async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<(), String> {
-    let http_addr = opts.listen_http.clone().unwrap_or_else(|| app.config.listen_http.clone());
-    let gw_addr = opts.listen_gateway.clone().unwrap_or_else(|| app.config.listen_gateway.clone());
-    let admin_path = opts.admin_socket.clone().unwrap_or_else(|| app.config.admin_socket_path(&app.state_dir));
+    let http_addr = opts
+        .listen_http
+        .clone()
+        .unwrap_or_else(|| app.config.listen_http.clone());
+    let gw_addr = opts
+        .listen_gateway
+        .clone()
+        .unwrap_or_else(|| app.config.listen_gateway.clone());
+    let admin_path = opts
+        .admin_socket
+        .clone()
+        .unwrap_or_else(|| app.config.admin_socket_path(&app.state_dir));
 
     let http = tokio::net::TcpListener::bind(&http_addr)
         .await
@@ -80,7 +99,11 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
 
     let app = Arc::new(app);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let _keys = keys;
+    // The gateway gets its TLS key and a message handle; the signing keys go to the JoinService.
+    let gateway_key = zeroize::Zeroizing::new(keys.gateway.pkcs8().to_vec());
+    let join = crate::joinservice::JoinService::start(app.clone(), keys)?;
+    let gw = crate::gateway::Gateway::new(app.clone(), &gateway_key, Some(join.handle()))?;
+    drop(gateway_key);
 
     let ready = serde_json::json!({
         "ready": true,
@@ -93,18 +116,32 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     println!("{ready}");
 
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(crate::http::serve_public(http, app.clone(), stop_rx.clone()));
-    tasks.spawn(crate::http::serve_admin(admin, app.clone(), stop_rx.clone()));
-    let _gateway = gateway;
+    tasks.spawn(crate::http::serve_public(
+        http,
+        app.clone(),
+        stop_rx.clone(),
+    ));
+    tasks.spawn(crate::http::serve_admin(
+        admin,
+        app.clone(),
+        stop_rx.clone(),
+    ));
+    tasks.spawn(gw.serve(gateway, stop_rx.clone()));
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| e.to_string())?;
-    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| e.to_string())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| e.to_string())?;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
         _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
     let _ = stop_tx.send(true);
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async { while tasks.join_next().await.is_some() {} }).await;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    join.stop().await;
     let _ = std::fs::remove_file(&admin_path);
     tracing::info!("stopped");
     Ok(())

@@ -14,7 +14,10 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 /// Every migration, in order. A migration is never edited once released: add a new file.
-pub const MIGRATIONS: &[(&str, &str)] = &[("0001_initial", include_str!("../migrations/0001_initial.sql"))];
+pub const MIGRATIONS: &[(&str, &str)] = &[(
+    "0001_initial",
+    include_str!("../migrations/0001_initial.sql"),
+)];
 
 pub struct Store {
     conn: Mutex<Connection>,
@@ -39,7 +42,9 @@ impl Store {
         )
         .map_err(|e| format!("cannot configure the database: {e}"))?;
         migrate(&mut conn)?;
-        Ok(Self { conn: Mutex::new(conn) })
+        Ok(Self {
+            conn: Mutex::new(conn),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Connection> {
@@ -77,8 +82,10 @@ fn migrate(conn: &mut Connection) -> Result<(), String> {
     }
     for (i, (name, sql)) in MIGRATIONS.iter().enumerate().skip(current) {
         let tx = conn.transaction().map_err(|e| e.to_string())?;
-        tx.execute_batch(sql).map_err(|e| format!("migration {name} failed: {e}"))?;
-        tx.pragma_update(None, "user_version", (i + 1) as i64).map_err(|e| e.to_string())?;
+        tx.execute_batch(sql)
+            .map_err(|e| format!("migration {name} failed: {e}"))?;
+        tx.pragma_update(None, "user_version", (i + 1) as i64)
+            .map_err(|e| e.to_string())?;
         tx.commit().map_err(|e| e.to_string())?;
     }
     Ok(())
@@ -100,15 +107,22 @@ mod tests {
     #[test]
     fn migrations_are_numbered_in_order_and_apply_twice_safely() {
         for (i, (name, _)) in MIGRATIONS.iter().enumerate() {
-            assert!(name.starts_with(&format!("{:04}_", i + 1)), "{name} is out of order");
+            assert!(
+                name.starts_with(&format!("{:04}_", i + 1)),
+                "{name} is out of order"
+            );
         }
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("db");
         drop(Store::open(&p, true).unwrap());
         let s = Store::open(&p, false).unwrap();
-        let v: i64 = s.read(|tx| Ok(tx.query_row("PRAGMA user_version", [], |r| r.get(0))?)).unwrap();
+        let v: i64 = s
+            .read(|tx| Ok(tx.query_row("PRAGMA user_version", [], |r| r.get(0))?))
+            .unwrap();
         assert_eq!(v as usize, MIGRATIONS.len());
-        let mode: String = s.read(|tx| Ok(tx.query_row("PRAGMA journal_mode", [], |r| r.get(0))?)).unwrap();
+        let mode: String = s
+            .read(|tx| Ok(tx.query_row("PRAGMA journal_mode", [], |r| r.get(0))?))
+            .unwrap();
         assert_eq!(mode, "wal");
     }
 
@@ -121,7 +135,9 @@ mod tests {
             Err(ApiError::invalid_input("no"))
         });
         assert!(r.is_err());
-        let n: i64 = s.read(|tx| Ok(tx.query_row("SELECT count(*) FROM site", [], |r| r.get(0))?)).unwrap();
+        let n: i64 = s
+            .read(|tx| Ok(tx.query_row("SELECT count(*) FROM site", [], |r| r.get(0))?))
+            .unwrap();
         assert_eq!(n, 0);
     }
 

@@ -2,9 +2,17 @@
 
 use crate::error::{ApiError, ApiResult};
 
-fn matches(s: &str, min: usize, max: usize, first: impl Fn(u8) -> bool, rest: impl Fn(u8) -> bool) -> bool {
+fn matches(
+    s: &str,
+    min: usize,
+    max: usize,
+    first: impl Fn(u8) -> bool,
+    rest: impl Fn(u8) -> bool,
+) -> bool {
     let b = s.as_bytes();
-    (min..=max).contains(&b.len()) && b.first().is_none_or(|c| first(*c)) && b.iter().skip(1).all(|c| rest(*c))
+    (min..=max).contains(&b.len())
+        && b.first().is_none_or(|c| first(*c))
+        && b.iter().skip(1).all(|c| rest(*c))
 }
 
 fn alnum(c: u8) -> bool {
@@ -12,7 +20,9 @@ fn alnum(c: u8) -> bool {
 }
 
 fn fail(field: &str, pattern: &str, max: usize) -> ApiError {
-    ApiError::invalid_input(format!("{field} must be at most {max} characters and match {pattern}"))
+    ApiError::invalid_input(format!(
+        "{field} must be at most {max} characters and match {pattern}"
+    ))
 }
 
 /// `^[A-Za-z0-9._:-]{1,128}$`
@@ -68,7 +78,13 @@ pub fn serial(field: &str, s: &str) -> ApiResult<()> {
 pub fn mac(field: &str, s: &str) -> ApiResult<()> {
     let b = s.as_bytes();
     let ok = b.len() == 17
-        && b.iter().enumerate().all(|(i, c)| if i % 3 == 2 { *c == b':' } else { c.is_ascii_hexdigit() });
+        && b.iter().enumerate().all(|(i, c)| {
+            if i % 3 == 2 {
+                *c == b':'
+            } else {
+                c.is_ascii_hexdigit()
+            }
+        });
     if ok {
         Ok(())
     } else {
@@ -90,7 +106,11 @@ pub fn id(field: &str, s: &str, prefix: &str) -> ApiResult<()> {
     if s.len() <= 64 && crate::ids::is_id(s, prefix, 52) {
         Ok(())
     } else {
-        Err(fail(field, &format!("^{prefix}_[0-9a-hjkmnp-tv-z]{{26,52}}$"), 64))
+        Err(fail(
+            field,
+            &format!("^{prefix}_[0-9a-hjkmnp-tv-z]{{26,52}}$"),
+            64,
+        ))
     }
 }
 
@@ -107,7 +127,9 @@ pub fn range(field: &str, v: i64, min: i64, max: i64) -> ApiResult<()> {
     if (min..=max).contains(&v) {
         Ok(())
     } else {
-        Err(ApiError::invalid_input(format!("{field} must be from {min} to {max}, got {v}")))
+        Err(ApiError::invalid_input(format!(
+            "{field} must be from {min} to {max}, got {v}"
+        )))
     }
 }
 

@@ -1,0 +1,470 @@
+//! The agent, the machine side in the same binary: `bca agent join` and the claims it collects.
+//!
+//! Files (under `--data-dir`, default `/var/lib/bca-agent`): `node.key` (0600, PKCS#8 PEM) and
+//! `identity.json` (0600: node id, site, trust domain, role, certificate chain). The config (the
+//! seed's `config.toml`) and `join-encryption.jwk` lie beside each other (default `/etc/bca-agent`).
+
+use crate::claims::Claims;
+use crate::crypto::{self, SigningKey};
+use crate::error::{ApiError, ApiResult, Code};
+use crate::pki::{self, Jwk};
+use crate::protocol::{self, JoinRequest, JoinResponseBody, Reply, Request, JOIN_RESPONSE_PURPOSE};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use zeroize::Zeroizing;
+
+pub const DEFAULT_CONFIG: &str = "/etc/bca-agent/config.toml";
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/bca-agent";
+
+/// The agent's `config.toml`, as the seed's install script writes it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub gateway_url: String,
+    pub site: String,
+    pub serving_ca_spki_pin: String,
+    pub join_signing_key_pin: String,
+    pub join_encryption_key_pin: String,
+    /// The name to verify on the gateway's certificate (default: the URL's host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
+}
+
+impl AgentConfig {
+    pub fn load(path: &Path) -> ApiResult<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ApiError::invalid_config(format!("cannot read {}: {e}", path.display()))
+        })?;
+        let c: AgentConfig = toml::from_str(&text)
+            .map_err(|e| ApiError::invalid_config(format!("{}: {e}", path.display())))?;
+        for (k, v) in [
+            ("serving_ca_spki_pin", &c.serving_ca_spki_pin),
+            ("join_signing_key_pin", &c.join_signing_key_pin),
+            ("join_encryption_key_pin", &c.join_encryption_key_pin),
+        ] {
+            let ok = v
+                .strip_prefix("sha256/")
+                .and_then(crypto::b64_decode)
+                .is_some_and(|h| h.len() == 32);
+            if !ok {
+                return Err(ApiError::invalid_config(format!(
+                    "{}: {k} must be sha256/<base64 of 32 bytes>",
+                    path.display()
+                )));
+            }
+        }
+        if crate::tlsclient::host_port(&c.gateway_url).is_none() {
+            return Err(ApiError::invalid_config(format!(
+                "{}: gateway_url must be https://host[:port]",
+                path.display()
+            )));
+        }
+        Ok(c)
+    }
+
+    /// The join-encryption key beside the config, used only when its SPKI hash equals the pin.
+    pub fn join_encryption_point(&self, config_path: &Path) -> ApiResult<Vec<u8>> {
+        let p = config_path.with_file_name("join-encryption.jwk");
+        let text = std::fs::read_to_string(&p).map_err(|e| {
+            ApiError::invalid_config(format!(
+                "cannot read {}: {e} (run bca daemon agent-config again)",
+                p.display()
+            ))
+        })?;
+        let jwk: Jwk = serde_json::from_str(&text)
+            .map_err(|e| ApiError::invalid_config(format!("{}: {e}", p.display())))?;
+        let point = jwk.point().ok_or_else(|| {
+            ApiError::invalid_config(format!("{} is not a P-256 key", p.display()))
+        })?;
+        if crypto::spki_pin(&crypto::p256_spki_from_point(&point)) != self.join_encryption_key_pin {
+            return Err(ApiError::invalid_config(format!(
+                "{} does not match join_encryption_key_pin; the key was rotated or the file replaced: write the agent config again",
+                p.display()
+            )));
+        }
+        Ok(point)
+    }
+}
+
+/// What a node keeps after joining.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Identity {
+    pub node_id: String,
+    pub site_id: String,
+    pub trust_domain: String,
+    pub role: String,
+    /// PEM, leaf first.
+    pub certificate_chain: Vec<String>,
+}
+
+pub struct JoinOptions {
+    pub config: PathBuf,
+    pub data_dir: PathBuf,
+    pub claims: Option<PathBuf>,
+    pub role: String,
+    pub reset: bool,
+    pub yes: bool,
+}
+
+/// Reads the bearer token from `BCD_JOIN_TOKEN` (or `BCA_JOIN_TOKEN`), else standard input.
+pub fn read_token() -> ApiResult<Zeroizing<String>> {
+    let raw = match std::env::var("BCD_JOIN_TOKEN").or_else(|_| std::env::var("BCA_JOIN_TOKEN")) {
+        Ok(t) => Zeroizing::new(t),
+        Err(_) => {
+            use std::io::Read;
+            let mut buf = Zeroizing::new(String::new());
+            std::io::stdin()
+                .take(4096)
+                .read_to_string(&mut buf)
+                .map_err(|e| {
+                    ApiError::invalid_input(format!(
+                        "cannot read the token from standard input: {e}"
+                    ))
+                })?;
+            buf
+        }
+    };
+    let t = Zeroizing::new(raw.trim().to_string());
+    if !t.starts_with("bcjt_") || t.len() > 512 || t.contains(char::is_whitespace) {
+        return Err(ApiError::invalid_input(
+            "the join token must look like bcjt_<id>.<secret>, on standard input or in BCD_JOIN_TOKEN",
+        ));
+    }
+    Ok(t)
+}
+
+fn read_file_string(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// The claims of this machine: DMI, permanent MACs of physical NICs, NVIDIA GPU UUIDs, hostname.
+pub fn collect_claims() -> Claims {
+    let dmi = Path::new("/sys/class/dmi/id");
+    let mut macs = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/sys/class/net") {
+        for e in rd.flatten() {
+            let p = e.path();
+            // A physical NIC has a device; addr_assign_type 0 is a permanent address.
+            if p.join("device").exists()
+                && read_file_string(&p.join("addr_assign_type")).as_deref() == Some("0")
+            {
+                if let Some(a) = read_file_string(&p.join("address")) {
+                    macs.push(a);
+                }
+            }
+        }
+    }
+    let mut gpus = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc/driver/nvidia/gpus") {
+        for e in rd.flatten() {
+            if let Some(info) = read_file_string(&e.path().join("information")) {
+                for line in info.lines() {
+                    if let Some(u) = line.strip_prefix("GPU UUID:") {
+                        gpus.push(u.trim().to_string());
+                    }
+                }
+            }
+        }
+    }
+    Claims {
+        product_uuid: read_file_string(&dmi.join("product_uuid")),
+        serials: crate::claims::Serials {
+            product: read_file_string(&dmi.join("product_serial")),
+            board: read_file_string(&dmi.join("board_serial")),
+            chassis: read_file_string(&dmi.join("chassis_serial")),
+        },
+        macs,
+        gpu_uuids: gpus,
+        hostname: read_file_string(Path::new("/proc/sys/kernel/hostname")),
+    }
+}
+
+fn utc_stamp(now: i64) -> String {
+    crate::api::rfc3339(now).replace(':', "")
+}
+
+/// `bca agent join`. Returns the node id (or the existing one when already joined).
+pub fn join(o: &JoinOptions) -> ApiResult<String> {
+    let identity_path = o.data_dir.join("identity.json");
+    let key_path = o.data_dir.join("node.key");
+    if o.reset && !o.yes {
+        return Err(ApiError::invalid_input(
+            "--reset moves the current identity aside; confirm with --yes",
+        ));
+    }
+    if o.role != "node" && o.role != "ramdisk" {
+        return Err(ApiError::invalid_input(format!(
+            "--role must be node or ramdisk, got {:?}",
+            o.role
+        )));
+    }
+    if identity_path.exists() && !o.reset {
+        if let Some(id) = std::fs::read(&identity_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Identity>(&b).ok())
+        {
+            println!(
+                "already joined (node {}); to join again: bca agent join --reset --yes",
+                id.node_id
+            );
+            return Ok(id.node_id);
+        }
+    }
+    let cfg = AgentConfig::load(&o.config)?;
+    let enc_point = cfg.join_encryption_point(&o.config)?;
+    let claims = match &o.claims {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| {
+                ApiError::invalid_input(format!("cannot read {}: {e}", p.display()))
+            })?;
+            serde_json::from_str::<Claims>(&text)
+                .map_err(|e| ApiError::invalid_input(format!("{}: {e}", p.display())))?
+        }
+        None => collect_claims(),
+    };
+    let token = read_token()?;
+    if o.reset {
+        let stamp = utc_stamp(crate::clock::now());
+        for name in ["identity.json", "node.key", "node.key.next"] {
+            let p = o.data_dir.join(name);
+            if p.exists() {
+                let to = o.data_dir.join(format!("{name}.reset-{stamp}"));
+                std::fs::rename(&p, &to).map_err(|e| {
+                    ApiError::invalid_state(format!("cannot move {}: {e}", p.display()))
+                })?;
+            }
+        }
+    }
+    crate::fsutil::create_private_dir(&o.data_dir).map_err(ApiError::invalid_state)?;
+
+    let key = SigningKey::generate();
+    let csr = crate::csr::create(&key);
+    let sealed = crate::jwe::seal(&token, &enc_point, &csr, crate::clock::now())
+        .map_err(ApiError::internal)?;
+    drop(token);
+    let request = Request {
+        v: 1,
+        join: Some(JoinRequest {
+            sealed_token: sealed,
+            csr: crypto::b64(&csr),
+            claims,
+            attestor: String::new(),
+            role: o.role.clone(),
+        }),
+    };
+    let reply = exchange(&cfg, &serde_json::to_vec(&request).expect("serializes"))?;
+    if let Some(e) = reply.error {
+        let code = serde_json::from_value::<Code>(serde_json::Value::String(e.code.clone()))
+            .unwrap_or(Code::Internal);
+        return Err(ApiError::new(code, e.message));
+    }
+    let resp = reply
+        .join_response
+        .ok_or_else(|| ApiError::internal("the gateway's answer carries no response"))?;
+    let body = verify_response(&cfg, &resp, &csr, &key, &o.role)?;
+    // The key first, then the identity that names it; each write is atomic.
+    crate::fsutil::write_atomic(
+        &key_path,
+        pki::pem("PRIVATE KEY", key.pkcs8()).as_bytes(),
+        0o600,
+    )
+    .map_err(ApiError::invalid_state)?;
+    let identity = Identity {
+        node_id: body.node_id.clone(),
+        site_id: body.site_id,
+        trust_domain: body.trust_domain,
+        role: body.role,
+        certificate_chain: body.certificate_chain,
+    };
+    crate::fsutil::write_atomic(
+        &identity_path,
+        &serde_json::to_vec_pretty(&identity).expect("serializes"),
+        0o600,
+    )
+    .map_err(ApiError::invalid_state)?;
+    Ok(body.node_id)
+}
+
+/// One request and its reply over TLS to the gateway.
+pub fn exchange(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Reply> {
+    let (host, port) = crate::tlsclient::host_port(&cfg.gateway_url)
+        .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
+    let name = cfg.server_name.clone().unwrap_or(host.clone());
+    let tls =
+        crate::tlsclient::client_config(&cfg.serving_ca_spki_pin).map_err(ApiError::internal)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ApiError::internal)?;
+    rt.block_on(async move {
+        let unreachable = |e: String| {
+            ApiError::new(
+                Code::InvalidState,
+                format!("cannot reach the gateway {}: {e}", cfg.gateway_url),
+            )
+        };
+        let stream = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            tokio::net::TcpStream::connect((host.as_str(), port)),
+        )
+        .await
+        .map_err(|_| unreachable("timed out".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+        let server_name = rustls::pki_types::ServerName::try_from(name.clone()).map_err(|_| {
+            ApiError::invalid_config(format!("{name:?} is not a valid server name"))
+        })?;
+        let mut s = tokio_rustls::TlsConnector::from(Arc::new(tls))
+            .connect(server_name, stream)
+            .await
+            .map_err(|e| unreachable(format!("TLS: {e}")))?;
+        protocol::write_frame(&mut s, request)
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        let frame = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            protocol::read_frame(&mut s),
+        )
+        .await
+        .map_err(|_| unreachable("no answer in 60 s".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+        serde_json::from_slice::<Reply>(&frame)
+            .map_err(|e| ApiError::internal(format!("the gateway's answer is malformed: {e}")))
+    })
+}
+
+/// The seed's checks, in its order: the signature under the pinned key, `csr_sha256`, that the
+/// leaf certifies this key, the SPIFFE SAN, and the role.
+pub fn verify_response(
+    cfg: &AgentConfig,
+    resp: &protocol::JoinResponse,
+    csr: &[u8],
+    key: &SigningKey,
+    role: &str,
+) -> ApiResult<JoinResponseBody> {
+    let bad =
+        |m: &str| ApiError::access_denied(format!("the join response failed verification: {m}"));
+    let signer = crypto::b64_decode(&resp.signer).ok_or_else(|| bad("signer"))?;
+    let spki = pki::cert_spki(&signer).map_err(|_| bad("signer"))?;
+    if crypto::spki_pin(&spki) != cfg.join_signing_key_pin {
+        return Err(bad("not signed by the pinned join-signing key"));
+    }
+    let point = crypto::p256_point_from_spki(&spki).ok_or_else(|| bad("signer key"))?;
+    let body_bytes = crypto::b64_decode(&resp.body).ok_or_else(|| bad("body"))?;
+    let sig = crypto::b64_decode(&resp.sig).ok_or_else(|| bad("sig"))?;
+    if !crypto::verify(point, JOIN_RESPONSE_PURPOSE, &body_bytes, &sig) {
+        return Err(bad("bad signature"));
+    }
+    let body: JoinResponseBody = serde_json::from_slice(&body_bytes).map_err(|_| bad("body"))?;
+    if body.csr_sha256 != crypto::hex(&crypto::sha256(csr)) {
+        return Err(bad("it answers another CSR"));
+    }
+    let leaf_pem = body
+        .certificate_chain
+        .first()
+        .ok_or_else(|| bad("no certificate"))?;
+    let leaf = pki::pem_decode_all(leaf_pem, "CERTIFICATE")
+        .into_iter()
+        .next()
+        .ok_or_else(|| bad("certificate"))?;
+    if pki::cert_spki(&leaf).map_err(|_| bad("certificate"))? != key.spki_der() {
+        return Err(bad("the certificate does not certify this machine's key"));
+    }
+    let want = format!(
+        "spiffe://{}/site/{}/node/{}",
+        body.trust_domain, cfg.site, body.node_id
+    );
+    if body.site_id != cfg.site || spiffe_sans(&leaf).as_deref() != Some(want.as_str()) {
+        return Err(bad("the certificate's SPIFFE ID is not this site's node"));
+    }
+    let role_ok = body.role == role || (role == "node" && body.role == "node-tenant");
+    if !role_ok || cert_role(&leaf).as_deref() != Some(body.role.as_str()) {
+        return Err(bad("the certificate has another role"));
+    }
+    Ok(body)
+}
+
+/// The one SPIFFE URI SAN, when the URI SANs are exactly it (first) and `urn:bc:` statements.
+pub fn spiffe_sans(der: &[u8]) -> Option<String> {
+    use x509_parser::prelude::*;
+    let (_, c) = X509Certificate::from_der(der).ok()?;
+    let san = c.subject_alternative_name().ok()??;
+    let uris: Vec<&str> = san
+        .value
+        .general_names
+        .iter()
+        .filter_map(|g| {
+            if let GeneralName::URI(u) = g {
+                Some(*u)
+            } else {
+                None
+            }
+        })
+        .collect();
+    let first = *uris.first()?;
+    if !first.starts_with("spiffe://") || uris[1..].iter().any(|u| !u.starts_with("urn:bc:")) {
+        return None;
+    }
+    Some(first.to_string())
+}
+
+/// The role in the certificate's one `OU=bc-role:<role>`.
+pub fn cert_role(der: &[u8]) -> Option<String> {
+    use x509_parser::prelude::*;
+    let (_, c) = X509Certificate::from_der(der).ok()?;
+    let ous: Vec<&str> = c
+        .subject()
+        .iter_organizational_unit()
+        .filter_map(|a| a.as_str().ok())
+        .collect();
+    match ous.as_slice() {
+        [one] => one.strip_prefix("bc-role:").map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `bca daemon agent-config`: the agent's `config.toml` (0600) and `join-encryption.jwk` (0644).
+pub fn write_agent_config(state_dir: &Path, gateway_url: &str, out: &Path) -> ApiResult<()> {
+    let cfg = crate::config::Config::load(state_dir).map_err(ApiError::invalid_config)?;
+    let public =
+        pki::PublicPki::load(&pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
+    let pins = public.pins().map_err(ApiError::invalid_config)?;
+    if crate::tlsclient::host_port(gateway_url).is_none() {
+        return Err(ApiError::invalid_input(format!(
+            "--gateway-url {gateway_url:?} must be https://host[:port]"
+        )));
+    }
+    let agent = AgentConfig {
+        gateway_url: gateway_url.to_string(),
+        site: cfg.site_id,
+        serving_ca_spki_pin: pins.serving_ca,
+        join_signing_key_pin: pins.join_signing,
+        join_encryption_key_pin: pins.join_encryption,
+        server_name: None,
+    };
+    std::fs::create_dir_all(out)
+        .map_err(|e| ApiError::invalid_state(format!("cannot create {}: {e}", out.display())))?;
+    let cfg_path = out.join("config.toml");
+    let jwk_path = out.join("join-encryption.jwk");
+    for p in [&cfg_path, &jwk_path] {
+        if p.exists() {
+            return Err(ApiError::already_exists(format!(
+                "{} exists; it was not written over",
+                p.display()
+            )));
+        }
+    }
+    let text = format!(
+        "# bca agent configuration, written by bca daemon agent-config\n{}",
+        toml::to_string(&agent).expect("serializes")
+    );
+    crate::fsutil::write_new(&cfg_path, text.as_bytes(), 0o600)
+        .map_err(ApiError::already_exists)?;
+    let jwk = serde_json::to_string_pretty(&public.join_encryption).expect("serializes") + "\n";
+    crate::fsutil::write_new(&jwk_path, jwk.as_bytes(), 0o644).map_err(ApiError::already_exists)?;
+    Ok(())
+}

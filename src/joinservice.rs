@@ -1,0 +1,621 @@
+//! The JoinService: the only part that holds the signing keys. It takes [`JoinCall`] messages
+//! (serialized, from the gateway), and answers [`JoinOutcome`] messages.
+//!
+//! A join runs in two stages:
+//! 1. **Outside the write transaction**, on the caller's task: the CSR's signature is verified,
+//!    the seal opened (ECDH + AES), the bearer parsed, the claims normalised and the hardware key
+//!    derived. A trusted hardware key is registered as in flight: a second join of the same machine
+//!    arriving before the first is answered gets `CONFLICT` (whatever batch either lands in).
+//! 2. **Inside one write transaction**, on the writer thread, a batch of joins at a time (group
+//!    commit), each in its own savepoint: lock the token row, check it, consume a use, apply the
+//!    admission rules, write the node, sign the certificate (it needs the node id decided here),
+//!    write `node_certs`, events and audit. A refusal rolls its savepoint back (the token keeps its
+//!    use) and records `security.join.refused`. Answers are sent only after the commit is durable.
+
+use crate::admission::{self, AdmitInput, Kind, KnownNode, Reason};
+use crate::api::{self, Bearer, TokenRow, TOKEN_COLS};
+use crate::app::App;
+use crate::claims::{self, Claims, HardwareKey, Identifiers};
+use crate::crypto::{self, SigningKey};
+use crate::error::ApiResult;
+use crate::keys::KeyBundle;
+use crate::pki::{self, CaKind};
+use crate::protocol::{
+    JoinCall, JoinOutcome, JoinResponse, JoinResponseBody, JOIN_RESPONSE_PURPOSE,
+};
+use rusqlite::{params, OptionalExtension, Transaction};
+use serde_json::json;
+use std::collections::{HashMap, HashSet};
+use std::sync::{mpsc, Arc, Mutex};
+use tokio::sync::oneshot;
+
+/// Joins committed together at most.
+const MAX_BATCH: usize = 64;
+/// Refusal events per attestor and reason per minute.
+const EVENTS_PER_MINUTE: u32 = 60;
+
+struct Signer {
+    node_ca: (rcgen::Certificate, rcgen::KeyPair),
+    node_ca_pem: String,
+    join_signing: SigningKey,
+    signer_b64: String,
+    decrypt: aws_lc_rs::agreement::PrivateKey,
+}
+
+/// What stage 1 produced.
+enum Prepared {
+    Refused {
+        reason: Reason,
+        csr_sha256: Option<[u8; 32]>,
+        hardware_key: Option<String>,
+    },
+    Ready(Box<Ready>),
+}
+
+struct Ready {
+    bearer: Bearer,
+    csr: crate::csr::VerifiedCsr,
+    claims: Claims,
+    ids: Identifiers,
+    key: Option<HardwareKey>,
+    role: String,
+}
+
+struct Job {
+    prepared: Prepared,
+    role: String,
+    reply: oneshot::Sender<JoinOutcome>,
+}
+
+/// The in-process handle the gateway holds: it can send messages, nothing else.
+#[derive(Clone)]
+pub struct JoinHandle {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    app: Arc<App>,
+    signer: Arc<Signer>,
+    jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
+    in_flight: Mutex<HashSet<String>>,
+}
+
+pub struct JoinService {
+    handle: JoinHandle,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl JoinService {
+    pub fn start(app: Arc<App>, keys: KeyBundle) -> Result<Self, String> {
+        let node_ca = pki::issuer(CaKind::Node, &app.config, &keys.node_ca);
+        let signer = Arc::new(Signer {
+            node_ca,
+            node_ca_pem: pki::pem("CERTIFICATE", &app.pki.node_ca),
+            signer_b64: crypto::b64(&app.pki.join_signing),
+            decrypt: crate::jwe::decryption_key(keys.join_encryption.pkcs8())?,
+            join_signing: SigningKey::from_pkcs8(keys.join_signing.pkcs8())?,
+        });
+        drop(keys);
+        let (tx, rx) = mpsc::sync_channel::<Job>(4096);
+        let inner = Arc::new(Inner {
+            app: app.clone(),
+            signer: signer.clone(),
+            jobs: Mutex::new(Some(tx)),
+            in_flight: Mutex::default(),
+        });
+        let writer = std::thread::Builder::new()
+            .name("join-writer".into())
+            .spawn(move || writer_loop(app, signer, rx))
+            .map_err(|e| format!("cannot start the join writer: {e}"))?;
+        Ok(Self {
+            handle: JoinHandle { inner },
+            writer: Some(writer),
+        })
+    }
+
+    pub fn handle(&self) -> JoinHandle {
+        self.handle.clone()
+    }
+
+    /// Stops taking joins and waits for the writer to finish what it has.
+    pub async fn stop(mut self) {
+        self.handle
+            .inner
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(w) = self.writer.take() {
+            let _ = tokio::task::spawn_blocking(move || w.join()).await;
+        }
+    }
+}
+
+/// Removes a machine from the in-flight set when its join is answered.
+struct InFlight<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    key: Option<String>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(k) = self.key.take() {
+            self.set
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&k);
+        }
+    }
+}
+
+impl JoinHandle {
+    /// The message interface: a serialized [`JoinCall`] in, a serialized [`JoinOutcome`] out.
+    pub async fn call(&self, msg: &[u8]) -> Vec<u8> {
+        let outcome = match serde_json::from_slice::<JoinCall>(msg) {
+            Ok(c) => self.join(c).await,
+            Err(_) => JoinOutcome::Refused,
+        };
+        serde_json::to_vec(&outcome).expect("serializes")
+    }
+
+    async fn join(&self, call: JoinCall) -> JoinOutcome {
+        let now = crate::clock::now();
+        let role = call.request.role.chars().take(32).collect::<String>();
+        let prepared = prepare(
+            &self.inner.signer,
+            &call,
+            now,
+            self.inner.app.config.join.seal_max_skew_seconds as i64,
+        );
+        let mut guard = InFlight {
+            set: &self.inner.in_flight,
+            key: None,
+        };
+        if let Prepared::Ready(r) = &prepared {
+            if let Some(k) = r.key.as_ref().filter(|k| k.trusted) {
+                let mut set = self
+                    .inner
+                    .in_flight
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if !set.insert(k.hex.clone()) {
+                    tracing::info!(peer = %call.peer, "join: the same machine is joining concurrently");
+                    return JoinOutcome::Conflict;
+                }
+                guard.key = Some(k.hex.clone());
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        let sender = self
+            .inner
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(sender) = sender else {
+            return JoinOutcome::Busy;
+        };
+        if sender
+            .try_send(Job {
+                prepared,
+                role,
+                reply: tx,
+            })
+            .is_err()
+        {
+            return JoinOutcome::Busy;
+        }
+        let out = rx.await.unwrap_or(JoinOutcome::Busy);
+        drop(guard);
+        out
+    }
+}
+
+/// Stage 1: every check that needs no database, in the seed's order.
+fn prepare(signer: &Signer, call: &JoinCall, now: i64, max_skew: i64) -> Prepared {
+    let r = &call.request;
+    let refuse = |reason, csr_sha256, hardware_key| Prepared::Refused {
+        reason,
+        csr_sha256,
+        hardware_key,
+    };
+    if !r.attestor.is_empty() && r.attestor != "join-token" {
+        return refuse(Reason::Attestor, None, None);
+    }
+    if !r.claims.within_limits() {
+        return refuse(Reason::Claims, None, None);
+    }
+    let ids = Identifiers::from_claims(&r.claims);
+    let key = claims::hardware_key(&ids);
+    let hk = key.as_ref().map(|k| k.hex.clone());
+    let Some(der) = crypto::b64_decode(&r.csr).filter(|d| d.len() <= crate::csr::MAX_CSR) else {
+        return refuse(Reason::Csr, None, hk);
+    };
+    let csr = match crate::csr::verify(&der) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(peer = %call.peer, error = %e, "join: bad CSR");
+            return refuse(Reason::Csr, Some(crypto::sha256(&der)), hk);
+        }
+    };
+    let token = match crate::jwe::open(&r.sealed_token, &signer.decrypt, &csr.sha256, now, max_skew)
+    {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::debug!(peer = %call.peer, error = ?e, "join: the seal did not open");
+            return refuse(Reason::Token, Some(csr.sha256), hk);
+        }
+    };
+    let Some(bearer) = Bearer::parse(&token) else {
+        return refuse(Reason::Malformed, Some(csr.sha256), hk);
+    };
+    Prepared::Ready(Box::new(Ready {
+        bearer,
+        csr,
+        claims: r.claims.clone(),
+        ids,
+        key,
+        role: r.role.clone(),
+    }))
+}
+
+/// Per (attestor, reason): the minute, events written in it, and events suppressed since the last.
+#[derive(Default)]
+struct RateLimit {
+    buckets: HashMap<&'static str, (i64, u32, u64)>,
+}
+
+impl RateLimit {
+    /// `Some(suppressed)` when an event may be written now.
+    fn admit(&mut self, reason: Reason, now: i64) -> Option<u64> {
+        let b = self
+            .buckets
+            .entry(reason.as_str())
+            .or_insert((now / 60, 0, 0));
+        if b.0 != now / 60 {
+            b.0 = now / 60;
+            b.1 = 0;
+        }
+        if b.1 >= EVENTS_PER_MINUTE {
+            b.2 += 1;
+            return None;
+        }
+        b.1 += 1;
+        let s = b.2;
+        b.2 = 0;
+        Some(s)
+    }
+}
+
+struct Refusal {
+    reason: Reason,
+    /// The tenant whose stream gets the event: the token's once its secret verified, else root.
+    tenant: Option<String>,
+}
+
+enum Decided {
+    Issued(JoinResponse),
+    Refused(Refusal),
+}
+
+fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
+    let mut limits = RateLimit::default();
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(j) => batch.push(j),
+                Err(_) => break,
+            }
+        }
+        let now = crate::clock::now();
+        let result = app.store.write(|tx| {
+            let mut outs = Vec::with_capacity(batch.len());
+            for job in &batch {
+                outs.push(process(tx, &app, &signer, job, now, &mut limits)?);
+            }
+            Ok(outs)
+        });
+        match result {
+            Ok(outs) => {
+                for (job, out) in batch.into_iter().zip(outs) {
+                    let _ = job.reply.send(out);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, joins = batch.len(), "join batch failed; nothing was admitted");
+                for job in batch {
+                    let _ = job.reply.send(JoinOutcome::Busy);
+                }
+            }
+        }
+    }
+}
+
+fn process(
+    tx: &Transaction<'_>,
+    app: &App,
+    signer: &Signer,
+    job: &Job,
+    now: i64,
+    limits: &mut RateLimit,
+) -> ApiResult<JoinOutcome> {
+    let (decided, csr_sha, hk) = match &job.prepared {
+        Prepared::Refused {
+            reason,
+            csr_sha256,
+            hardware_key,
+        } => (
+            Decided::Refused(Refusal {
+                reason: *reason,
+                tenant: None,
+            }),
+            *csr_sha256,
+            hardware_key.clone(),
+        ),
+        Prepared::Ready(r) => {
+            tx.execute_batch("SAVEPOINT one_join")?;
+            let d = admit_one(tx, app, signer, r, now);
+            match &d {
+                Ok(Decided::Issued(_)) => tx.execute_batch("RELEASE one_join")?,
+                _ => tx.execute_batch("ROLLBACK TO one_join; RELEASE one_join")?,
+            }
+            (
+                d?,
+                Some(r.csr.sha256),
+                r.key.as_ref().map(|k| k.hex.clone()),
+            )
+        }
+    };
+    match decided {
+        Decided::Issued(response) => Ok(JoinOutcome::Issued { response }),
+        Decided::Refused(r) => {
+            tracing::info!(reason = r.reason.as_str(), "join refused");
+            if let Some(suppressed) = limits.admit(r.reason, now) {
+                let tenant = r.tenant.unwrap_or_else(|| app.root_tenant.clone());
+                api::publish(
+                    tx,
+                    now,
+                    &tenant,
+                    "security.join.refused",
+                    json!({
+                        "attestor": "join-token",
+                        "reason": r.reason.as_str(),
+                        "role": job.role,
+                        "csrSha256": csr_sha.map(|h| crypto::hex(&h)),
+                        "hardwareKey": hk,
+                        "suppressed": suppressed,
+                    }),
+                )?;
+            }
+            Ok(JoinOutcome::Refused)
+        }
+    }
+}
+
+fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided> {
+    Ok(Decided::Refused(Refusal {
+        reason,
+        tenant: tenant.map(str::to_string),
+    }))
+}
+
+/// Stage 2 for one join, inside its savepoint.
+fn admit_one(
+    tx: &Transaction<'_>,
+    app: &App,
+    signer: &Signer,
+    r: &Ready,
+    now: i64,
+) -> ApiResult<Decided> {
+    let cfg = &app.config;
+    let token: Option<TokenRow> = tx
+        .query_row(
+            &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
+            [&r.bearer.id],
+            api::token_row,
+        )
+        .optional()?;
+    let Some(token) = token else {
+        return refused(Reason::Unknown, None);
+    };
+    if let Err(reason) = admission::check_token(&token, &r.bearer.secret, &r.role, now) {
+        let tenant = (reason != Reason::SecretMismatch).then_some(token.tenant_id.as_str());
+        return refused(reason, tenant);
+    }
+    let tenant = Some(token.tenant_id.as_str());
+    tx.execute(
+        "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?1 AND uses_left > 0",
+        [&token.id],
+    )?;
+    let pool = api::pool_by_id(tx, &token.pool_id)?;
+    let known = match r.key.as_ref().filter(|k| k.trusted) {
+        Some(k) => tx
+            .query_row(
+                "SELECT id, tenant_id, site_id, pool_id, role, state, trust, identity_generation FROM nodes
+                 WHERE hardware_key = ?1 AND hardware_key_trusted = 1",
+                [&k.hex],
+                |row| {
+                    Ok(KnownNode {
+                        id: row.get(0)?,
+                        tenant_id: row.get(1)?,
+                        site_id: row.get(2)?,
+                        pool_id: row.get(3)?,
+                        role: row.get(4)?,
+                        state: row.get(5)?,
+                        trust: row.get(6)?,
+                        identity_generation: row.get(7)?,
+                    })
+                },
+            )
+            .optional()?,
+        None => None,
+    };
+    let decision = admission::admit(&AdmitInput {
+        token: &token,
+        pool: pool.as_ref(),
+        site_id: &cfg.site_id,
+        root_tenant: &app.root_tenant,
+        ids: &r.ids,
+        key: r.key.as_ref(),
+        known: known.as_ref(),
+    });
+    let adm = match decision {
+        Ok(a) => a,
+        Err(reason) => return refused(reason, tenant),
+    };
+    let pool = pool.expect("admission checked the pool");
+    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
+    let (node_id, generation, reclaim) = match &adm.kind {
+        Kind::New => {
+            let id = crate::ids::new_id("node", now * 1000);
+            tx.execute(
+                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
+                 identity_generation, attestor, hostname, claims_json, created_at, updated_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'join-token', ?9, ?10, ?11, ?11)",
+                params![
+                    id,
+                    token.tenant_id,
+                    token.site_id,
+                    pool.id,
+                    adm.role,
+                    adm.trust,
+                    r.key.as_ref().map(|k| k.hex.clone()),
+                    r.key.as_ref().is_some_and(|k| k.trusted) as i64,
+                    r.claims.hostname,
+                    claims_json,
+                    now
+                ],
+            )?;
+            (id, 1, false)
+        }
+        Kind::Reclaim {
+            node_id,
+            generation,
+        } => {
+            tx.execute(
+                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', trust = ?3, hostname = ?4, claims_json = ?5,
+                 updated_at = ?6 WHERE id = ?1",
+                params![node_id, generation, adm.trust, r.claims.hostname, claims_json, now],
+            )?;
+            let serials: Vec<String> = tx
+                .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
+                .query_map([node_id], |row| row.get(0))?
+                .collect::<Result<_, _>>()?;
+            for serial in serials {
+                tx.execute(
+                    "UPDATE node_certs SET revoked_at = ?2, revoke_reason = 'reclaimed' WHERE serial = ?1",
+                    params![serial, now],
+                )?;
+                api::publish(
+                    tx,
+                    now,
+                    &token.tenant_id,
+                    "security.certificate-revoked",
+                    json!({"nodeId": node_id, "serial": serial, "reason": "reclaimed"}),
+                )?;
+            }
+            (node_id.clone(), *generation, true)
+        }
+    };
+    let spiffe = format!(
+        "spiffe://{}/site/{}/node/{}",
+        cfg.trust_domain, cfg.site_id, node_id
+    );
+    let not_after = now + cfg.pki.cert_ttl_seconds as i64;
+    let (der, serial) = pki::issue_node_cert(
+        &pki::NodeCertSpec {
+            spiffe_id: &spiffe,
+            statements: &[],
+            role: &adm.role,
+            not_before: now - 60,
+            not_after,
+            public_point: &r.csr.public_point,
+        },
+        &signer.node_ca,
+    )
+    .map_err(crate::error::ApiError::internal)?;
+    let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
+        &r.csr.public_point,
+    )));
+    tx.execute(
+        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![serial, node_id, generation, adm.role, spki_hash, der, now - 60, not_after, now],
+    )?;
+    let data = json!({
+        "nodeId": node_id,
+        "poolId": pool.id,
+        "tokenId": token.id,
+        "attestor": "join-token",
+        "reclaim": reclaim,
+        "hardwareKeyTrusted": r.key.as_ref().is_some_and(|k| k.trusted),
+        "certificateSerial": serial,
+        "nodeKey": "unattested",
+        "role": adm.role,
+    });
+    api::publish(tx, now, &token.tenant_id, "node.joined", data.clone())?;
+    let action = if reclaim {
+        "node.reclaimed"
+    } else {
+        "node.joined"
+    };
+    api::audit(
+        tx,
+        now,
+        &token.tenant_id,
+        action,
+        &format!("join-token:{}", token.id),
+        &node_id,
+        data,
+    )?;
+    // No acceptance checks yet: the node is adopted at once.
+    tx.execute(
+        "UPDATE nodes SET state = 'adopted' WHERE id = ?1",
+        [&node_id],
+    )?;
+    api::publish(
+        tx,
+        now,
+        &token.tenant_id,
+        "node.adopted",
+        json!({"nodeId": node_id, "poolId": pool.id}),
+    )?;
+
+    let body = JoinResponseBody {
+        node_id,
+        certificate_chain: vec![pki::pem("CERTIFICATE", &der), signer.node_ca_pem.clone()],
+        command_signing_trust_bundle: vec![],
+        csr_sha256: crypto::hex(&r.csr.sha256),
+        trust_domain: cfg.trust_domain.clone(),
+        site_id: cfg.site_id.clone(),
+        role: adm.role,
+    };
+    let body = serde_json::to_vec(&body).expect("serializes");
+    let sig = signer.join_signing.sign(JOIN_RESPONSE_PURPOSE, &body);
+    Ok(Decided::Issued(JoinResponse {
+        body: crypto::b64(&body),
+        sig: crypto::b64(&sig),
+        signer: signer.signer_b64.clone(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusal_events_are_rate_limited_with_a_suppressed_count() {
+        let mut rl = RateLimit::default();
+        for _ in 0..60 {
+            assert_eq!(rl.admit(Reason::Unknown, 120), Some(0));
+        }
+        assert_eq!(rl.admit(Reason::Unknown, 121), None);
+        assert_eq!(rl.admit(Reason::Unknown, 122), None);
+        // Another reason has its own budget.
+        assert_eq!(rl.admit(Reason::Expired, 122), Some(0));
+        // The next minute: the first event carries what was dropped.
+        assert_eq!(rl.admit(Reason::Unknown, 180), Some(2));
+        assert_eq!(rl.admit(Reason::Unknown, 181), Some(0));
+    }
+}

@@ -1,0 +1,180 @@
+//! The gateway's wire protocol (see `docs/protocol.md`): TLS 1.3 with ALPN `bca/1`, frames of a
+//! 4-byte big-endian length and that many bytes of JSON, one request and one answer per
+//! connection for a join. Also the message interface between the gateway and the JoinService.
+
+use crate::claims::Claims;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+pub const ALPN: &[u8] = b"bca/1";
+/// The largest frame either side reads or writes.
+pub const MAX_FRAME: usize = 64 * 1024;
+/// The one message every refused join gets, byte for byte.
+pub const JOIN_REFUSED: &str = "Join refused";
+pub const CONFLICT: &str = "This machine joined concurrently; retry";
+
+#[derive(Debug)]
+pub enum FrameError {
+    Io(std::io::Error),
+    TooLarge(usize),
+    Empty,
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::Io(e) => write!(f, "{e}"),
+            FrameError::TooLarge(n) => write!(f, "frame of {n} bytes exceeds {MAX_FRAME}"),
+            FrameError::Empty => write!(f, "empty frame"),
+        }
+    }
+}
+
+pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, FrameError> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await.map_err(FrameError::Io)?;
+    let n = u32::from_be_bytes(len) as usize;
+    if n == 0 {
+        return Err(FrameError::Empty);
+    }
+    if n > MAX_FRAME {
+        return Err(FrameError::TooLarge(n));
+    }
+    let mut buf = vec![0u8; n];
+    r.read_exact(&mut buf).await.map_err(FrameError::Io)?;
+    Ok(buf)
+}
+
+pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<(), FrameError> {
+    if body.is_empty() || body.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge(body.len()));
+    }
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(body);
+    w.write_all(&out).await.map_err(FrameError::Io)?;
+    w.flush().await.map_err(FrameError::Io)
+}
+
+/// What an agent sends: the protocol version and exactly one request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Request {
+    pub v: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join: Option<JoinRequest>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinRequest {
+    /// The compact JWE of the bearer token.
+    pub sealed_token: String,
+    /// The PKCS#10 request, base64 DER.
+    pub csr: String,
+    #[serde(default)]
+    pub claims: Claims,
+    /// Empty means `join-token`.
+    #[serde(default)]
+    pub attestor: String,
+    pub role: String,
+}
+
+/// What the gateway answers.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Reply {
+    pub v: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_response: Option<JoinResponse>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<WireError>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WireError {
+    pub code: String,
+    pub message: String,
+}
+
+/// `JoinResponse{ body, sig }`: `body` is base64 of the JSON of [`JoinResponseBody`], `sig` the
+/// join-signing key's ECDSA signature (purpose `join-response`) over those bytes, and `signer`
+/// the join-signing certificate (base64 DER), which the agent accepts only under its pin.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JoinResponse {
+    pub body: String,
+    pub sig: String,
+    pub signer: String,
+}
+
+pub const JOIN_RESPONSE_PURPOSE: &str = "bca join-response v1";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinResponseBody {
+    pub node_id: String,
+    /// PEM, leaf first, then the node CA.
+    pub certificate_chain: Vec<String>,
+    pub command_signing_trust_bundle: Vec<String>,
+    /// Hex SHA-256 of the CSR this answers.
+    pub csr_sha256: String,
+    pub trust_domain: String,
+    pub site_id: String,
+    pub role: String,
+}
+
+/// The gateway's call into the JoinService: a serializable message, no shared state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinCall {
+    pub request: JoinRequest,
+    /// The peer's address, for the log.
+    pub peer: String,
+}
+
+/// The JoinService's answer to a [`JoinCall`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", tag = "outcome")]
+pub enum JoinOutcome {
+    Issued { response: JoinResponse },
+    Refused,
+    Conflict,
+    InvalidConfig,
+    Busy,
+}
+
+impl Reply {
+    pub fn error(code: &str, message: &str) -> Self {
+        Reply {
+            v: 1,
+            join_response: None,
+            error: Some(WireError {
+                code: code.into(),
+                message: message.into(),
+            }),
+        }
+    }
+
+    pub fn from_outcome(o: JoinOutcome) -> Self {
+        match o {
+            JoinOutcome::Issued { response } => Reply {
+                v: 1,
+                join_response: Some(response),
+                error: None,
+            },
+            JoinOutcome::Refused => Reply::error("ACCESS_DENIED", JOIN_REFUSED),
+            JoinOutcome::Conflict => Reply::error("CONFLICT", CONFLICT),
+            JoinOutcome::InvalidConfig => Reply::error(
+                "INVALID_CONFIG",
+                "the appliance has no JoinService configuration; every join fails until it has",
+            ),
+            JoinOutcome::Busy => Reply::error("UNAVAILABLE", "the appliance is busy; retry"),
+        }
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("serializes")
+    }
+}

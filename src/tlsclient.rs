@@ -1,0 +1,139 @@
+//! The agent's side of TLS: the gateway is authenticated by verifying its presented chain up to
+//! the CA whose SubjectPublicKeyInfo hash is the pinned `serving_ca_spki_pin` (signatures,
+//! validity and the gateway's name, by webpki), not by finding the pin somewhere in the chain.
+
+use crate::crypto;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, Error, SignatureScheme};
+use std::sync::Arc;
+
+#[derive(Debug)]
+pub struct PinnedCaVerifier {
+    pin: String,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl PinnedCaVerifier {
+    pub fn new(pin: &str) -> Self {
+        Self {
+            pin: pin.to_string(),
+            provider: crate::gateway::provider(),
+        }
+    }
+}
+
+impl ServerCertVerifier for PinnedCaVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, Error> {
+        // The trust anchor is the presented certificate whose key hashes to the pin; the leaf must
+        // then chain to it by signature, with every usual check.
+        let anchor = intermediates
+            .iter()
+            .find(|c| {
+                crate::pki::cert_spki(c)
+                    .map(|s| crypto::spki_pin(&s) == self.pin)
+                    .unwrap_or(false)
+            })
+            .ok_or_else(|| {
+                Error::General("the gateway presented no CA matching serving_ca_spki_pin".into())
+            })?;
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(anchor.clone())?;
+        let others: Vec<CertificateDer<'_>> = intermediates
+            .iter()
+            .filter(|c| *c != anchor)
+            .cloned()
+            .collect();
+        let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            self.provider.clone(),
+        )
+        .build()
+        .map_err(|e| Error::General(e.to_string()))?;
+        inner.verify_server_cert(end_entity, &others, server_name, ocsp, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+}
+
+/// A TLS 1.3 client configuration that trusts only the pinned serving CA.
+pub fn client_config(serving_ca_pin: &str) -> Result<rustls::ClientConfig, String> {
+    let mut cfg = rustls::ClientConfig::builder_with_provider(crate::gateway::provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(PinnedCaVerifier::new(serving_ca_pin)))
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![crate::protocol::ALPN.to_vec()];
+    Ok(cfg)
+}
+
+/// Host and port of an `https://host[:port]` URL (443 by default).
+pub fn host_port(url: &str) -> Option<(String, u16)> {
+    let host = crate::config::url_host(url)?;
+    let authority = url.strip_prefix("https://")?.split('/').next()?;
+    let port = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(':') && (!authority.starts_with('[') || h.ends_with(']')) => {
+            p.parse().ok()?
+        }
+        _ => 443,
+    };
+    Some((host, port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_ports() {
+        assert_eq!(host_port("https://gw:8443"), Some(("gw".into(), 8443)));
+        assert_eq!(host_port("https://gw"), Some(("gw".into(), 443)));
+        assert_eq!(
+            host_port("https://127.0.0.1:9/x"),
+            Some(("127.0.0.1".into(), 9))
+        );
+        assert_eq!(host_port("https://[::1]:9"), Some(("::1".into(), 9)));
+        assert_eq!(host_port("https://[::1]"), Some(("::1".into(), 443)));
+        assert_eq!(host_port("https://gw:x"), None);
+    }
+}
