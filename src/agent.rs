@@ -290,8 +290,15 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     Ok(body.node_id)
 }
 
-/// One request and its reply over TLS to the gateway.
+/// One request and its parsed reply over TLS to the gateway.
 pub fn exchange(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Reply> {
+    let frame = exchange_raw(cfg, request)?;
+    serde_json::from_slice::<Reply>(&frame)
+        .map_err(|e| ApiError::internal(format!("the gateway's answer is malformed: {e}")))
+}
+
+/// One request and the reply's bytes, exactly as the gateway sent them.
+pub fn exchange_raw(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Vec<u8>> {
     let (host, port) = crate::tlsclient::host_port(&cfg.gateway_url)
         .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
     let name = cfg.server_name.clone().unwrap_or(host.clone());
@@ -332,8 +339,7 @@ pub fn exchange(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Reply> {
         .await
         .map_err(|_| unreachable("no answer in 60 s".into()))?
         .map_err(|e| unreachable(e.to_string()))?;
-        serde_json::from_slice::<Reply>(&frame)
-            .map_err(|e| ApiError::internal(format!("the gateway's answer is malformed: {e}")))
+        Ok(frame)
     })
 }
 

@@ -30,14 +30,22 @@ pub fn rfc3339(t: i64) -> String {
         .unwrap_or_default()
 }
 
-fn parse<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
+/// Parses a request body strictly; the error names the field (`expect.mac: invalid type ...`).
+pub fn parse<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
     let body = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}".as_slice()
     } else {
         body
     };
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid_input(format!("invalid request body: {e}")))
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            ApiError::invalid_input(format!("invalid request body: {}", e.inner()))
+        } else {
+            ApiError::invalid_input(format!("invalid request body: {path}: {}", e.inner()))
+        }
+    })
 }
 
 /// Runs one method. `path` is `<group>/<method>`.
@@ -1010,5 +1018,22 @@ mod tests {
         assert!(Bearer::parse(&format!("{}x", s.as_str())).is_none());
         assert!(Bearer::parse(&s.replace('.', "_")).is_none());
         assert!(Bearer::parse("bcjt_jt_x.y").is_none());
+    }
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    #[test]
+    fn parse_errors_name_the_field() {
+        let e = parse::<JoinTokensCreateInput>(br#"{"tenantId": 5}"#)
+            .err()
+            .unwrap();
+        assert!(e.message.contains("tenantId"), "{}", e.message);
+        let e = parse::<JoinTokensCreateInput>(br#"{"expect": {"mac": 1}}"#)
+            .err()
+            .unwrap();
+        assert!(e.message.contains("expect.mac"), "{}", e.message);
     }
 }

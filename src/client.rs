@@ -42,10 +42,17 @@ impl Client {
                 format!("talking to the appliance failed: {e}"),
             )
         };
-        s.write_all(head.as_bytes()).map_err(io)?;
-        s.write_all(&payload).map_err(io)?;
+        // The appliance may answer (and close) before reading the body, e.g. when it refuses
+        // the caller: read its answer even when writing failed.
+        let wrote = s
+            .write_all(head.as_bytes())
+            .and_then(|_| s.write_all(&payload));
         let mut raw = Vec::new();
-        s.read_to_end(&mut raw).map_err(io)?;
+        let read = s.read_to_end(&mut raw);
+        if raw.is_empty() {
+            wrote.map_err(io)?;
+            read.map_err(io)?;
+        }
         let (status, body) = split_response(&raw).ok_or_else(|| {
             ApiError::new(Code::Internal, "the appliance sent a malformed answer")
         })?;

@@ -1,6 +1,6 @@
 //! Nodes: the admin API's `nodes.*` methods and `bca nodes`.
 
-use crate::api::{audit, publish, rfc3339, Ctx};
+use crate::api::{audit, parse, publish, rfc3339, Ctx};
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
 use crate::error::{ApiError, ApiResult};
 use crate::store::{found, Store};
@@ -164,11 +164,6 @@ fn revoke_all(
         )?;
     }
     Ok(serials)
-}
-
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid_input(format!("invalid request body: {e}")))
 }
 
 pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option<ApiResult<Value>> {

@@ -105,6 +105,11 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     let gw = crate::gateway::Gateway::new(app.clone(), &gateway_key, Some(join.handle()))?;
     drop(gateway_key);
 
+    // Signal handlers first: whoever reads the readiness line may stop us at once.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| e.to_string())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| e.to_string())?;
     let ready = serde_json::json!({
         "ready": true,
         "http": http.local_addr().map(|a| a.to_string()).unwrap_or_default(),
@@ -128,10 +133,6 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     ));
     tasks.spawn(gw.serve(gateway, stop_rx.clone()));
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| e.to_string())?;
-    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-        .map_err(|e| e.to_string())?;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
         _ = int.recv() => tracing::info!("SIGINT: stopping"),

@@ -1,0 +1,328 @@
+//! The harness: an appliance on a temporary state directory, the CLI, the admin API, the database.
+
+#![allow(dead_code)]
+
+use bca::agent::AgentConfig;
+use bca::client::Client;
+use bca::error::ApiError;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_bca")
+}
+
+pub const PASSPHRASE: &str = "correct horse battery staple";
+
+pub struct Appliance {
+    pub dir: tempfile::TempDir,
+    pub child: Option<Child>,
+    pub http: String,
+    pub gateway: String,
+    pub socket: PathBuf,
+    pub init_stdout: String,
+}
+
+/// `bca init` on a new temporary directory.
+pub fn init_dir(protection: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let out = Command::new(bin())
+        .args([
+            "init",
+            "--trust-domain",
+            "compute.example.com",
+            "--site",
+            "rack1",
+            "--key-protection",
+            protection,
+        ])
+        .args(extra)
+        .arg("--state-dir")
+        .arg(&state)
+        .env("BCA_SECRET", PASSPHRASE)
+        .output()
+        .unwrap();
+    (dir, out)
+}
+
+impl Appliance {
+    pub fn start() -> Self {
+        Self::start_with("file", &[])
+    }
+
+    pub fn start_with(protection: &str, extra: &[&str]) -> Self {
+        let (dir, out) = init_dir(protection, extra);
+        assert!(
+            out.status.success(),
+            "init failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut a = Appliance {
+            dir,
+            child: None,
+            http: String::new(),
+            gateway: String::new(),
+            socket: PathBuf::new(),
+            init_stdout: String::from_utf8(out.stdout).unwrap(),
+        };
+        a.serve(PASSPHRASE);
+        a
+    }
+
+    pub fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// Starts `bca serve` and waits for its readiness line.
+    pub fn serve(&mut self, passphrase: &str) {
+        let mut child = Command::new(bin())
+            .args([
+                "serve",
+                "--listen-http",
+                "127.0.0.1:0",
+                "--listen-gateway",
+                "127.0.0.1:0",
+            ])
+            .env("BCA_STATE_DIR", self.state())
+            .env("BCA_SECRET", passphrase)
+            .env("BCA_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let ready: Value =
+            serde_json::from_str(&line).unwrap_or_else(|_| panic!("serve did not start: {line:?}"));
+        self.http = ready["http"].as_str().unwrap().into();
+        self.gateway = ready["gateway"].as_str().unwrap().into();
+        self.socket = PathBuf::from(ready["admin"].as_str().unwrap());
+        self.child = Some(child);
+    }
+
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        Some(c.wait().unwrap())
+    }
+
+    /// Runs the CLI against this appliance.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(bin())
+            .args(args)
+            .env("BCA_STATE_DIR", self.state())
+            .env_remove("BCA_SOCKET")
+            .output()
+            .unwrap()
+    }
+
+    /// The CLI with `--json`, which must succeed.
+    pub fn cli_json(&self, args: &[&str]) -> Value {
+        let mut a = args.to_vec();
+        a.push("--json");
+        let out = self.cli(&a);
+        assert!(
+            out.status.success(),
+            "bca {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// The CLI, which must fail: (stderr's `CODE`, whole stderr).
+    pub fn cli_err(&self, args: &[&str]) -> (String, String) {
+        let out = self.cli(args);
+        assert!(!out.status.success(), "bca {args:?} should have failed");
+        assert_eq!(out.status.code(), Some(1), "bca {args:?} exit code");
+        let err = String::from_utf8(out.stderr).unwrap();
+        let code = err
+            .lines()
+            .last()
+            .unwrap_or("")
+            .split(':')
+            .next()
+            .unwrap_or("")
+            .to_string();
+        (code, err)
+    }
+
+    pub fn api(&self, method: &str, body: Value) -> Result<Value, ApiError> {
+        Client::new(&self.socket).call(method, &body)
+    }
+
+    pub fn api_ok(&self, method: &str, body: Value) -> Value {
+        self.api(method, body.clone())
+            .unwrap_or_else(|e| panic!("{method} {body}: {e}"))
+    }
+
+    pub fn db(&self) -> rusqlite::Connection {
+        rusqlite::Connection::open(self.state().join("bca.db")).unwrap()
+    }
+
+    /// Every row of every table, to assert that a refused call changed nothing.
+    pub fn snapshot(&self) -> String {
+        let c = self.db();
+        let tables: Vec<String> = c
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let mut out = String::new();
+        for t in tables {
+            let mut st = c
+                .prepare(&format!("SELECT * FROM {t} ORDER BY rowid"))
+                .unwrap();
+            let n = st.column_count();
+            let rows = st
+                .query_map([], |r| {
+                    let cells: Vec<String> = (0..n)
+                        .map(|i| format!("{:?}", r.get_ref(i).unwrap()))
+                        .collect();
+                    Ok(cells.join("|"))
+                })
+                .unwrap()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            out.push_str(&format!("{t}:\n{}\n", rows.join("\n")));
+        }
+        out
+    }
+
+    pub fn root_tenant(&self) -> String {
+        self.db()
+            .query_row("SELECT id FROM tenants WHERE is_root = 1", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    pub fn pool(&self, name: &str) -> String {
+        self.api_ok(
+            "pools/create",
+            json!({"tenantId": self.root_tenant(), "name": name}),
+        )["id"]
+            .as_str()
+            .unwrap()
+            .into()
+    }
+
+    /// A token for `pool`; `extra` adds or overrides fields. Returns (record, bearer).
+    pub fn token(&self, pool: &str, extra: Value) -> (Value, String) {
+        let mut body = json!({"tenantId": self.root_tenant(), "poolId": pool, "ttlSeconds": 3600,
+            "idempotencyKey": format!("k-{}", rand_hex(8))});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let v = self.api_ok("joinTokens/create", body);
+        let t = v["token"].as_str().unwrap().to_string();
+        (v, t)
+    }
+
+    pub fn uses_left(&self, token_id: &str) -> i64 {
+        self.db()
+            .query_row(
+                "SELECT uses_left FROM join_tokens WHERE id = ?1",
+                [token_id],
+                |r| r.get(0),
+            )
+            .unwrap()
+    }
+
+    pub fn count(&self, sql: &str) -> i64 {
+        self.db().query_row(sql, [], |r| r.get(0)).unwrap()
+    }
+
+    /// The newest event of a type (any tenant).
+    pub fn last_event(&self, kind: &str) -> Option<(String, Value)> {
+        self.db()
+            .query_row(
+                "SELECT tenant_id, data FROM events WHERE type = ?1 ORDER BY seq DESC LIMIT 1",
+                [kind],
+                |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        serde_json::from_str(&r.get::<_, String>(1)?).unwrap(),
+                    ))
+                },
+            )
+            .ok()
+    }
+
+    /// An agent configuration directory written by `bca daemon agent-config`.
+    pub fn agent_dir(&self) -> PathBuf {
+        let d = self.dir.path().join(format!("agent-{}", rand_hex(6)));
+        let out = self.cli(&[
+            "daemon",
+            "agent-config",
+            "--gateway-url",
+            &format!("https://{}", self.gateway),
+            "--out",
+            d.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        d
+    }
+
+    pub fn agent_config(&self, dir: &Path) -> AgentConfig {
+        AgentConfig::load(&dir.join("config.toml")).unwrap()
+    }
+}
+
+impl Drop for Appliance {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn rand_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
+    bca::crypto::fill_random(&mut b);
+    bca::crypto::hex(&b)
+}
+
+/// Claims of a distinct, well-identified machine.
+pub fn machine() -> Value {
+    let h = rand_hex(16);
+    json!({
+        "productUuid": format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]),
+        "serials": {"product": format!("SN-{}", &h[0..6]), "board": format!("BRD-{}", &h[6..12])},
+        "macs": [format!("00:1b:21:{}:{}:{}", &h[0..2], &h[2..4], &h[4..6])],
+        "hostname": format!("m-{}", &h[0..6]),
+    })
+}
+
+pub fn sha256_file_tree(dir: &Path) -> Vec<(PathBuf, String, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            if m.is_dir() {
+                stack.push(p.clone());
+                out.push((p, String::new(), m.permissions().mode()));
+            } else {
+                let h =
+                    bca::crypto::hex(&bca::crypto::sha256(&std::fs::read(&p).unwrap_or_default()));
+                out.push((p, h, m.permissions().mode()));
+            }
+        }
+    }
+    out.sort();
+    out
+}

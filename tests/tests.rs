@@ -1,0 +1,9 @@
+//! One integration-test binary (one link on 2 cores), a module per area. Every test runs the real
+//! `bca` binary against a real `bca serve` on a temporary state directory.
+
+#[path = "it/common.rs"]
+mod common;
+#[path = "it/foundation.rs"]
+mod foundation;
+#[path = "it/join.rs"]
+mod join;
