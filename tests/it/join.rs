@@ -1,1 +1,751 @@
+//! The join: end to end with the real agent, every refusal reason on the wire, concurrency,
+//! reclaims, and josekit as the JWE oracle.
 
+use crate::common::*;
+use bca::agent::AgentConfig;
+use bca::crypto::{self, SigningKey};
+use bca::protocol::{JoinRequest, JoinResponseBody, Reply, Request};
+use serde_json::{json, Value};
+use std::process::{Command, Stdio};
+
+/// A simulated machine talking the protocol below the CLI.
+struct Sim {
+    cfg: AgentConfig,
+    enc: Vec<u8>,
+}
+
+impl Sim {
+    fn new(a: &Appliance) -> Self {
+        let d = a.agent_dir();
+        let cfg = a.agent_config(&d);
+        let enc = cfg.join_encryption_point(&d.join("config.toml")).unwrap();
+        Sim { cfg, enc }
+    }
+
+    /// A join with a fresh key; `seal_csr` lets a test seal for another CSR.
+    fn join_with(
+        &self,
+        token: &str,
+        claims: &Value,
+        role: &str,
+        seal_csr: Option<&[u8]>,
+        iat: i64,
+    ) -> (Vec<u8>, Vec<u8>, SigningKey) {
+        let key = SigningKey::generate();
+        let csr = bca::csr::create(&key);
+        let sealed = bca::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
+        let req = Request {
+            v: 1,
+            join: Some(JoinRequest {
+                sealed_token: sealed,
+                csr: crypto::b64(&csr),
+                claims: serde_json::from_value(claims.clone()).unwrap(),
+                attestor: String::new(),
+                role: role.into(),
+            }),
+        };
+        let raw = bca::agent::exchange_raw(&self.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
+        (raw, csr, key)
+    }
+
+    fn join(&self, token: &str, claims: &Value) -> (Vec<u8>, Vec<u8>, SigningKey) {
+        self.join_with(token, claims, "node", None, bca::clock::now())
+    }
+
+    /// A join that must be admitted; returns the verified body.
+    fn admitted(&self, token: &str, claims: &Value) -> JoinResponseBody {
+        let (raw, csr, key) = self.join(token, claims);
+        let reply: Reply = serde_json::from_slice(&raw).unwrap();
+        let resp = reply
+            .join_response
+            .unwrap_or_else(|| panic!("refused: {}", String::from_utf8_lossy(&raw)));
+        bca::agent::verify_response(&self.cfg, &resp, &csr, &key, "node").unwrap()
+    }
+}
+
+fn refused_bytes() -> Vec<u8> {
+    Reply::from_outcome(bca::protocol::JoinOutcome::Refused).to_bytes()
+}
+
+fn write_claims(a: &Appliance, claims: &Value) -> std::path::PathBuf {
+    let p = a.dir.path().join(format!("claims-{}.json", rand_hex(4)));
+    std::fs::write(&p, claims.to_string()).unwrap();
+    p
+}
+
+/// `bca agent join` with the token on standard input.
+fn agent_join(
+    agent_dir: &std::path::Path,
+    data: &str,
+    claims: &std::path::Path,
+    token: &str,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut child = Command::new(bin())
+        .args(["agent", "join", "--config"])
+        .arg(agent_dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(agent_dir.join(data))
+        .arg("--claims")
+        .arg(claims)
+        .args(extra)
+        .env_remove("BCD_JOIN_TOKEN")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{token}\n").as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn end_to_end_join_with_the_agent_and_openssl() {
+    let a = Appliance::start();
+    let pool = a.pool("rack-a");
+    let (rec, token) = a.token(&pool, json!({"maxUses": 2, "expect": {"serial": "sn-1"}}));
+    let dir = a.agent_dir();
+    assert_eq!(
+        std::fs::metadata(dir.join("config.toml"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+    assert_eq!(
+        std::fs::metadata(dir.join("join-encryption.jwk"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o644
+    );
+    let claims = write_claims(
+        &a,
+        &json!({"productUuid": "4C4C4544-004D-3610-804A-B4C04F564433", "serials": {"product": "SN-1"}, "hostname": "m1"}),
+    );
+    let out = agent_join(&dir, "data", &claims, &token, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node_id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert!(node_id.starts_with("node_"));
+    let data = dir.join("data");
+    for f in ["identity.json", "node.key"] {
+        assert_eq!(
+            std::fs::metadata(data.join(f))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o600,
+            "{f}"
+        );
+    }
+    let identity: Value =
+        serde_json::from_slice(&std::fs::read(data.join("identity.json")).unwrap()).unwrap();
+    assert_eq!(identity["nodeId"], json!(node_id));
+    let chain = identity["certificateChain"].as_array().unwrap();
+    std::fs::write(a.dir.path().join("leaf.pem"), chain[0].as_str().unwrap()).unwrap();
+    // openssl verifies the chain to the node CA, for client auth.
+    let v = Command::new("openssl")
+        .args(["verify", "-purpose", "sslclient", "-CAfile"])
+        .arg(a.state().join("pki/node-ca.pem"))
+        .arg(a.dir.path().join("leaf.pem"))
+        .output()
+        .unwrap();
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+    let text = Command::new("openssl")
+        .args(["x509", "-noout", "-text", "-in"])
+        .arg(a.dir.path().join("leaf.pem"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8(text.stdout).unwrap();
+    let site: String = a
+        .db()
+        .query_row("SELECT id FROM site", [], |r| r.get(0))
+        .unwrap();
+    let spiffe = format!("URI:spiffe://compute.example.com/site/{site}/node/{node_id}");
+    assert_eq!(text.matches("URI:").count(), 1, "{text}");
+    assert!(text.contains(&spiffe), "{text}");
+    assert!(text.contains("Subject: OU = bc-role:node"), "{text}");
+    assert!(text.contains("TLS Web Client Authentication"), "{text}");
+    assert!(text.contains("ASN1 OID: prime256v1"), "{text}");
+    assert!(!text.contains("tn_"), "a tenant appears in the certificate");
+    assert!(!text.contains("1.3.6.1.4.1"), "a private-arc OID appears");
+    // The node key in node.key is the certified key.
+    let k = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "openssl pkey -in {} -pubout | openssl pkey -pubin -outform DER | sha256sum",
+            data.join("node.key").display()
+        ))
+        .output()
+        .unwrap();
+    let c = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "openssl x509 -in {} -pubkey -noout | openssl pkey -pubin -outform DER | sha256sum",
+            a.dir.path().join("leaf.pem").display()
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(k.stdout, c.stdout);
+    // The lifetime is certTtlSeconds (a day by default).
+    let nb: i64 = a
+        .db()
+        .query_row("SELECT not_after - not_before FROM node_certs", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(nb, 86_400 + 60);
+    // Rows, events, audit.
+    assert_eq!(a.uses_left(rec["id"].as_str().unwrap()), 1);
+    let node = a.cli_json(&["nodes", "get", &node_id]);
+    assert_eq!(node["state"], "adopted");
+    assert_eq!(node["identityGeneration"], 1);
+    assert_eq!(node["hostname"], "m1");
+    assert_eq!(node["certificates"].as_array().unwrap().len(), 1);
+    let (_, joined) = a.last_event("node.joined").unwrap();
+    assert_eq!(joined["attestor"], "join-token");
+    assert_eq!(joined["reclaim"], false);
+    assert_eq!(joined["hardwareKeyTrusted"], true);
+    assert_eq!(joined["nodeKey"], "unattested");
+    assert_eq!(
+        joined["certificateSerial"],
+        node["certificates"][0]["serial"]
+    );
+    assert!(a.last_event("node.adopted").is_some());
+    let (action, actor): (String, String) = a
+        .db()
+        .query_row(
+            "SELECT action, actor FROM audit WHERE target = ?1",
+            [&node_id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(action, "node.joined");
+    assert!(actor.starts_with("join-token:jt_"));
+    // Joining again: already joined, nothing spent.
+    let again = agent_join(&dir, "data", &claims, &token, &[]);
+    assert!(again.status.success());
+    assert!(String::from_utf8_lossy(&again.stdout).contains("already joined"));
+    assert_eq!(a.uses_left(rec["id"].as_str().unwrap()), 1);
+    // --reset without --yes is refused; with it the old files are renamed and a new join runs
+    // (here a reclaim without allowReclaim: refused, and the token keeps its use).
+    let o = agent_join(&dir, "data", &claims, &token, &["--reset"]);
+    assert_eq!(o.status.code(), Some(1));
+    let o = agent_join(&dir, "data", &claims, &token, &["--reset", "--yes"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr).trim(),
+        "ACCESS_DENIED: Join refused"
+    );
+    let names: Vec<String> = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("identity.json.reset-")),
+        "{names:?}"
+    );
+    assert_eq!(a.uses_left(rec["id"].as_str().unwrap()), 1);
+}
+
+#[test]
+fn the_agent_refuses_bad_tokens_and_configs_locally() {
+    let a = Appliance::start();
+    let dir = a.agent_dir();
+    let claims = write_claims(&a, &machine());
+    for bad in ["hello", "bcjt_ with space", ""] {
+        let o = agent_join(&dir, "data", &claims, bad, &[]);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(
+            String::from_utf8_lossy(&o.stderr)
+                .starts_with("INVALID_INPUT: the join token must look like bcjt_"),
+            "{bad:?}"
+        );
+    }
+    // A join-encryption.jwk that does not match the pin is refused before anything is sent.
+    let other = SigningKey::generate();
+    std::fs::write(
+        dir.join("join-encryption.jwk"),
+        serde_json::to_string(&bca::pki::jwk(other.public_point())).unwrap(),
+    )
+    .unwrap();
+    let o = agent_join(&dir, "data", &claims, "bcjt_x.y", &[]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).starts_with("INVALID_CONFIG:"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // A config with a bad pin.
+    let cfg = std::fs::read_to_string(dir.join("config.toml")).unwrap();
+    std::fs::write(
+        dir.join("config.toml"),
+        cfg.replace(
+            "serving_ca_spki_pin = \"sha256/",
+            "serving_ca_spki_pin = \"sha1/",
+        ),
+    )
+    .unwrap();
+    let o = agent_join(&dir, "data", &claims, "bcjt_x.y", &[]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("serving_ca_spki_pin"));
+    // agent-config never writes over files.
+    let o = a.cli(&[
+        "daemon",
+        "agent-config",
+        "--gateway-url",
+        "https://x",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).starts_with("ALREADY_EXISTS"));
+}
+
+#[test]
+fn a_gateway_not_under_the_pinned_ca_is_refused_by_the_agent() {
+    let a = Appliance::start();
+    let b = Appliance::start();
+    let sim = Sim::new(&a);
+    // Point a's agent at b's gateway: b's serving CA does not hash to a's pin.
+    let mut cfg = sim.cfg.clone();
+    cfg.gateway_url = format!("https://{}", b.gateway);
+    let e = bca::agent::exchange_raw(&cfg, b"{}").unwrap_err();
+    assert!(e.message.contains("TLS"), "{e}");
+    // The right gateway under a name its certificate does not carry is refused too.
+    let mut cfg = sim.cfg.clone();
+    cfg.server_name = Some("gw.elsewhere.example".into());
+    let e = bca::agent::exchange_raw(&cfg, b"{}").unwrap_err();
+    assert!(e.message.contains("TLS"), "{e}");
+}
+
+/// One test per refusal reason: identical bytes to the agent, the reason recorded, the token
+/// unchanged.
+#[test]
+fn every_refusal_reason_is_the_same_on_the_wire() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let root = a.root_tenant();
+    let pool = a.pool("rack-a");
+    let refused = refused_bytes();
+    assert_eq!(
+        String::from_utf8_lossy(&refused),
+        r#"{"v":1,"error":{"code":"ACCESS_DENIED","message":"Join refused"}}"#
+    );
+
+    // (reason, the tenant the event goes to, the token whose uses must not change)
+    let check = |raw: &[u8], reason: &str, tenant: &str, token_id: Option<&str>, uses: i64| {
+        assert_eq!(
+            raw,
+            refused.as_slice(),
+            "{reason}: {}",
+            String::from_utf8_lossy(raw)
+        );
+        let (t, ev) = a.last_event("security.join.refused").unwrap();
+        assert_eq!(ev["reason"], reason);
+        assert_eq!(ev["attestor"], "join-token");
+        assert_eq!(t, tenant, "{reason} went to the wrong tenant");
+        assert!(
+            ev["csrSha256"].as_str().is_some_and(|h| h.len() == 64),
+            "{reason}: {ev}"
+        );
+        assert!(ev.get("suppressed").is_some());
+        let text = ev.to_string();
+        assert!(!text.contains("bcjt_"), "a token leaked into the event");
+        if let Some(id) = token_id {
+            assert_eq!(a.uses_left(id), uses, "{reason} consumed the token");
+        }
+    };
+
+    let (rec, token) = a.token(&pool, json!({"maxUses": 2}));
+    let id = rec["id"].as_str().unwrap();
+
+    // malformed: not a bearer token at all.
+    let (raw, _, _) = sim.join("hello", &machine());
+    check(&raw, "join-token:malformed", &root, Some(id), 2);
+    // unknown: well formed, no such token.
+    let unknown = format!(
+        "bcjt_jt_0123456789abcdefghjkmnpqrs.{}",
+        crypto::b64url(&[1u8; 32])
+    );
+    let (raw, _, _) = sim.join(&unknown, &machine());
+    check(&raw, "join-token:unknown", &root, Some(id), 2);
+    // secret-mismatch: our id, another secret; the event stays with the root tenant.
+    let t2 = a.api_ok("tenants/create", json!({"name": "acme"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pool2 = a.api_ok("pools/create", json!({"tenantId": t2, "name": "p2"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r2 = a.api_ok(
+        "joinTokens/create",
+        json!({"tenantId": t2, "poolId": pool2, "ttlSeconds": 600, "idempotencyKey": "x"}),
+    );
+    let id2 = r2["id"].as_str().unwrap();
+    let wrong = format!("bcjt_{id2}.{}", crypto::b64url(&[2u8; 32]));
+    let (raw, _, _) = sim.join(&wrong, &machine());
+    check(&raw, "join-token:secret-mismatch", &root, Some(id2), 1);
+    // role-mismatch: a join-token admits role node only; the event goes to the token's tenant.
+    let tok2 = r2["token"].as_str().unwrap();
+    let (raw, _, _) = sim.join_with(tok2, &machine(), "ramdisk", None, bca::clock::now());
+    check(&raw, "join-token:role-mismatch", &t2, Some(id2), 1);
+    // token: sealed for another CSR, or too old.
+    let (raw, _, _) = sim.join_with(
+        &token,
+        &machine(),
+        "node",
+        Some(b"another csr"),
+        bca::clock::now(),
+    );
+    check(&raw, "join:token", &root, Some(id), 2);
+    let (raw, _, _) = sim.join_with(&token, &machine(), "node", None, bca::clock::now() - 3600);
+    check(&raw, "join:token", &root, Some(id), 2);
+    // expect.
+    let (erec, etok) = a.token(&pool, json!({"expect": {"serial": "SN-EXPECTED"}}));
+    let (raw, _, _) = sim.join(&etok, &machine());
+    check(&raw, "join:expect", &root, erec["id"].as_str(), 1);
+    // placeholder-hardware.
+    let placeholder = json!({"productUuid": "00000000-0000-0000-0000-000000000000", "serials": {"product": "To Be Filled By O.E.M.", "board": "Default string"}, "macs": ["00:1b:21:00:00:01"]});
+    let (raw, _, _) = sim.join(&token, &placeholder);
+    check(&raw, "join:placeholder-hardware", &root, Some(id), 2);
+    // reclaim: a known machine with a token without allowReclaim.
+    let m = machine();
+    sim.admitted(&token, &m);
+    let (raw, _, _) = sim.join(&token, &m);
+    check(&raw, "join:reclaim", &root, Some(id), 1);
+    // exhausted.
+    sim.admitted(&token, &machine());
+    let (raw, _, _) = sim.join(&token, &machine());
+    check(&raw, "join-token:exhausted", &root, Some(id), 0);
+    // revoked.
+    let (rrec, rtok) = a.token(&pool, json!({}));
+    a.api_ok(
+        "joinTokens/revoke",
+        json!({"tenantId": root, "poolId": pool, "tokenId": rrec["id"]}),
+    );
+    let (raw, _, _) = sim.join(&rtok, &machine());
+    check(&raw, "join-token:revoked", &root, rrec["id"].as_str(), 1);
+    // expired (the clock is the appliance's: move the token's expiry into the past).
+    let (xrec, xtok) = a.token(&pool, json!({}));
+    a.db()
+        .execute(
+            "UPDATE join_tokens SET expires_at = expires_at - 7200 WHERE id = ?1",
+            [xrec["id"].as_str().unwrap()],
+        )
+        .unwrap();
+    let (raw, _, _) = sim.join(&xtok, &machine());
+    check(&raw, "join-token:expired", &root, xrec["id"].as_str(), 1);
+    // pool: archived after the token was minted.
+    let pool3 = a.pool("rack-c");
+    let (prec, ptok) = a.token(&pool3, json!({}));
+    a.api_ok("pools/archive", json!({"tenantId": root, "poolId": pool3}));
+    let (raw, _, _) = sim.join(&ptok, &machine());
+    check(&raw, "join:pool", &root, prec["id"].as_str(), 1);
+    // pool: the pool's machines run no daemon any more.
+    let pool4 = a.pool("rack-d");
+    let (nrec, ntok) = a.token(&pool4, json!({}));
+    a.api_ok(
+        "pools/update",
+        json!({"tenantId": root, "poolId": pool4, "agent": "none"}),
+    );
+    let (raw, _, _) = sim.join(&ntok, &machine());
+    check(&raw, "join:pool", &root, nrec["id"].as_str(), 1);
+    // pool-attestor: the pool stops listing join-token.
+    let pool5 = a.pool("rack-e");
+    let (arec, atok) = a.token(&pool5, json!({}));
+    a.api_ok(
+        "pools/update",
+        json!({"tenantId": root, "poolId": pool5, "policy": {"joinAttestors": ["tpm"]}}),
+    );
+    let (raw, _, _) = sim.join(&atok, &machine());
+    check(&raw, "join:pool-attestor", &root, arec["id"].as_str(), 1);
+    // (tenant and site cannot be reached on a one-site box: admission's unit tests cover them.)
+
+    // Nothing was admitted by any refusal: two nodes only.
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 2);
+    // No secret in the database or the log of events.
+    let dump = std::fs::read(a.state().join("bca.db")).unwrap();
+    let secret = token.split('.').nth(1).unwrap();
+    assert!(!dump.windows(secret.len()).any(|w| w == secret.as_bytes()));
+}
+
+#[test]
+fn malformed_requests_get_clear_errors() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let reply = |body: &[u8]| -> Value {
+        serde_json::from_slice(&bca::agent::exchange_raw(&sim.cfg, body).unwrap()).unwrap()
+    };
+    let r = reply(b"not json");
+    assert_eq!(r["error"]["code"], "INVALID_INPUT");
+    let r = reply(br#"{"v": 9, "join": null}"#);
+    assert!(r["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("protocol version 9"));
+    let r = reply(br#"{"v": 1}"#);
+    assert_eq!(r["error"]["code"], "INVALID_INPUT");
+    // A bad CSR is a refusal like any other.
+    let req = json!({"v": 1, "join": {"sealedToken": "x", "csr": "AAAA", "role": "node"}});
+    let raw = bca::agent::exchange_raw(&sim.cfg, req.to_string().as_bytes()).unwrap();
+    assert_eq!(raw, refused_bytes());
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "join:csr"
+    );
+}
+
+#[test]
+fn a_reclaim_keeps_the_node_id_and_revokes_the_old_certificate() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let m = machine();
+    let (_, t1) = a.token(&pool, json!({}));
+    let first = sim.admitted(&t1, &m);
+    let old_serial: String = a
+        .db()
+        .query_row("SELECT serial FROM node_certs", [], |r| r.get(0))
+        .unwrap();
+    let (rrec, t2) = a.token(&pool, json!({"allowReclaim": true}));
+    // The same machine with a new key (a reinstall), with MACs in another spelling.
+    let mut m2 = m.clone();
+    m2["macs"] = json!([m["macs"][0]
+        .as_str()
+        .unwrap()
+        .to_uppercase()
+        .replace(':', "-")]);
+    let second = sim.admitted(&t2, &m2);
+    assert_eq!(second.node_id, first.node_id);
+    assert_eq!(a.uses_left(rrec["id"].as_str().unwrap()), 0);
+    let node = a.cli_json(&["nodes", "get", &first.node_id]);
+    assert_eq!(node["identityGeneration"], 2);
+    let certs = node["certificates"].as_array().unwrap();
+    assert_eq!(certs.len(), 2);
+    let old = certs
+        .iter()
+        .find(|c| c["serial"] == json!(old_serial))
+        .unwrap();
+    assert_eq!(old["revokeReason"], "reclaimed");
+    let (_, ev) = a.last_event("security.certificate-revoked").unwrap();
+    assert_eq!(ev["serial"], json!(old_serial));
+    assert_eq!(ev["reason"], "reclaimed");
+    let (_, joined) = a.last_event("node.joined").unwrap();
+    assert_eq!(joined["reclaim"], true);
+    let action: String = a
+        .db()
+        .query_row(
+            "SELECT action FROM audit WHERE target = ?1 ORDER BY seq DESC LIMIT 1",
+            [&first.node_id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(action, "node.reclaimed");
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 1);
+
+    // A retired node cannot reclaim; a deleted one frees its hardware key: the machine joins anew.
+    a.cli_json(&["nodes", "retire", &first.node_id]);
+    let (_, t3) = a.token(&pool, json!({"allowReclaim": true}));
+    let (raw, _, _) = sim.join(&t3, &m);
+    assert_eq!(raw, refused_bytes());
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "join:reclaim"
+    );
+    let (code, _) = a.cli_err(&["nodes", "delete", &first.node_id]);
+    assert_eq!(code, "INVALID_INPUT");
+    a.cli_json(&["nodes", "delete", &first.node_id, "--yes"]);
+    let third = sim.admitted(&t3, &m);
+    assert_ne!(third.node_id, first.node_id);
+    // revoke-identity revokes every live certificate.
+    let v = a.cli_json(&["nodes", "revoke-identity", &third.node_id]);
+    assert!(v["certificates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["revokeReason"] == "revoked"));
+    let (code, _) = a.cli_err(&["nodes", "get", "node_0123456789abcdefghjkmnpqrs"]);
+    assert_eq!(code, "NOT_FOUND");
+    let (code, _) = a.cli_err(&["nodes", "get", "nonsense"]);
+    assert_eq!(code, "INVALID_INPUT");
+}
+
+#[test]
+fn hosted_tokens_make_tenant_controlled_nodes() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("k8s");
+    let (_, tok) = a.token(&pool, json!({"hosted": "kubernetes"}));
+    let body = sim.admitted(&tok, &machine());
+    assert_eq!(body.role, "node-tenant");
+    let node = a.cli_json(&["nodes", "get", &body.node_id]);
+    assert_eq!(
+        (node["trust"].as_str(), node["role"].as_str()),
+        (Some("tenant-controlled"), Some("node-tenant"))
+    );
+    let (_, ev) = a.last_event("security.join-token.created").unwrap();
+    assert_eq!(ev["hosted"], "kubernetes");
+}
+
+#[test]
+fn fifty_agents_racing_on_ten_uses_make_ten_nodes() {
+    let a = Appliance::start();
+    let sim = std::sync::Arc::new(Sim::new(&a));
+    let pool = a.pool("rack-a");
+    let (rec, token) = a.token(&pool, json!({"maxUses": 10}));
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(50));
+    let handles: Vec<_> = (0..50)
+        .map(|_| {
+            let (sim, token, barrier) = (sim.clone(), token.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let (raw, _, _) = sim.join(&token, &machine());
+                serde_json::from_slice::<Reply>(&raw)
+                    .unwrap()
+                    .join_response
+                    .is_some()
+            })
+        })
+        .collect();
+    let admitted = handles
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .filter(|x| *x)
+        .count();
+    assert_eq!(admitted, 10);
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 10);
+    assert_eq!(a.count("SELECT count(*) FROM node_certs"), 10);
+    assert_eq!(a.uses_left(rec["id"].as_str().unwrap()), 0);
+}
+
+#[test]
+fn two_joins_of_one_machine_racing_give_one_node_and_one_conflict() {
+    let a = Appliance::start();
+    let sim = std::sync::Arc::new(Sim::new(&a));
+    let pool = a.pool("rack-a");
+    let mut conflicts = 0;
+    for round in 0..10 {
+        let (_, token) = a.token(&pool, json!({"maxUses": 2, "allowReclaim": true}));
+        let m = machine();
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let hs: Vec<_> = (0..2)
+            .map(|_| {
+                let (sim, token, m, barrier) =
+                    (sim.clone(), token.clone(), m.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    serde_json::from_slice::<Reply>(&sim.join(&token, &m).0).unwrap()
+                })
+            })
+            .collect();
+        let replies: Vec<Reply> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let ok = replies.iter().filter(|r| r.join_response.is_some()).count();
+        let conflict = replies
+            .iter()
+            .filter(|r| r.error.as_ref().is_some_and(|e| e.code == "CONFLICT"))
+            .count();
+        // Either they raced (one node, one CONFLICT) or the second came after the first
+        // committed and was a reclaim of the same node.
+        assert!(
+            ok == 2 || (ok == 1 && conflict == 1),
+            "round {round}: {replies:?}"
+        );
+        if conflict == 1 {
+            let e = replies.iter().find_map(|r| r.error.clone()).unwrap();
+            assert_eq!(e.message, "This machine joined concurrently; retry");
+            conflicts += 1;
+        }
+        let n = a.count(&format!(
+            "SELECT count(*) FROM nodes WHERE hostname = '{}'",
+            m["hostname"].as_str().unwrap()
+        ));
+        assert_eq!(n, 1, "round {round}");
+        if conflicts > 0 && round >= 2 {
+            break;
+        }
+    }
+    assert!(conflicts > 0, "no two joins ever overlapped");
+}
+
+#[test]
+fn josekit_seals_are_accepted_and_bca_seals_open_in_josekit() {
+    use josekit::jwe::{JweHeader, ECDH_ES_A256KW};
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({}));
+    // josekit seals to the published JWK.
+    let jwk_text = std::fs::read_to_string(a.state().join("pki/join-encryption.jwk")).unwrap();
+    let jwk = josekit::jwk::Jwk::from_bytes(jwk_text.as_bytes()).unwrap();
+    let key = SigningKey::generate();
+    let csr = bca::csr::create(&key);
+    let mut header = JweHeader::new();
+    header.set_token_type("bcjt+jwe");
+    header.set_content_encryption("A256GCM");
+    header
+        .set_claim("iat", Some(json!(bca::clock::now())))
+        .unwrap();
+    header
+        .set_claim("csr", Some(json!(bca::jwe::csr_claim(&csr))))
+        .unwrap();
+    let encrypter = ECDH_ES_A256KW.encrypter_from_jwk(&jwk).unwrap();
+    let sealed = josekit::jwe::serialize_compact(token.as_bytes(), &header, &encrypter).unwrap();
+    let req = Request {
+        v: 1,
+        join: Some(JoinRequest {
+            sealed_token: sealed,
+            csr: crypto::b64(&csr),
+            claims: serde_json::from_value(machine()).unwrap(),
+            attestor: "join-token".into(),
+            role: "node".into(),
+        }),
+    };
+    let raw = bca::agent::exchange_raw(&sim.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
+    let reply: Reply = serde_json::from_slice(&raw).unwrap();
+    let resp = reply.join_response.unwrap_or_else(|| {
+        panic!(
+            "josekit's seal was refused: {}",
+            String::from_utf8_lossy(&raw)
+        )
+    });
+    bca::agent::verify_response(&sim.cfg, &resp, &csr, &key, "node").unwrap();
+
+    // josekit opens bca's seal with the join-encryption private key.
+    let keys: Value =
+        serde_json::from_slice(&std::fs::read(a.state().join("keys/keys.json")).unwrap()).unwrap();
+    let der = crypto::b64_decode(keys["joinEncryption"].as_str().unwrap()).unwrap();
+    let decrypter = ECDH_ES_A256KW.decrypter_from_der(&der).unwrap();
+    let sealed = bca::jwe::seal("bcjt_example", &sim.enc, &csr, 1234).unwrap();
+    let (payload, h) = josekit::jwe::deserialize_compact(&sealed, &decrypter).unwrap();
+    assert_eq!(payload, b"bcjt_example");
+    assert_eq!(h.token_type(), Some("bcjt+jwe"));
+    assert_eq!(h.claim("iat"), Some(&json!(1234)));
+    assert_eq!(h.claim("csr"), Some(&json!(bca::jwe::csr_claim(&csr))));
+}
+
+#[test]
+fn refusal_events_are_rate_limited() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    for _ in 0..65 {
+        let (raw, _, _) = sim.join("hello", &machine());
+        assert_eq!(raw, refused_bytes());
+    }
+    let n = a.count("SELECT count(*) FROM events WHERE type = 'security.join.refused'");
+    // 60 per attestor and reason per minute; a minute boundary in the run allows a few more.
+    assert!((60..65).contains(&n), "{n} events");
+}
+
+use std::os::unix::fs::PermissionsExt;
