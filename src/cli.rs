@@ -327,12 +327,20 @@ pub fn main() -> i32 {
     }
 }
 
+/// Logs go to stderr: `BCA_LOG` sets the filter (default `info`), `BCA_LOG_FORMAT=json` makes
+/// every line a JSON object (for journald and log shippers). No secret is ever logged.
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("BCA_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(std::io::stderr);
+    if std::env::var("BCA_LOG_FORMAT").as_deref() == Ok("json") {
+        let _ = builder.json().try_init();
+        return;
+    }
+    let _ = builder
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 

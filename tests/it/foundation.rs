@@ -631,20 +631,38 @@ fn join_tokens_idempotency_conflict_tenants_state_paging_and_revoke() {
     sorted.sort();
     assert_eq!(seen, sorted);
     assert_eq!(seen.len(), 5);
+    let long_id = format!("jt_{}", "0".repeat(62));
     for (k, v) in [
         ("limit", json!(0)),
         ("limit", json!(201)),
         ("cursor", json!("jt_short")),
         ("cursor", json!("pool_0123456789abcdefghjkmnpqrs")),
+        ("cursor", json!(long_id)),
+        ("tenantId", json!("bad tenant")),
+        ("poolId", json!("_pool")),
+        ("includeInactive", json!("yes")),
     ] {
-        let e = a
-            .api(
-                "joinTokens/list",
-                json!({"tenantId": root, "poolId": pool, k: v}),
-            )
-            .unwrap_err();
+        let mut body = json!({"tenantId": root, "poolId": pool});
+        body[k] = v;
+        let e = a.api("joinTokens/list", body).unwrap_err();
         assert_eq!(e.code.as_str(), "INVALID_INPUT", "{k}");
+        assert!(e.message.contains(k), "{k}: {e}");
     }
+    let snap = a.snapshot();
+    for (k, v) in [
+        ("tokenId", json!("jt_short")),
+        ("tokenId", json!(long_id)),
+        ("tokenId", json!("jt_0123456789ABCDEFGHJKMNPQRS")),
+        ("tenantId", json!("")),
+        ("poolId", json!("")),
+    ] {
+        let mut body = json!({"tenantId": root, "poolId": pool, "tokenId": first["id"]});
+        body[k] = v;
+        let e = a.api("joinTokens/revoke", body).unwrap_err();
+        assert_eq!(e.code.as_str(), "INVALID_INPUT", "{k}");
+        assert!(e.message.contains(k), "{k}: {e}");
+    }
+    assert_eq!(a.snapshot(), snap);
 
     // Revoke: once publishes, twice is not an error and publishes nothing.
     let id = first["id"].as_str().unwrap();

@@ -749,3 +749,44 @@ fn refusal_events_are_rate_limited() {
 }
 
 use std::os::unix::fs::PermissionsExt;
+
+#[test]
+fn a_gateway_without_a_joinservice_answers_invalid_config() {
+    let (dir, out) = init_dir("file", &[]);
+    assert!(out.status.success());
+    let state = dir.path().join("state");
+    let (app, keys) = bca::serve::prepare(&state).unwrap();
+    let app = std::sync::Arc::new(app);
+    let gw = bca::gateway::Gateway::new(app.clone(), keys.gateway.pkcs8(), None).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    rt.spawn(gw.serve(listener, stop_rx));
+    let out = Command::new(bin())
+        .args([
+            "daemon",
+            "agent-config",
+            "--gateway-url",
+            &format!("https://{addr}"),
+            "--out",
+        ])
+        .arg(dir.path().join("agent"))
+        .env("BCA_STATE_DIR", &state)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let cfg = AgentConfig::load(&dir.path().join("agent/config.toml")).unwrap();
+    let req = json!({"v": 1, "join": {"sealedToken": "x", "csr": "AAAA", "role": "node"}});
+    let reply: Value = serde_json::from_slice(
+        &bca::agent::exchange_raw(&cfg, req.to_string().as_bytes()).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(reply["error"]["code"], "INVALID_CONFIG");
+}
