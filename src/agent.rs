@@ -106,6 +106,161 @@ pub struct JoinOptions {
     pub role: String,
     pub reset: bool,
     pub yes: bool,
+    /// The appliance's HTTP URL, for the well-known fallback.
+    pub server: Option<String>,
+    /// Pins given on the command line, to build a configuration from the well-known document.
+    pub pins: Option<BootstrapPins>,
+    /// Read the token from this file (0600 or 0400, at most 4 KiB) and delete it after the join.
+    pub token_file: Option<PathBuf>,
+    /// The token itself (for in-process callers such as `bca dev --sim`).
+    pub token: Option<Zeroizing<String>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct BootstrapPins {
+    pub serving_ca: String,
+    pub join_signing: String,
+    pub join_encryption: String,
+}
+
+/// Reads a token file: a regular file of at most 4 KiB that only its owner can read.
+pub fn read_token_file(p: &Path) -> ApiResult<Zeroizing<String>> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let m = std::fs::symlink_metadata(p)
+        .map_err(|e| ApiError::invalid_input(format!("--token-file {}: {e}", p.display())))?;
+    if !m.is_file() {
+        return Err(ApiError::invalid_input(format!(
+            "--token-file {} is not a regular file",
+            p.display()
+        )));
+    }
+    if m.len() > 4096 {
+        return Err(ApiError::invalid_input(format!(
+            "--token-file {} is larger than 4 KiB",
+            p.display()
+        )));
+    }
+    let mode = m.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 || m.uid() != crate::fsutil::own_uid() {
+        return Err(ApiError::invalid_input(format!(
+            "--token-file {} must be readable by its owner alone (0600 or 0400, owned by this user); it is {mode:o}",
+            p.display()
+        )));
+    }
+    let t = Zeroizing::new(
+        std::fs::read_to_string(p)
+            .map_err(|e| ApiError::invalid_input(format!("--token-file: {e}")))?,
+    );
+    check_token(t.trim())
+}
+
+fn check_token(t: &str) -> ApiResult<Zeroizing<String>> {
+    if !t.starts_with("bcjt_") || t.len() > 512 || t.contains(char::is_whitespace) {
+        return Err(ApiError::invalid_input(
+            "the join token must look like bcjt_<id>.<secret>, on standard input or in BCD_JOIN_TOKEN",
+        ));
+    }
+    Ok(Zeroizing::new(t.to_string()))
+}
+
+/// `GET <server>/api/compute/.well-known/better-compute` over plain HTTP: nothing in it is trusted
+/// unless it matches a pin.
+pub fn fetch_document(server: &str) -> ApiResult<serde_json::Value> {
+    use std::io::{Read, Write};
+    let rest = server
+        .strip_prefix("http://")
+        .ok_or_else(|| ApiError::invalid_input("--server must be an http:// URL"))?;
+    let authority = rest.split('/').next().unwrap_or("");
+    let addr = if authority.contains(':') {
+        authority.to_string()
+    } else {
+        format!("{authority}:80")
+    };
+    let fail = |e: String| {
+        ApiError::new(
+            Code::InvalidState,
+            format!("cannot read the well-known document from {server}: {e}"),
+        )
+    };
+    let mut s = std::net::TcpStream::connect(&addr).map_err(|e| fail(e.to_string()))?;
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(10)));
+    let req = format!("GET {}/.well-known/better-compute HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\n\r\n", crate::app::BASE_PATH);
+    s.write_all(req.as_bytes())
+        .map_err(|e| fail(e.to_string()))?;
+    let mut raw = Vec::new();
+    s.take(1 << 20)
+        .read_to_end(&mut raw)
+        .map_err(|e| fail(e.to_string()))?;
+    let (status, body) =
+        crate::client::split_response(&raw).ok_or_else(|| fail("malformed answer".into()))?;
+    if status != 200 {
+        return Err(fail(format!("HTTP {status}")));
+    }
+    serde_json::from_slice(body).map_err(|e| fail(e.to_string()))
+}
+
+/// The join-encryption key from the document, only when it matches the pin.
+fn document_jwk(doc: &serde_json::Value, pin: &str) -> ApiResult<(Vec<u8>, String)> {
+    let jwk: Jwk = serde_json::from_value(doc["join"]["encryptionJwk"].clone()).map_err(|_| {
+        ApiError::invalid_config("the well-known document has no join.encryptionJwk")
+    })?;
+    let point = jwk
+        .point()
+        .ok_or_else(|| ApiError::invalid_config("join.encryptionJwk is not a P-256 key"))?;
+    if crypto::spki_pin(&crypto::p256_spki_from_point(&point)) != pin {
+        return Err(ApiError::invalid_config(
+            "the well-known document's join-encryption key does not match join_encryption_key_pin; refusing it",
+        ));
+    }
+    Ok((
+        point,
+        serde_json::to_string_pretty(&jwk).expect("serializes") + "\n",
+    ))
+}
+
+/// The configuration to join with, the join-encryption point, and the JWK to write after the
+/// join when the configuration was built from the well-known document.
+fn resolve_config(o: &JoinOptions) -> ApiResult<(AgentConfig, Vec<u8>, Option<String>)> {
+    if o.config.exists() {
+        let cfg = AgentConfig::load(&o.config)?;
+        let jwk_path = o.config.with_file_name("join-encryption.jwk");
+        if jwk_path.exists() || o.server.is_none() {
+            // A key file that is present but does not match the pin fails the join.
+            let point = cfg.join_encryption_point(&o.config)?;
+            return Ok((cfg, point, None));
+        }
+        let doc = fetch_document(o.server.as_deref().expect("checked"))?;
+        let (point, _) = document_jwk(&doc, &cfg.join_encryption_key_pin)?;
+        return Ok((cfg, point, None));
+    }
+    let (Some(server), Some(pins)) = (&o.server, &o.pins) else {
+        return Err(ApiError::invalid_config(format!(
+            "{} does not exist: write it with bca daemon agent-config, or pass --server with --serving-ca-pin, --join-signing-pin and --join-encryption-pin",
+            o.config.display()
+        )));
+    };
+    let doc = fetch_document(server)?;
+    let same = doc["join"]["encryptionKeyPin"] == serde_json::json!(pins.join_encryption)
+        && doc["join"]["signingKeyPin"] == serde_json::json!(pins.join_signing)
+        && doc["gateway"]["servingCaPin"] == serde_json::json!(pins.serving_ca);
+    if !same {
+        return Err(ApiError::invalid_config(
+            "the well-known document's pins differ from the ones given; refusing it",
+        ));
+    }
+    let (point, jwk) = document_jwk(&doc, &pins.join_encryption)?;
+    let url = doc["gateway"]["url"]
+        .as_str()
+        .ok_or_else(|| ApiError::invalid_config("the document has no gateway.url"))?;
+    let cfg = AgentConfig {
+        gateway_url: url.to_string(),
+        site: String::new(),
+        serving_ca_spki_pin: pins.serving_ca.clone(),
+        join_signing_key_pin: pins.join_signing.clone(),
+        join_encryption_key_pin: pins.join_encryption.clone(),
+        server_name: doc["gateway"]["serverName"].as_str().map(str::to_string),
+    };
+    Ok((cfg, point, Some(jwk)))
 }
 
 /// Reads the bearer token from `BCD_JOIN_TOKEN` (or `BCA_JOIN_TOKEN`), else standard input.
@@ -126,13 +281,7 @@ pub fn read_token() -> ApiResult<Zeroizing<String>> {
             buf
         }
     };
-    let t = Zeroizing::new(raw.trim().to_string());
-    if !t.starts_with("bcjt_") || t.len() > 512 || t.contains(char::is_whitespace) {
-        return Err(ApiError::invalid_input(
-            "the join token must look like bcjt_<id>.<secret>, on standard input or in BCD_JOIN_TOKEN",
-        ));
-    }
-    Ok(t)
+    check_token(raw.trim())
 }
 
 fn read_file_string(p: &Path) -> Option<String> {
@@ -215,8 +364,7 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
             return Ok(id.node_id);
         }
     }
-    let cfg = AgentConfig::load(&o.config)?;
-    let enc_point = cfg.join_encryption_point(&o.config)?;
+    let (mut cfg, enc_point, bootstrap_jwk) = resolve_config(o)?;
     let claims = match &o.claims {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(|e| {
@@ -227,7 +375,11 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
         }
         None => collect_claims(),
     };
-    let token = read_token()?;
+    let token = match (&o.token, &o.token_file) {
+        (Some(t), _) => check_token(t)?,
+        (None, Some(f)) => read_token_file(f)?,
+        (None, None) => read_token()?,
+    };
     if o.reset {
         let stamp = utc_stamp(crate::clock::now());
         for name in ["identity.json", "node.key", "node.key.next"] {
@@ -256,6 +408,7 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
             attestor: String::new(),
             role: o.role.clone(),
         }),
+        ..Default::default()
     };
     let reply = exchange(&cfg, &serde_json::to_vec(&request).expect("serializes"))?;
     if let Some(e) = reply.error {
@@ -267,6 +420,16 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
         .join_response
         .ok_or_else(|| ApiError::internal("the gateway's answer carries no response"))?;
     let body = verify_response(&cfg, &resp, &csr, &key, &o.role)?;
+    if let Some(jwk) = bootstrap_jwk {
+        // Built from the document: the signed response named the site; keep the configuration.
+        cfg.site = body.site_id.clone();
+        write_agent_files(&cfg, &jwk, o.config.parent().unwrap_or(Path::new(".")))?;
+    }
+    if let Some(f) = &o.token_file {
+        if let Err(e) = std::fs::remove_file(f) {
+            tracing::warn!(file = %f.display(), error = %e, "the token file could not be deleted (a read-only mount?)");
+        }
+    }
     // The key first, then the identity that names it; each write is atomic.
     crate::fsutil::write_atomic(
         &key_path,
@@ -299,48 +462,65 @@ pub fn exchange(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Reply> {
 
 /// One request and the reply's bytes, exactly as the gateway sent them.
 pub fn exchange_raw(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Vec<u8>> {
-    let (host, port) = crate::tlsclient::host_port(&cfg.gateway_url)
-        .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
-    let name = cfg.server_name.clone().unwrap_or(host.clone());
-    let tls =
-        crate::tlsclient::client_config(&cfg.serving_ca_spki_pin).map_err(ApiError::internal)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(ApiError::internal)?;
     rt.block_on(async move {
-        let unreachable = |e: String| {
-            ApiError::new(
-                Code::InvalidState,
-                format!("cannot reach the gateway {}: {e}", cfg.gateway_url),
-            )
-        };
-        let stream = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            tokio::net::TcpStream::connect((host.as_str(), port)),
-        )
-        .await
-        .map_err(|_| unreachable("timed out".into()))?
-        .map_err(|e| unreachable(e.to_string()))?;
-        let server_name = rustls::pki_types::ServerName::try_from(name.clone()).map_err(|_| {
-            ApiError::invalid_config(format!("{name:?} is not a valid server name"))
-        })?;
-        let mut s = tokio_rustls::TlsConnector::from(Arc::new(tls))
-            .connect(server_name, stream)
-            .await
-            .map_err(|e| unreachable(format!("TLS: {e}")))?;
-        protocol::write_frame(&mut s, request)
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
-        let frame = tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            protocol::read_frame(&mut s),
-        )
-        .await
-        .map_err(|_| unreachable("no answer in 60 s".into()))?
-        .map_err(|e| unreachable(e.to_string()))?;
-        Ok(frame)
+        let mut s = connect(cfg, None).await?;
+        roundtrip(cfg, &mut s, request).await
     })
+}
+
+pub type GatewayStream = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+fn unreachable(cfg: &AgentConfig, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(
+        Code::InvalidState,
+        format!("cannot reach the gateway {}: {e}", cfg.gateway_url),
+    )
+}
+
+/// A TLS connection to the gateway under the pinned serving CA, presenting `identity` (chain DER,
+/// key PKCS#8) for mTLS when given.
+pub async fn connect(
+    cfg: &AgentConfig,
+    identity: Option<(Vec<Vec<u8>>, &[u8])>,
+) -> ApiResult<GatewayStream> {
+    let (host, port) = crate::tlsclient::host_port(&cfg.gateway_url)
+        .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
+    let name = cfg.server_name.clone().unwrap_or(host.clone());
+    let tls = crate::tlsclient::client_config_with(&cfg.serving_ca_spki_pin, identity)
+        .map_err(ApiError::internal)?;
+    let stream = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::net::TcpStream::connect((host.as_str(), port)),
+    )
+    .await
+    .map_err(|_| unreachable(cfg, "timed out"))?
+    .map_err(|e| unreachable(cfg, e))?;
+    let _ = stream.set_nodelay(true);
+    let server_name = rustls::pki_types::ServerName::try_from(name.clone())
+        .map_err(|_| ApiError::invalid_config(format!("{name:?} is not a valid server name")))?;
+    tokio_rustls::TlsConnector::from(Arc::new(tls))
+        .connect(server_name, stream)
+        .await
+        .map_err(|e| unreachable(cfg, format!("TLS: {e}")))
+}
+
+/// Sends one frame and reads the answer's bytes (60 s at most).
+pub async fn roundtrip(
+    cfg: &AgentConfig,
+    s: &mut GatewayStream,
+    request: &[u8],
+) -> ApiResult<Vec<u8>> {
+    protocol::write_frame(s, request)
+        .await
+        .map_err(|e| unreachable(cfg, e))?;
+    tokio::time::timeout(std::time::Duration::from_secs(60), protocol::read_frame(s))
+        .await
+        .map_err(|_| unreachable(cfg, "no answer in 60 s"))?
+        .map_err(|e| unreachable(cfg, e))
 }
 
 /// The seed's checks, in its order: the signature under the pinned key, `csr_sha256`, that the
@@ -382,9 +562,12 @@ pub fn verify_response(
     }
     let want = format!(
         "spiffe://{}/site/{}/node/{}",
-        body.trust_domain, cfg.site, body.node_id
+        body.trust_domain, body.site_id, body.node_id
     );
-    if body.site_id != cfg.site || spiffe_sans(&leaf).as_deref() != Some(want.as_str()) {
+    // An empty site is a configuration being built from the well-known document: the signed
+    // response names it.
+    let site_ok = cfg.site.is_empty() || body.site_id == cfg.site;
+    if !site_ok || spiffe_sans(&leaf).as_deref() != Some(want.as_str()) {
         return Err(bad("the certificate's SPIFFE ID is not this site's node"));
     }
     let role_ok = body.role == role || (role == "node" && body.role == "node-tenant");
@@ -433,8 +616,8 @@ pub fn cert_role(der: &[u8]) -> Option<String> {
     }
 }
 
-/// `bca daemon agent-config`: the agent's `config.toml` (0600) and `join-encryption.jwk` (0644).
-pub fn write_agent_config(state_dir: &Path, gateway_url: &str, out: &Path) -> ApiResult<()> {
+/// The agent configuration and the join-encryption JWK (JSON) for this appliance's site.
+pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(AgentConfig, String)> {
     let cfg = crate::config::Config::load(state_dir).map_err(ApiError::invalid_config)?;
     let public =
         pki::PublicPki::load(&pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
@@ -452,6 +635,18 @@ pub fn write_agent_config(state_dir: &Path, gateway_url: &str, out: &Path) -> Ap
         join_encryption_key_pin: pins.join_encryption,
         server_name: None,
     };
+    let jwk = serde_json::to_string_pretty(&public.join_encryption).expect("serializes") + "\n";
+    Ok((agent, jwk))
+}
+
+/// `bca daemon agent-config`: the agent's `config.toml` (0600) and `join-encryption.jwk` (0644).
+pub fn write_agent_config(state_dir: &Path, gateway_url: &str, out: &Path) -> ApiResult<()> {
+    let (agent, jwk) = agent_config_for(state_dir, gateway_url)?;
+    write_agent_files(&agent, &jwk, out)
+}
+
+/// Writes an agent's two files into `out`, never over existing ones.
+pub fn write_agent_files(agent: &AgentConfig, jwk: &str, out: &Path) -> ApiResult<()> {
     std::fs::create_dir_all(out)
         .map_err(|e| ApiError::invalid_state(format!("cannot create {}: {e}", out.display())))?;
     let cfg_path = out.join("config.toml");
@@ -465,12 +660,11 @@ pub fn write_agent_config(state_dir: &Path, gateway_url: &str, out: &Path) -> Ap
         }
     }
     let text = format!(
-        "# bca agent configuration, written by bca daemon agent-config\n{}",
-        toml::to_string(&agent).expect("serializes")
+        "# bca agent configuration\n{}",
+        toml::to_string(agent).expect("serializes")
     );
     crate::fsutil::write_new(&cfg_path, text.as_bytes(), 0o600)
         .map_err(ApiError::already_exists)?;
-    let jwk = serde_json::to_string_pretty(&public.join_encryption).expect("serializes") + "\n";
     crate::fsutil::write_new(&jwk_path, jwk.as_bytes(), 0o644).map_err(ApiError::already_exists)?;
     Ok(())
 }

@@ -18,6 +18,8 @@ pub struct Ctx<'a> {
     pub now: i64,
     pub site_id: &'a str,
     pub root_tenant: &'a str,
+    /// The gateway's live sessions, closed when a node's identity is revoked.
+    pub sessions: Option<&'a crate::sessions::Registry>,
 }
 
 pub fn rfc3339(t: i64) -> String {

@@ -16,6 +16,8 @@ pub struct App {
     pub pki: PublicPki,
     /// The document served at `GET /api/compute/.well-known/better-compute`.
     pub well_known: Value,
+    /// The gateway's live node sessions.
+    pub sessions: crate::sessions::Registry,
 }
 
 pub const BASE_PATH: &str = "/api/compute";
@@ -52,6 +54,7 @@ impl App {
             root_tenant,
             pki,
             well_known,
+            sessions: Default::default(),
         })
     }
 

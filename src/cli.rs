@@ -90,6 +90,9 @@ pub enum Command {
     /// What agents need from this appliance.
     #[command(subcommand)]
     Daemon(DaemonCmd),
+    /// Agent binaries served to install scripts.
+    #[command(subcommand)]
+    Downloads(DownloadsCmd),
     /// Shell completions on stdout.
     Completions { shell: clap_complete::Shell },
     /// The man page (roff) on stdout.
@@ -127,6 +130,16 @@ pub struct ServeArgs {
 
 #[derive(Args)]
 pub struct DevArgs {
+    /// Run a throwaway appliance in a temporary directory with N simulated machines that join,
+    /// hold sessions and renew.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=500))]
+    pub sim: Option<u16>,
+    /// The simulated machines' certificate lifetime, in seconds.
+    #[arg(long, default_value = "60", value_parser = clap::value_parser!(u32).range(10..=86400))]
+    pub sim_cert_ttl: u32,
+    /// Keep the simulation's temporary directory.
+    #[arg(long)]
+    pub sim_keep: bool,
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub listen_http: String,
     #[arg(long, default_value = "127.0.0.1:8443")]
@@ -293,11 +306,80 @@ pub enum AgentCmd {
         reset: bool,
         #[arg(long)]
         yes: bool,
+        /// The appliance's HTTP URL: its well-known document supplies the join-encryption key
+        /// when join-encryption.jwk is absent (only if it matches the pin), and the whole
+        /// configuration, with the three pins below, when config.toml is absent.
+        #[arg(long)]
+        server: Option<String>,
+        #[arg(long, requires_all = ["server", "join_signing_pin", "join_encryption_pin"])]
+        serving_ca_pin: Option<String>,
+        #[arg(long, requires = "serving_ca_pin")]
+        join_signing_pin: Option<String>,
+        #[arg(long, requires = "serving_ca_pin")]
+        join_encryption_pin: Option<String>,
+        /// Read the token from this file (owner-only, at most 4 KiB); it is deleted after the join.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+    },
+    /// Keep the node's session, renew its certificate, reconnect with backoff (until SIGTERM).
+    Run {
+        #[arg(long, default_value = crate::agent::DEFAULT_CONFIG)]
+        config: PathBuf,
+        #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        /// The first reconnect waits up to this long; each further attempt doubles it.
+        #[arg(long, default_value = "1000", hide = true)]
+        backoff_base_ms: u64,
+        /// Reconnects never wait longer than this.
+        #[arg(long, default_value = "60000", hide = true)]
+        backoff_cap_ms: u64,
+    },
+    /// Check the config, pins, identity, the gateway and the clock; exit 1 when a check fails.
+    Doctor {
+        #[arg(long, default_value = crate::agent::DEFAULT_CONFIG)]
+        config: PathBuf,
+        #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
     },
 }
 
 #[derive(Subcommand)]
+pub enum DownloadsCmd {
+    /// Copy an agent binary into the appliance's store (the agent is bca itself).
+    Add {
+        file: PathBuf,
+        #[arg(long)]
+        version: String,
+        /// amd64 or arm64.
+        #[arg(long)]
+        arch: String,
+    },
+    /// List the agent binaries the appliance serves.
+    List,
+}
+
+#[derive(Subcommand)]
 pub enum DaemonCmd {
+    /// Print a POSIX sh install script for a brownfield server (it holds no secret).
+    #[command(name = "install-script")]
+    InstallScript {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The gateway URL agents dial.
+        #[arg(long)]
+        gateway_url: String,
+        /// Where the script downloads the agent: this appliance's HTTP URL.
+        #[arg(long)]
+        base_url: String,
+        /// The agent version to download (as added with `bca downloads add`).
+        #[arg(long)]
+        bcd_version: String,
+        /// amd64=<hex>[,arm64=<hex>]: the SHA-256 of each binary.
+        #[arg(long)]
+        sha256: String,
+    },
     /// Write an agent's config.toml (0600) and join-encryption.jwk (0644) into a new folder.
     #[command(name = "agent-config")]
     AgentConfig {
@@ -561,7 +643,22 @@ fn run(cli: Cli) -> ApiResult<()> {
             role,
             reset,
             yes,
+            server,
+            serving_ca_pin,
+            join_signing_pin,
+            join_encryption_pin,
+            token_file,
         }) => {
+            let pins = match (serving_ca_pin, join_signing_pin, join_encryption_pin) {
+                (Some(serving_ca), Some(join_signing), Some(join_encryption)) => {
+                    Some(crate::agent::BootstrapPins {
+                        serving_ca,
+                        join_signing,
+                        join_encryption,
+                    })
+                }
+                _ => None,
+            };
             let node = crate::agent::join(&crate::agent::JoinOptions {
                 config,
                 data_dir,
@@ -569,8 +666,117 @@ fn run(cli: Cli) -> ApiResult<()> {
                 role,
                 reset,
                 yes,
+                server,
+                pins,
+                token_file,
+                token: None,
             })?;
             println!("{node}");
+            Ok(())
+        }
+        Command::Agent(AgentCmd::Run {
+            config,
+            data_dir,
+            backoff_base_ms,
+            backoff_cap_ms,
+        }) => crate::agent_run::run(crate::agent_run::RunOptions {
+            config,
+            data_dir,
+            backoff_base: std::time::Duration::from_millis(backoff_base_ms),
+            backoff_cap: std::time::Duration::from_millis(backoff_cap_ms.max(backoff_base_ms)),
+        }),
+        Command::Agent(AgentCmd::Doctor { config, data_dir }) => {
+            if crate::agent_run::doctor(&config, &data_dir) {
+                Ok(())
+            } else {
+                Err(ApiError::invalid_state("a check failed; see above"))
+            }
+        }
+        Command::Downloads(DownloadsCmd::Add {
+            file,
+            version,
+            arch,
+        }) => {
+            let path = std::fs::canonicalize(&file)
+                .map_err(|e| ApiError::invalid_input(format!("{}: {e}", file.display())))?;
+            let v = conn.client().call(
+                "downloads/add",
+                &json!({"path": path, "version": version, "arch": arch}),
+            )?;
+            print(conn, &v, print_record);
+            Ok(())
+        }
+        Command::Downloads(DownloadsCmd::List) => {
+            let v = conn.client().call("downloads/list", &json!({}))?;
+            print(conn, &v, |v| {
+                print_table(
+                    &["PRODUCT", "VERSION", "ARCH", "SHA-256", "SIZE"],
+                    items(v)
+                        .iter()
+                        .map(|d| {
+                            vec![
+                                s(&d["product"]),
+                                s(&d["version"]),
+                                s(&d["arch"]),
+                                s(&d["sha256"]),
+                                s(&d["size"]),
+                            ]
+                        })
+                        .collect(),
+                )
+            });
+            Ok(())
+        }
+        Command::Daemon(DaemonCmd::InstallScript {
+            pool,
+            tenant,
+            gateway_url,
+            base_url,
+            bcd_version,
+            sha256,
+        }) => {
+            let (amd, arm) =
+                crate::install_script::parse_sha256(&sha256).map_err(ApiError::invalid_input)?;
+            if !crate::downloads::valid_version(&bcd_version) {
+                return Err(ApiError::invalid_input(
+                    "--bcd-version must match ^[0-9A-Za-z][0-9A-Za-z.+-]{0,63}$",
+                ));
+            }
+            let base_ok = (base_url.starts_with("http://") || base_url.starts_with("https://"))
+                && base_url.bytes().all(|c| {
+                    c.is_ascii_graphic()
+                        && c != b'\''
+                        && c != b'"'
+                        && c != b'\\'
+                        && c != b'$'
+                        && c != b'`'
+                });
+            if !base_ok {
+                return Err(ApiError::invalid_input(format!(
+                    "--base-url {base_url:?} must be an http:// or https:// URL"
+                )));
+            }
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let p = c.call("pools/get", &json!({"tenantId": tenant, "poolId": pool}))?;
+            if p["agent"] != "bcd" || p.get("archivedAt").is_some() {
+                return Err(ApiError::invalid_state(format!(
+                    "pool {pool} admits no agent (agent none, or archived)"
+                )));
+            }
+            let (cfg, jwk) = crate::agent::agent_config_for(&conn.state_dir(), &gateway_url)?;
+            print!(
+                "{}",
+                crate::install_script::render(&crate::install_script::ScriptInput {
+                    pool: &pool,
+                    config: &cfg,
+                    jwk_json: &jwk,
+                    base_url: &base_url,
+                    version: &bcd_version,
+                    sha256_amd64: amd.as_deref(),
+                    sha256_arm64: arm.as_deref(),
+                })
+            );
             Ok(())
         }
         Command::Daemon(DaemonCmd::AgentConfig { gateway_url, out }) => {
@@ -643,6 +849,13 @@ fn print_init(dir: &Path, out: &crate::init::Initialised, as_json: bool) {
 }
 
 fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
+    if let Some(n) = a.sim {
+        return crate::devsim::run(crate::devsim::SimOptions {
+            machines: n as usize,
+            cert_ttl_seconds: a.sim_cert_ttl,
+            keep: a.sim_keep,
+        });
+    }
     if !crate::init::is_initialised(&state_dir) {
         let out = crate::init::init(
             crate::init::InitOptions {

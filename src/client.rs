@@ -77,7 +77,7 @@ impl Client {
 }
 
 /// (status, body) of a whole HTTP/1.1 response with a content-length.
-fn split_response(raw: &[u8]) -> Option<(u16, &[u8])> {
+pub fn split_response(raw: &[u8]) -> Option<(u16, &[u8])> {
     let end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head = std::str::from_utf8(&raw[..end]).ok()?;
     let status: u16 = head.split_whitespace().nth(1)?.parse().ok()?;

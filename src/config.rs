@@ -59,6 +59,28 @@ pub struct Config {
     pub pki: PkiConfig,
     #[serde(default)]
     pub join: JoinConfig,
+    #[serde(default)]
+    pub sessions: SessionsConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SessionsConfig {
+    /// How often agents send a heartbeat; a session silent for three of these is closed.
+    #[serde(default = "default_heartbeat")]
+    pub heartbeat_seconds: u32,
+}
+
+fn default_heartbeat() -> u32 {
+    15
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_seconds: default_heartbeat(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -135,14 +157,17 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if self.pki.cert_ttl_seconds == 0 || self.pki.cert_ttl_seconds > 86_400 {
-            return Err("pki.cert_ttl_seconds must be 1 to 86400".into());
+        if !(10..=86_400).contains(&self.pki.cert_ttl_seconds) {
+            return Err("pki.cert_ttl_seconds must be 10 to 86400".into());
         }
         if self.pki.ca_validity_years == 0 || self.pki.ca_validity_years > 50 {
             return Err("pki.ca_validity_years must be 1 to 50".into());
         }
         if self.pki.gateway_leaf_validity_days == 0 || self.pki.gateway_leaf_validity_days > 825 {
             return Err("pki.gateway_leaf_validity_days must be 1 to 825".into());
+        }
+        if !(1..=300).contains(&self.sessions.heartbeat_seconds) {
+            return Err("sessions.heartbeat_seconds must be 1 to 300".into());
         }
         if !(30..=900).contains(&self.join.seal_max_skew_seconds) {
             return Err("join.seal_max_skew_seconds must be 30 to 900".into());

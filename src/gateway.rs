@@ -1,24 +1,30 @@
-//! The gateway: the TLS 1.3 listener agents dial. It relays joins to the JoinService through the
-//! message interface ([`JoinHandle::call`]: bytes in, bytes out), and never holds a signing key,
-//! never opens a seal, never parses a token.
+//! The gateway: the TLS 1.3 listener agents dial. It relays joins and renewals to the JoinService
+//! through the message interface ([`JoinHandle::call`]: bytes in, bytes out) and holds node
+//! sessions. It never holds a signing key, never opens a seal, never parses a token.
+//!
+//! Client certificates are optional at the TLS layer (a join has none) and, when presented, must
+//! chain to the node CA and be valid now (webpki); `renew` and `hello` require one, and the
+//! JoinService then checks it against `node_certs`.
 //!
 //! Limits: at most [`MAX_CONNECTIONS`] connections at once; a connection must finish its TLS
-//! handshake and send its request within [`REQUEST_DEADLINE`]; frames are at most
-//! [`protocol::MAX_FRAME`] bytes.
+//! handshake and send its first request within [`REQUEST_DEADLINE`]; frames are at most
+//! [`protocol::MAX_FRAME`] bytes; a session silent for three heartbeats is closed.
 
 use crate::app::{App, PROTOCOL_MAX, PROTOCOL_MIN};
 use crate::joinservice::JoinHandle;
-use crate::protocol::{self, JoinCall, JoinOutcome, Reply, Request};
+use crate::protocol::{self, Call, Clock, Outcome, Reply, Request, Welcome};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
+use tokio_rustls::server::TlsStream;
 
 pub const MAX_CONNECTIONS: usize = 4096;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
 
 pub struct Gateway {
+    app: Arc<App>,
     tls: tokio_rustls::TlsAcceptor,
     join: Option<JoinHandle>,
 }
@@ -28,16 +34,27 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
-/// TLS 1.3 only, the gateway leaf and the serving CA as its chain, ALPN `bca/1`.
+/// TLS 1.3 only, the gateway leaf and the serving CA as its chain, ALPN `bca/1`, optional client
+/// certificates under the node CA.
 pub fn server_config(
     leaf: &[u8],
     ca: &[u8],
     key_pkcs8: &[u8],
+    node_ca: &[u8],
 ) -> Result<rustls::ServerConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from(node_ca.to_vec()))
+        .map_err(|e| format!("the node CA: {e}"))?;
+    let clients =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| e.to_string())?;
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
-        .with_no_client_auth()
+        .with_client_cert_verifier(clients)
         .with_single_cert(
             vec![
                 CertificateDer::from(leaf.to_vec()),
@@ -50,6 +67,11 @@ pub fn server_config(
     Ok(cfg)
 }
 
+enum Next {
+    Close,
+    Session(String),
+}
+
 impl Gateway {
     /// `join` is `None` when no JoinService is configured: every join then answers `INVALID_CONFIG`.
     pub fn new(
@@ -57,8 +79,14 @@ impl Gateway {
         gateway_key_pkcs8: &[u8],
         join: Option<JoinHandle>,
     ) -> Result<Self, String> {
-        let cfg = server_config(&app.pki.gateway, &app.pki.serving_ca, gateway_key_pkcs8)?;
+        let cfg = server_config(
+            &app.pki.gateway,
+            &app.pki.serving_ca,
+            gateway_key_pkcs8,
+            &app.pki.node_ca,
+        )?;
         Ok(Self {
+            app,
             tls: tokio_rustls::TlsAcceptor::from(Arc::new(cfg)),
             join,
         })
@@ -78,12 +106,11 @@ impl Gateway {
                     };
                     let _ = stream.set_nodelay(true);
                     let this = this.clone();
+                    let stop = stop.clone();
                     tokio::spawn(async move {
                         let _permit = permit;
-                        match tokio::time::timeout(REQUEST_DEADLINE, this.connection(stream, peer.to_string())).await {
-                            Ok(Err(e)) => tracing::debug!(%peer, error = %e, "gateway: connection ended"),
-                            Err(_) => tracing::debug!(%peer, "gateway: connection too slow; closed"),
-                            Ok(Ok(())) => {}
+                        if let Err(e) = this.connection(stream, peer.to_string(), stop).await {
+                            tracing::debug!(%peer, error = %e, "gateway: connection ended");
                         }
                     });
                 }
@@ -91,56 +118,237 @@ impl Gateway {
         }
     }
 
-    async fn connection(&self, stream: tokio::net::TcpStream, peer: String) -> Result<(), String> {
-        let mut tls = self
-            .tls
-            .accept(stream)
-            .await
-            .map_err(|e| format!("TLS: {e}"))?;
-        let frame = match protocol::read_frame(&mut tls).await {
-            Ok(f) => f,
-            Err(protocol::FrameError::TooLarge(n)) => {
-                let r = Reply::error(
-                    "INVALID_INPUT",
-                    &format!("frame of {n} bytes is larger than {}", protocol::MAX_FRAME),
-                );
-                let _ = protocol::write_frame(&mut tls, &r.to_bytes()).await;
-                return Err("oversize frame".into());
-            }
-            Err(e) => return Err(e.to_string()),
-        };
-        let reply = self.answer(&frame, peer).await;
+    async fn connection(
+        &self,
+        stream: tokio::net::TcpStream,
+        peer: String,
+        stop: watch::Receiver<bool>,
+    ) -> Result<(), String> {
+        let first = tokio::time::timeout(REQUEST_DEADLINE, async {
+            let mut tls = self
+                .tls
+                .accept(stream)
+                .await
+                .map_err(|e| format!("TLS: {e}"))?;
+            let frame = self.read(&mut tls).await?;
+            Ok::<_, String>((tls, frame))
+        })
+        .await
+        .map_err(|_| "too slow: no request within the deadline".to_string())?;
+        let (mut tls, frame) = first?;
+        let (reply, next) = self.answer(&frame, &tls, peer).await;
         protocol::write_frame(&mut tls, &reply.to_bytes())
             .await
             .map_err(|e| e.to_string())?;
+        if let Next::Session(node) = next {
+            self.session(&mut tls, node, stop).await;
+        }
         use tokio::io::AsyncWriteExt;
         let _ = tls.shutdown().await;
         Ok(())
     }
 
-    async fn answer(&self, frame: &[u8], peer: String) -> Reply {
-        let req: Request = match serde_json::from_slice(frame) {
-            Ok(r) => r,
-            Err(e) => return Reply::error("INVALID_INPUT", &format!("malformed request: {e}")),
-        };
+    /// Reads one frame; an oversize one is answered before the connection closes.
+    async fn read(&self, tls: &mut TlsStream<tokio::net::TcpStream>) -> Result<Vec<u8>, String> {
+        match protocol::read_frame(tls).await {
+            Ok(f) => Ok(f),
+            Err(protocol::FrameError::TooLarge(n)) => {
+                let r = Reply::error(
+                    "INVALID_INPUT",
+                    &format!("frame of {n} bytes is larger than {}", protocol::MAX_FRAME),
+                );
+                let _ = protocol::write_frame(tls, &r.to_bytes()).await;
+                Err("oversize frame".into())
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn parse(frame: &[u8]) -> Result<Request, Box<Reply>> {
+        let req: Request = serde_json::from_slice(frame).map_err(|e| {
+            Box::new(Reply::error(
+                "INVALID_INPUT",
+                &format!("malformed request: {e}"),
+            ))
+        })?;
         if !(PROTOCOL_MIN..=PROTOCOL_MAX).contains(&req.v) {
-            return Reply::error(
+            return Err(Box::new(Reply::error(
                 "INVALID_INPUT",
                 &format!("protocol version {} is not supported; this gateway speaks {PROTOCOL_MIN} to {PROTOCOL_MAX}", req.v),
+            )));
+        }
+        if req.operations() != 1 {
+            return Err(Box::new(Reply::error(
+                "INVALID_INPUT",
+                "a request names exactly one operation",
+            )));
+        }
+        Ok(req)
+    }
+
+    async fn call(&self, call: Call) -> Option<Outcome> {
+        let handle = self.join.as_ref()?;
+        let out = handle
+            .call(&serde_json::to_vec(&call).expect("serializes"))
+            .await;
+        Some(serde_json::from_slice(&out).unwrap_or(Outcome::Busy))
+    }
+
+    fn peer_leaf(tls: &TlsStream<tokio::net::TcpStream>) -> Option<String> {
+        tls.get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| crate::crypto::b64(c))
+    }
+
+    async fn answer(
+        &self,
+        frame: &[u8],
+        tls: &TlsStream<tokio::net::TcpStream>,
+        peer: String,
+    ) -> (Reply, Next) {
+        let req = match Self::parse(frame) {
+            Ok(r) => r,
+            Err(reply) => return (*reply, Next::Close),
+        };
+        let now = crate::clock::now();
+        if req.ping.is_some() {
+            return (
+                Reply {
+                    v: 1,
+                    pong: Some(Clock { server_time: now }),
+                    ..Default::default()
+                },
+                Next::Close,
             );
         }
-        let Some(join) = req.join else {
-            return Reply::error("INVALID_INPUT", "the request names no operation");
+        if let Some(join) = req.join {
+            let out = self
+                .call(Call::Join {
+                    request: join,
+                    peer,
+                })
+                .await
+                .unwrap_or(Outcome::InvalidConfig);
+            return (Reply::from_outcome(out), Next::Close);
+        }
+        if let Some(renew) = req.renew {
+            return (self.renew(renew, tls, peer).await, Next::Close);
+        }
+        if req.hello.is_some() {
+            let refused = (
+                Reply::error("ACCESS_DENIED", protocol::SESSION_REFUSED),
+                Next::Close,
+            );
+            let Some(leaf) = Self::peer_leaf(tls) else {
+                return refused;
+            };
+            return match self
+                .call(Call::SessionOpen {
+                    peer_leaf: leaf,
+                    peer,
+                })
+                .await
+            {
+                Some(Outcome::SessionOpened { node_id }) => {
+                    let welcome = Welcome {
+                        node_id: node_id.clone(),
+                        heartbeat_seconds: self.app.config.sessions.heartbeat_seconds,
+                        server_time: now,
+                    };
+                    (
+                        Reply {
+                            v: 1,
+                            welcome: Some(welcome),
+                            ..Default::default()
+                        },
+                        Next::Session(node_id),
+                    )
+                }
+                Some(Outcome::Busy) => (
+                    Reply::error("UNAVAILABLE", "the appliance is busy; retry"),
+                    Next::Close,
+                ),
+                _ => refused,
+            };
+        }
+        (
+            Reply::error("INVALID_INPUT", "heartbeat outside a session"),
+            Next::Close,
+        )
+    }
+
+    async fn renew(
+        &self,
+        renew: protocol::RenewRequest,
+        tls: &TlsStream<tokio::net::TcpStream>,
+        peer: String,
+    ) -> Reply {
+        let Some(leaf) = Self::peer_leaf(tls) else {
+            return Reply::error("ACCESS_DENIED", protocol::RENEW_REFUSED);
         };
-        let Some(handle) = &self.join else {
-            return Reply::from_outcome(JoinOutcome::InvalidConfig);
-        };
-        let msg = serde_json::to_vec(&JoinCall {
-            request: join,
-            peer,
-        })
-        .expect("serializes");
-        let out = handle.call(&msg).await;
-        Reply::from_outcome(serde_json::from_slice(&out).unwrap_or(JoinOutcome::Busy))
+        let out = self
+            .call(Call::Renew {
+                request: renew,
+                peer_leaf: leaf,
+                peer,
+            })
+            .await
+            .unwrap_or(Outcome::InvalidConfig);
+        Reply::from_renew_outcome(out)
+    }
+
+    /// A live session: heartbeats and renewals until the node goes quiet, leaves, or its identity
+    /// is revoked.
+    async fn session(
+        &self,
+        tls: &mut TlsStream<tokio::net::TcpStream>,
+        node: String,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let (id, mut closed) = self.app.sessions.register(&node);
+        let hb = self.app.config.sessions.heartbeat_seconds.max(1) as u64;
+        let idle = Duration::from_secs(hb * 3);
+        let mut last_seen = crate::clock::now();
+        loop {
+            tokio::select! {
+                _ = closed.changed() => {
+                    let r = Reply::error("ACCESS_DENIED", "the session was closed: the node's identity was revoked or replaced");
+                    let _ = protocol::write_frame(tls, &r.to_bytes()).await;
+                    break;
+                }
+                _ = stop.changed() => break,
+                f = tokio::time::timeout(idle, self.read(tls)) => {
+                    let Ok(Ok(frame)) = f else { break };
+                    let reply = match Self::parse(&frame) {
+                        Err(r) => *r,
+                        Ok(req) if req.heartbeat.is_some() || req.ping.is_some() => {
+                            let now = crate::clock::now();
+                            if now - last_seen >= hb as i64 {
+                                last_seen = now;
+                                let _ = self.call(Call::SessionSeen { node_id: node.clone() }).await;
+                            }
+                            let c = Clock { server_time: now };
+                            if req.ping.is_some() {
+                                Reply { v: 1, pong: Some(c), ..Default::default() }
+                            } else {
+                                Reply { v: 1, ack: Some(c), ..Default::default() }
+                            }
+                        }
+                        Ok(req) if req.renew.is_some() => {
+                            self.renew(req.renew.expect("checked"), tls, node.clone()).await
+                        }
+                        Ok(_) => Reply::error("INVALID_INPUT", "a session carries heartbeat, ping and renew only"),
+                    };
+                    if protocol::write_frame(tls, &reply.to_bytes()).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        if self.app.sessions.unregister(&node, id) {
+            let _ = self.call(Call::SessionClosed { node_id: node }).await;
+        }
     }
 }

@@ -51,6 +51,31 @@ async fn public(
         }
         return Ok(respond(200, &app.well_known));
     }
+    let downloads = format!("{BASE_PATH}/downloads/bcd/");
+    if let Some(rest) = req
+        .uri()
+        .path()
+        .strip_prefix(&downloads)
+        .map(str::to_string)
+    {
+        if req.method() != Method::GET {
+            return Ok(error(&ApiError::invalid_input("use GET for downloads")));
+        }
+        let app2 = app.clone();
+        let found = tokio::task::spawn_blocking(move || {
+            crate::downloads::get(&app2.store, &app2.state_dir, &rest)
+        })
+        .await
+        .ok()
+        .flatten();
+        if let Some(bytes) = found {
+            return Ok(Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", "application/octet-stream")
+                .body(Full::new(Bytes::from(bytes)))
+                .expect("a valid response"));
+        }
+    }
     Ok(error(&ApiError::not_found(format!(
         "no resource at {}",
         req.uri().path()
@@ -117,8 +142,10 @@ async fn admin(
             now: crate::clock::now(),
             site_id: &app.config.site_id,
             root_tenant: &app.root_tenant,
+            sessions: Some(&app.sessions),
         };
-        api::dispatch(&app.store, &ctx, &method, &body)
+        crate::downloads::dispatch(&app.store, &app.state_dir, &ctx, &method, &body)
+            .unwrap_or_else(|| api::dispatch(&app.store, &ctx, &method, &body))
     })
     .await;
     Ok(match res {

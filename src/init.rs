@@ -128,6 +128,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         admin_group: None,
         pki: PkiConfig::default(),
         join: JoinConfig::default(),
+        sessions: Default::default(),
     };
     config.gateway_server_name = None;
     let keys = KeyBundle::generate();

@@ -1,5 +1,6 @@
-//! The JoinService: the only part that holds the signing keys. It takes [`JoinCall`] messages
-//! (serialized, from the gateway), and answers [`JoinOutcome`] messages.
+//! The JoinService: the only part that holds the signing keys. It takes [`Call`] messages
+//! (serialized, from the gateway): joins, renewals and session bookkeeping, and answers
+//! [`Outcome`] messages.
 //!
 //! A join runs in two stages:
 //! 1. **Outside the write transaction**, on the caller's task: the CSR's signature is verified,
@@ -21,7 +22,7 @@ use crate::error::ApiResult;
 use crate::keys::KeyBundle;
 use crate::pki::{self, CaKind};
 use crate::protocol::{
-    JoinCall, JoinOutcome, JoinResponse, JoinResponseBody, JOIN_RESPONSE_PURPOSE,
+    Call, JoinRequest, JoinResponse, JoinResponseBody, Outcome, JOIN_RESPONSE_PURPOSE,
 };
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
@@ -34,12 +35,25 @@ const MAX_BATCH: usize = 64;
 /// Refusal events per attestor and reason per minute.
 const EVENTS_PER_MINUTE: u32 = 60;
 
-struct Signer {
-    node_ca: (rcgen::Certificate, rcgen::KeyPair),
-    node_ca_pem: String,
-    join_signing: SigningKey,
-    signer_b64: String,
+pub(crate) struct Signer {
+    pub(crate) node_ca: (rcgen::Certificate, rcgen::KeyPair),
+    pub(crate) node_ca_pem: String,
+    pub(crate) join_signing: SigningKey,
+    pub(crate) signer_b64: String,
     decrypt: aws_lc_rs::agreement::PrivateKey,
+}
+
+impl Signer {
+    /// Signs a response body: `JoinResponse{ body, sig, signer }`.
+    pub(crate) fn respond(&self, body: &JoinResponseBody) -> JoinResponse {
+        let body = serde_json::to_vec(body).expect("serializes");
+        let sig = self.join_signing.sign(JOIN_RESPONSE_PURPOSE, &body);
+        JoinResponse {
+            body: crypto::b64(&body),
+            sig: crypto::b64(&sig),
+            signer: self.signer_b64.clone(),
+        }
+    }
 }
 
 /// What stage 1 produced.
@@ -61,10 +75,19 @@ struct Ready {
     role: String,
 }
 
+/// What the writer thread does for one call.
+enum Work {
+    Join(Prepared),
+    Renew(Box<crate::renewal::Prepared>),
+    SessionOpen(Vec<u8>),
+    SessionSeen(String),
+    SessionClosed(String),
+}
+
 struct Job {
-    prepared: Prepared,
+    work: Work,
     role: String,
-    reply: oneshot::Sender<JoinOutcome>,
+    reply: oneshot::Sender<Outcome>,
 }
 
 /// The in-process handle the gateway holds: it can send messages, nothing else.
@@ -78,6 +101,7 @@ struct Inner {
     signer: Arc<Signer>,
     jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
     in_flight: Mutex<HashSet<String>>,
+    renew_proofs: Mutex<crate::renewal::ReplayCache>,
 }
 
 pub struct JoinService {
@@ -96,12 +120,17 @@ impl JoinService {
             join_signing: SigningKey::from_pkcs8(keys.join_signing.pkcs8())?,
         });
         drop(keys);
+        // No session outlives a restart of the appliance.
+        app.store
+            .write(|tx| Ok(tx.execute("UPDATE nodes SET connected = 0 WHERE connected = 1", [])?))
+            .map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::sync_channel::<Job>(4096);
         let inner = Arc::new(Inner {
             app: app.clone(),
             signer: signer.clone(),
             jobs: Mutex::new(Some(tx)),
             in_flight: Mutex::default(),
+            renew_proofs: Mutex::default(),
         });
         let writer = std::thread::Builder::new()
             .name("join-writer".into())
@@ -149,21 +178,79 @@ impl Drop for InFlight<'_> {
 }
 
 impl JoinHandle {
-    /// The message interface: a serialized [`JoinCall`] in, a serialized [`JoinOutcome`] out.
+    /// The message interface: a serialized [`Call`] in, a serialized [`Outcome`] out.
     pub async fn call(&self, msg: &[u8]) -> Vec<u8> {
-        let outcome = match serde_json::from_slice::<JoinCall>(msg) {
-            Ok(c) => self.join(c).await,
-            Err(_) => JoinOutcome::Refused,
+        let outcome = match serde_json::from_slice::<Call>(msg) {
+            Ok(Call::Join { request, peer }) => self.join(request, &peer).await,
+            Ok(Call::Renew {
+                request,
+                peer_leaf,
+                peer,
+            }) => {
+                let now = crate::clock::now();
+                let leaf = crypto::b64_decode(&peer_leaf).unwrap_or_default();
+                let prepared = crate::renewal::prepare(
+                    &request,
+                    &leaf,
+                    now,
+                    &mut self
+                        .inner
+                        .renew_proofs
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
+                tracing::debug!(%peer, "renewal");
+                self.submit(Work::Renew(Box::new(prepared)), String::new())
+                    .await
+            }
+            Ok(Call::SessionOpen { peer_leaf, .. }) => {
+                let leaf = crypto::b64_decode(&peer_leaf).unwrap_or_default();
+                self.submit(Work::SessionOpen(leaf), String::new()).await
+            }
+            Ok(Call::SessionSeen { node_id }) => {
+                self.submit(Work::SessionSeen(node_id), String::new()).await
+            }
+            Ok(Call::SessionClosed { node_id }) => {
+                self.submit(Work::SessionClosed(node_id), String::new())
+                    .await
+            }
+            Err(_) => Outcome::Refused,
         };
         serde_json::to_vec(&outcome).expect("serializes")
     }
 
-    async fn join(&self, call: JoinCall) -> JoinOutcome {
+    /// Hands work to the writer thread and waits for its answer (sent after the commit).
+    async fn submit(&self, work: Work, role: String) -> Outcome {
+        let (tx, rx) = oneshot::channel();
+        let sender = self
+            .inner
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(sender) = sender else {
+            return Outcome::Busy;
+        };
+        if sender
+            .try_send(Job {
+                work,
+                role,
+                reply: tx,
+            })
+            .is_err()
+        {
+            return Outcome::Busy;
+        }
+        rx.await.unwrap_or(Outcome::Busy)
+    }
+
+    async fn join(&self, request: JoinRequest, peer: &str) -> Outcome {
         let now = crate::clock::now();
-        let role = call.request.role.chars().take(32).collect::<String>();
+        let role = request.role.chars().take(32).collect::<String>();
         let prepared = prepare(
             &self.inner.signer,
-            &call,
+            &request,
+            peer,
             now,
             self.inner.app.config.join.seal_max_skew_seconds as i64,
         );
@@ -179,41 +266,20 @@ impl JoinHandle {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner());
                 if !set.insert(k.hex.clone()) {
-                    tracing::info!(peer = %call.peer, "join: the same machine is joining concurrently");
-                    return JoinOutcome::Conflict;
+                    tracing::info!(%peer, "join: the same machine is joining concurrently");
+                    return Outcome::Conflict;
                 }
                 guard.key = Some(k.hex.clone());
             }
         }
-        let (tx, rx) = oneshot::channel();
-        let sender = self
-            .inner
-            .jobs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let Some(sender) = sender else {
-            return JoinOutcome::Busy;
-        };
-        if sender
-            .try_send(Job {
-                prepared,
-                role,
-                reply: tx,
-            })
-            .is_err()
-        {
-            return JoinOutcome::Busy;
-        }
-        let out = rx.await.unwrap_or(JoinOutcome::Busy);
+        let out = self.submit(Work::Join(prepared), role).await;
         drop(guard);
         out
     }
 }
 
 /// Stage 1: every check that needs no database, in the seed's order.
-fn prepare(signer: &Signer, call: &JoinCall, now: i64, max_skew: i64) -> Prepared {
-    let r = &call.request;
+fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64) -> Prepared {
     let refuse = |reason, csr_sha256, hardware_key| Prepared::Refused {
         reason,
         csr_sha256,
@@ -234,7 +300,7 @@ fn prepare(signer: &Signer, call: &JoinCall, now: i64, max_skew: i64) -> Prepare
     let csr = match crate::csr::verify(&der) {
         Ok(c) => c,
         Err(e) => {
-            tracing::debug!(peer = %call.peer, error = %e, "join: bad CSR");
+            tracing::debug!(%peer, error = %e, "join: bad CSR");
             return refuse(Reason::Csr, Some(crypto::sha256(&der)), hk);
         }
     };
@@ -242,7 +308,7 @@ fn prepare(signer: &Signer, call: &JoinCall, now: i64, max_skew: i64) -> Prepare
     {
         Ok(t) => t,
         Err(e) => {
-            tracing::debug!(peer = %call.peer, error = ?e, "join: the seal did not open");
+            tracing::debug!(%peer, error = ?e, "join: the seal did not open");
             return refuse(Reason::Token, Some(csr.sha256), hk);
         }
     };
@@ -261,17 +327,14 @@ fn prepare(signer: &Signer, call: &JoinCall, now: i64, max_skew: i64) -> Prepare
 
 /// Per (attestor, reason): the minute, events written in it, and events suppressed since the last.
 #[derive(Default)]
-struct RateLimit {
+pub(crate) struct RateLimit {
     buckets: HashMap<&'static str, (i64, u32, u64)>,
 }
 
 impl RateLimit {
     /// `Some(suppressed)` when an event may be written now.
-    fn admit(&mut self, reason: Reason, now: i64) -> Option<u64> {
-        let b = self
-            .buckets
-            .entry(reason.as_str())
-            .or_insert((now / 60, 0, 0));
+    pub(crate) fn admit(&mut self, key: &'static str, now: i64) -> Option<u64> {
+        let b = self.buckets.entry(key).or_insert((now / 60, 0, 0));
         if b.0 != now / 60 {
             b.0 = now / 60;
             b.1 = 0;
@@ -325,7 +388,7 @@ fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
             Err(e) => {
                 tracing::error!(error = %e, joins = batch.len(), "join batch failed; nothing was admitted");
                 for job in batch {
-                    let _ = job.reply.send(JoinOutcome::Busy);
+                    let _ = job.reply.send(Outcome::Busy);
                 }
             }
         }
@@ -339,8 +402,15 @@ fn process(
     job: &Job,
     now: i64,
     limits: &mut RateLimit,
-) -> ApiResult<JoinOutcome> {
-    let (decided, csr_sha, hk) = match &job.prepared {
+) -> ApiResult<Outcome> {
+    let prepared = match &job.work {
+        Work::Join(p) => p,
+        Work::Renew(p) => return crate::renewal::process(tx, app, signer, p, now, limits),
+        Work::SessionOpen(leaf) => return crate::sessions::open(tx, leaf, now),
+        Work::SessionSeen(node) => return crate::sessions::seen(tx, node, now),
+        Work::SessionClosed(node) => return crate::sessions::closed(tx, node, now),
+    };
+    let (decided, csr_sha, hk) = match prepared {
         Prepared::Refused {
             reason,
             csr_sha256,
@@ -368,10 +438,10 @@ fn process(
         }
     };
     match decided {
-        Decided::Issued(response) => Ok(JoinOutcome::Issued { response }),
+        Decided::Issued(response) => Ok(Outcome::Issued { response }),
         Decided::Refused(r) => {
             tracing::info!(reason = r.reason.as_str(), "join refused");
-            if let Some(suppressed) = limits.admit(r.reason, now) {
+            if let Some(suppressed) = limits.admit(r.reason.as_str(), now) {
                 let tenant = r.tenant.unwrap_or_else(|| app.root_tenant.clone());
                 api::publish(
                     tx,
@@ -388,7 +458,7 @@ fn process(
                     }),
                 )?;
             }
-            Ok(JoinOutcome::Refused)
+            Ok(Outcome::Refused)
         }
     }
 }
@@ -528,7 +598,7 @@ fn admit_one(
             spiffe_id: &spiffe,
             statements: &[],
             role: &adm.role,
-            not_before: now - 60,
+            not_before: now - pki::backdate(cfg.pki.cert_ttl_seconds as i64),
             not_after,
             public_point: &r.csr.public_point,
         },
@@ -541,7 +611,7 @@ fn admit_one(
     tx.execute(
         "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![serial, node_id, generation, adm.role, spki_hash, der, now - 60, not_after, now],
+        params![serial, node_id, generation, adm.role, spki_hash, der, now - pki::backdate(cfg.pki.cert_ttl_seconds as i64), not_after, now],
     )?;
     let data = json!({
         "nodeId": node_id,
@@ -591,13 +661,7 @@ fn admit_one(
         site_id: cfg.site_id.clone(),
         role: adm.role,
     };
-    let body = serde_json::to_vec(&body).expect("serializes");
-    let sig = signer.join_signing.sign(JOIN_RESPONSE_PURPOSE, &body);
-    Ok(Decided::Issued(JoinResponse {
-        body: crypto::b64(&body),
-        sig: crypto::b64(&sig),
-        signer: signer.signer_b64.clone(),
-    }))
+    Ok(Decided::Issued(signer.respond(&body)))
 }
 
 #[cfg(test)]
@@ -608,14 +672,14 @@ mod tests {
     fn refusal_events_are_rate_limited_with_a_suppressed_count() {
         let mut rl = RateLimit::default();
         for _ in 0..60 {
-            assert_eq!(rl.admit(Reason::Unknown, 120), Some(0));
+            assert_eq!(rl.admit(Reason::Unknown.as_str(), 120), Some(0));
         }
-        assert_eq!(rl.admit(Reason::Unknown, 121), None);
-        assert_eq!(rl.admit(Reason::Unknown, 122), None);
+        assert_eq!(rl.admit(Reason::Unknown.as_str(), 121), None);
+        assert_eq!(rl.admit(Reason::Unknown.as_str(), 122), None);
         // Another reason has its own budget.
-        assert_eq!(rl.admit(Reason::Expired, 122), Some(0));
+        assert_eq!(rl.admit(Reason::Expired.as_str(), 122), Some(0));
         // The next minute: the first event carries what was dropped.
-        assert_eq!(rl.admit(Reason::Unknown, 180), Some(2));
-        assert_eq!(rl.admit(Reason::Unknown, 181), Some(0));
+        assert_eq!(rl.admit(Reason::Unknown.as_str(), 180), Some(2));
+        assert_eq!(rl.admit(Reason::Unknown.as_str(), 181), Some(0));
     }
 }

@@ -79,7 +79,7 @@ struct NodeRef {
 }
 
 const COLS: &str = "id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted, identity_generation,
-    attestor, hostname, claims_json, created_at, updated_at, retired_at";
+    attestor, hostname, claims_json, created_at, updated_at, retired_at, connected, last_seen";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
     let mut v = json!({
@@ -94,6 +94,8 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
     if let Some(t) = r.get::<_, Option<i64>>(15)? {
         v["retiredAt"] = json!(rfc3339(t));
     }
+    v["connected"] = json!(r.get::<_, i64>(16)? == 1);
+    v["lastSeen"] = json!(r.get::<_, Option<i64>>(17)?.map(rfc3339));
     Ok(v)
 }
 
@@ -167,7 +169,7 @@ fn revoke_all(
 }
 
 pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option<ApiResult<Value>> {
-    Some(match path {
+    let out = match path {
         "nodes/list" => parse::<ListInput>(body).and_then(|i| store.read(|tx| list(tx, i))),
         "nodes/get" => parse::<NodeRef>(body).and_then(|i| {
             validate_ref(&i)?;
@@ -215,7 +217,19 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
             })
         }),
         _ => return None,
-    })
+    };
+    // A node whose identity is revoked, or that is retired or deleted, loses its session at once.
+    if out.is_ok()
+        && matches!(
+            path,
+            "nodes/retire" | "nodes/delete" | "nodes/revokeIdentity"
+        )
+    {
+        if let (Some(sessions), Ok(i)) = (ctx.sessions, parse::<NodeRef>(body)) {
+            sessions.close(&i.node_id);
+        }
+    }
+    Some(out)
 }
 
 fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
@@ -308,7 +322,16 @@ pub fn run_cli(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
             )?;
             out(&v, &|v| {
                 print_table(
-                    &["ID", "POOL", "STATE", "ROLE", "GEN", "HOSTNAME"],
+                    &[
+                        "ID",
+                        "POOL",
+                        "STATE",
+                        "ROLE",
+                        "GEN",
+                        "CONNECTED",
+                        "LAST SEEN",
+                        "HOSTNAME",
+                    ],
                     v["items"]
                         .as_array()
                         .cloned()
@@ -321,6 +344,8 @@ pub fn run_cli(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
                                 s(&n["state"]),
                                 s(&n["role"]),
                                 s(&n["identityGeneration"]),
+                                s(&n["connected"]),
+                                s(&n["lastSeen"]),
                                 s(&n["hostname"]),
                             ]
                         })

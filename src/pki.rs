@@ -386,3 +386,58 @@ mod tests {
         assert_eq!(all, vec![der, vec![9u8; 100]]);
     }
 }
+
+/// What the JoinService reads back from a node certificate it issued.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeLeaf {
+    pub spiffe_id: String,
+    pub node_id: String,
+    pub serial_hex: String,
+    pub public_point: Vec<u8>,
+    /// `urn:bc:` statements, in order.
+    pub statements: Vec<String>,
+    pub not_after: i64,
+}
+
+/// Parses a node certificate: its SPIFFE ID (`…/node/<id>`), serial, key and statements.
+pub fn parse_node_leaf(der: &[u8]) -> Option<NodeLeaf> {
+    use x509_parser::prelude::*;
+    let (rest, c) = X509Certificate::from_der(der).ok()?;
+    if !rest.is_empty() {
+        return None;
+    }
+    let san = c.subject_alternative_name().ok()??;
+    let uris: Vec<&str> = san
+        .value
+        .general_names
+        .iter()
+        .filter_map(|g| {
+            if let GeneralName::URI(u) = g {
+                Some(*u)
+            } else {
+                None
+            }
+        })
+        .collect();
+    let spiffe = uris.first().filter(|u| u.starts_with("spiffe://"))?;
+    let node_id = spiffe.rsplit_once("/node/")?.1.to_string();
+    let point = crypto::p256_point_from_spki(c.public_key().raw)?.to_vec();
+    Some(NodeLeaf {
+        spiffe_id: spiffe.to_string(),
+        node_id,
+        serial_hex: crypto::hex(c.raw_serial()),
+        public_point: point,
+        statements: uris[1..]
+            .iter()
+            .filter(|u| u.starts_with("urn:bc:"))
+            .map(|u| u.to_string())
+            .collect(),
+        not_after: c.validity().not_after.timestamp(),
+    })
+}
+
+/// How far a node certificate's `notBefore` is set back, for relying parties whose clocks lag:
+/// a minute, or a tenth of a short lifetime (so 60% of the lifetime stays in the future).
+pub fn backdate(ttl_seconds: i64) -> i64 {
+    (ttl_seconds / 10).min(60)
+}

@@ -56,14 +56,37 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Resul
     w.flush().await.map_err(FrameError::Io)
 }
 
-/// What an agent sends: the protocol version and exactly one request.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// What an agent sends: the protocol version and exactly one operation.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Request {
     pub v: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub join: Option<JoinRequest>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renew: Option<RenewRequest>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hello: Option<Hello>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat: Option<Empty>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ping: Option<Empty>,
 }
+
+impl Request {
+    /// How many operations the request names (exactly one is valid).
+    pub fn operations(&self) -> usize {
+        self.join.is_some() as usize
+            + self.renew.is_some() as usize
+            + self.hello.is_some() as usize
+            + self.heartbeat.is_some() as usize
+            + self.ping.is_some() as usize
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Empty {}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -80,15 +103,72 @@ pub struct JoinRequest {
     pub role: String,
 }
 
+/// `Renew`, sent over mTLS with the node's current certificate.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RenewRequest {
+    /// The new PKCS#10 request, base64 DER.
+    pub csr: String,
+    /// The current chain, PEM, leaf first.
+    pub chain: Vec<String>,
+    /// The agent's clock, Unix seconds.
+    pub client_time: i64,
+    /// The current key's signature (purpose `renew-pop`) over [`renew_pop_message`], base64 DER.
+    pub pop_sig: String,
+}
+
+pub const RENEW_POP_PURPOSE: &str = "renew-pop";
+
+/// What `pop_sig` signs: the CSR's SHA-256, the node id and the client time.
+pub fn renew_pop_message(csr_sha256: &[u8; 32], node_id: &str, client_time: i64) -> Vec<u8> {
+    let mut m = csr_sha256.to_vec();
+    m.push(0);
+    m.extend_from_slice(node_id.as_bytes());
+    m.push(0);
+    m.extend_from_slice(client_time.to_string().as_bytes());
+    m
+}
+
+/// `Hello`, the first message of a session, over mTLS.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Hello {
+    #[serde(default)]
+    pub node_id: String,
+}
+
 /// What the gateway answers.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Reply {
     pub v: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub join_response: Option<JoinResponse>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renew_response: Option<JoinResponse>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub welcome: Option<Welcome>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ack: Option<Clock>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pong: Option<Clock>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<WireError>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Welcome {
+    pub node_id: String,
+    /// How often the agent sends `heartbeat`; the gateway closes a session silent for 3 of these.
+    pub heartbeat_seconds: u32,
+    pub server_time: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Clock {
+    pub server_time: i64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -125,52 +205,94 @@ pub struct JoinResponseBody {
     pub role: String,
 }
 
-/// The gateway's call into the JoinService: a serializable message, no shared state.
+/// The gateway's calls into the JoinService: serializable messages, no shared state.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct JoinCall {
-    pub request: JoinRequest,
-    /// The peer's address, for the log.
-    pub peer: String,
+#[serde(rename_all = "camelCase", tag = "call")]
+pub enum Call {
+    #[serde(rename_all = "camelCase")]
+    Join { request: JoinRequest, peer: String },
+    /// `peer_leaf`: the mTLS client certificate the gateway verified (base64 DER).
+    #[serde(rename_all = "camelCase")]
+    Renew {
+        request: RenewRequest,
+        peer_leaf: String,
+        peer: String,
+    },
+    #[serde(rename_all = "camelCase")]
+    SessionOpen { peer_leaf: String, peer: String },
+    #[serde(rename_all = "camelCase")]
+    SessionSeen { node_id: String },
+    #[serde(rename_all = "camelCase")]
+    SessionClosed { node_id: String },
 }
 
-/// The JoinService's answer to a [`JoinCall`].
+/// The JoinService's answer to a [`Call`].
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", tag = "outcome")]
-pub enum JoinOutcome {
-    Issued { response: JoinResponse },
+pub enum Outcome {
+    Issued {
+        response: JoinResponse,
+    },
     Refused,
     Conflict,
     InvalidConfig,
     Busy,
+    #[serde(rename_all = "camelCase")]
+    SessionOpened {
+        node_id: String,
+    },
+    Done,
 }
+
+pub const RENEW_REFUSED: &str = "Renew refused";
+pub const SESSION_REFUSED: &str = "Session refused";
 
 impl Reply {
     pub fn error(code: &str, message: &str) -> Self {
         Reply {
             v: 1,
-            join_response: None,
             error: Some(WireError {
                 code: code.into(),
                 message: message.into(),
             }),
+            ..Default::default()
         }
     }
 
-    pub fn from_outcome(o: JoinOutcome) -> Self {
+    /// The answer to a join.
+    pub fn from_outcome(o: Outcome) -> Self {
         match o {
-            JoinOutcome::Issued { response } => Reply {
+            Outcome::Issued { response } => Reply {
                 v: 1,
                 join_response: Some(response),
-                error: None,
+                ..Default::default()
             },
-            JoinOutcome::Refused => Reply::error("ACCESS_DENIED", JOIN_REFUSED),
-            JoinOutcome::Conflict => Reply::error("CONFLICT", CONFLICT),
-            JoinOutcome::InvalidConfig => Reply::error(
+            Outcome::Refused => Reply::error("ACCESS_DENIED", JOIN_REFUSED),
+            other => Reply::from_common(other),
+        }
+    }
+
+    /// The answer to a renewal.
+    pub fn from_renew_outcome(o: Outcome) -> Self {
+        match o {
+            Outcome::Issued { response } => Reply {
+                v: 1,
+                renew_response: Some(response),
+                ..Default::default()
+            },
+            Outcome::Refused => Reply::error("ACCESS_DENIED", RENEW_REFUSED),
+            other => Reply::from_common(other),
+        }
+    }
+
+    fn from_common(o: Outcome) -> Self {
+        match o {
+            Outcome::Conflict => Reply::error("CONFLICT", CONFLICT),
+            Outcome::InvalidConfig => Reply::error(
                 "INVALID_CONFIG",
                 "the appliance has no JoinService configuration; every join fails until it has",
             ),
-            JoinOutcome::Busy => Reply::error("UNAVAILABLE", "the appliance is busy; retry"),
+            _ => Reply::error("UNAVAILABLE", "the appliance is busy; retry"),
         }
     }
 

@@ -14,10 +14,16 @@ use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
 /// Every migration, in order. A migration is never edited once released: add a new file.
-pub const MIGRATIONS: &[(&str, &str)] = &[(
-    "0001_initial",
-    include_str!("../migrations/0001_initial.sql"),
-)];
+pub const MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "0001_initial",
+        include_str!("../migrations/0001_initial.sql"),
+    ),
+    (
+        "0002_sessions_downloads",
+        include_str!("../migrations/0002_sessions_downloads.sql"),
+    ),
+];
 
 pub struct Store {
     conn: Mutex<Connection>,

@@ -97,12 +97,28 @@ impl ServerCertVerifier for PinnedCaVerifier {
 
 /// A TLS 1.3 client configuration that trusts only the pinned serving CA.
 pub fn client_config(serving_ca_pin: &str) -> Result<rustls::ClientConfig, String> {
-    let mut cfg = rustls::ClientConfig::builder_with_provider(crate::gateway::provider())
+    client_config_with(serving_ca_pin, None)
+}
+
+/// The same, presenting a node certificate chain and its key (PKCS#8) for mTLS.
+pub fn client_config_with(
+    serving_ca_pin: &str,
+    identity: Option<(Vec<Vec<u8>>, &[u8])>,
+) -> Result<rustls::ClientConfig, String> {
+    let builder = rustls::ClientConfig::builder_with_provider(crate::gateway::provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(PinnedCaVerifier::new(serving_ca_pin)))
-        .with_no_client_auth();
+        .with_custom_certificate_verifier(Arc::new(PinnedCaVerifier::new(serving_ca_pin)));
+    let mut cfg = match identity {
+        None => builder.with_no_client_auth(),
+        Some((chain, key)) => builder
+            .with_client_auth_cert(
+                chain.into_iter().map(CertificateDer::from).collect(),
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.to_vec().into()),
+            )
+            .map_err(|e| format!("the node identity: {e}"))?,
+    };
     cfg.alpn_protocols = vec![crate::protocol::ALPN.to_vec()];
     Ok(cfg)
 }

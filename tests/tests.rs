@@ -7,3 +7,5 @@ mod common;
 mod foundation;
 #[path = "it/join.rs"]
 mod join;
+#[path = "it/renew.rs"]
+mod renew;

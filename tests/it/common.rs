@@ -4,7 +4,9 @@
 
 use bca::agent::AgentConfig;
 use bca::client::Client;
+use bca::crypto::{self, SigningKey};
 use bca::error::ApiError;
+use bca::protocol::{JoinRequest, JoinResponseBody, Reply, Request};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -54,7 +56,16 @@ impl Appliance {
     }
 
     pub fn start_with(protection: &str, extra: &[&str]) -> Self {
+        Self::start_cfg(protection, extra, |c| c)
+    }
+
+    /// Starts an appliance whose `config.toml` is first passed through `edit`.
+    pub fn start_cfg(protection: &str, extra: &[&str], edit: impl Fn(String) -> String) -> Self {
         let (dir, out) = init_dir(protection, extra);
+        let cfg = dir.path().join("state/config.toml");
+        if let Ok(text) = std::fs::read_to_string(&cfg) {
+            std::fs::write(&cfg, edit(text)).unwrap();
+        }
         assert!(
             out.status.success(),
             "init failed: {}",
@@ -78,14 +89,19 @@ impl Appliance {
 
     /// Starts `bca serve` and waits for its readiness line.
     pub fn serve(&mut self, passphrase: &str) {
+        self.serve_at(passphrase, "127.0.0.1:0", "127.0.0.1:0")
+    }
+
+    /// Stops and starts again on the same ports (agents keep their gateway URL).
+    pub fn restart(&mut self) {
+        self.stop();
+        let (http, gw) = (self.http.clone(), self.gateway.clone());
+        self.serve_at(PASSPHRASE, &http, &gw);
+    }
+
+    pub fn serve_at(&mut self, passphrase: &str, http: &str, gateway: &str) {
         let mut child = Command::new(bin())
-            .args([
-                "serve",
-                "--listen-http",
-                "127.0.0.1:0",
-                "--listen-gateway",
-                "127.0.0.1:0",
-            ])
+            .args(["serve", "--listen-http", http, "--listen-gateway", gateway])
             .env("BCA_STATE_DIR", self.state())
             .env("BCA_SECRET", passphrase)
             .env("BCA_LOG", "warn")
@@ -325,4 +341,102 @@ pub fn sha256_file_tree(dir: &Path) -> Vec<(PathBuf, String, u32)> {
     }
     out.sort();
     out
+}
+
+/// A simulated machine talking the protocol below the CLI.
+pub struct Sim {
+    pub cfg: AgentConfig,
+    pub enc: Vec<u8>,
+}
+
+impl Sim {
+    pub fn new(a: &Appliance) -> Self {
+        let d = a.agent_dir();
+        let cfg = a.agent_config(&d);
+        let enc = cfg.join_encryption_point(&d.join("config.toml")).unwrap();
+        Sim { cfg, enc }
+    }
+
+    /// A join with a fresh key; `seal_csr` lets a test seal for another CSR.
+    pub fn join_with(
+        &self,
+        token: &str,
+        claims: &Value,
+        role: &str,
+        seal_csr: Option<&[u8]>,
+        iat: i64,
+    ) -> (Vec<u8>, Vec<u8>, SigningKey) {
+        let key = SigningKey::generate();
+        let csr = bca::csr::create(&key);
+        let sealed = bca::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
+        let req = Request {
+            v: 1,
+            join: Some(JoinRequest {
+                sealed_token: sealed,
+                csr: crypto::b64(&csr),
+                claims: serde_json::from_value(claims.clone()).unwrap(),
+                attestor: String::new(),
+                role: role.into(),
+            }),
+            ..Default::default()
+        };
+        let raw = bca::agent::exchange_raw(&self.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
+        (raw, csr, key)
+    }
+
+    pub fn join(&self, token: &str, claims: &Value) -> (Vec<u8>, Vec<u8>, SigningKey) {
+        self.join_with(token, claims, "node", None, bca::clock::now())
+    }
+
+    /// A join that must be admitted; returns the verified body.
+    pub fn admitted(&self, token: &str, claims: &Value) -> JoinResponseBody {
+        let (raw, csr, key) = self.join(token, claims);
+        let reply: Reply = serde_json::from_slice(&raw).unwrap();
+        let resp = reply
+            .join_response
+            .unwrap_or_else(|| panic!("refused: {}", String::from_utf8_lossy(&raw)));
+        bca::agent::verify_response(&self.cfg, &resp, &csr, &key, "node").unwrap()
+    }
+}
+
+pub fn refused_bytes() -> Vec<u8> {
+    Reply::from_outcome(bca::protocol::Outcome::Refused).to_bytes()
+}
+
+pub fn write_claims(a: &Appliance, claims: &Value) -> std::path::PathBuf {
+    let p = a.dir.path().join(format!("claims-{}.json", rand_hex(4)));
+    std::fs::write(&p, claims.to_string()).unwrap();
+    p
+}
+
+/// `bca agent join` with the token on standard input.
+pub fn agent_join(
+    agent_dir: &std::path::Path,
+    data: &str,
+    claims: &std::path::Path,
+    token: &str,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut child = Command::new(bin())
+        .args(["agent", "join", "--config"])
+        .arg(agent_dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(agent_dir.join(data))
+        .arg("--claims")
+        .arg(claims)
+        .args(extra)
+        .env_remove("BCD_JOIN_TOKEN")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{token}\n").as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
 }

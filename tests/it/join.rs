@@ -4,106 +4,9 @@
 use crate::common::*;
 use bca::agent::AgentConfig;
 use bca::crypto::{self, SigningKey};
-use bca::protocol::{JoinRequest, JoinResponseBody, Reply, Request};
+use bca::protocol::{JoinRequest, Reply, Request};
 use serde_json::{json, Value};
-use std::process::{Command, Stdio};
-
-/// A simulated machine talking the protocol below the CLI.
-struct Sim {
-    cfg: AgentConfig,
-    enc: Vec<u8>,
-}
-
-impl Sim {
-    fn new(a: &Appliance) -> Self {
-        let d = a.agent_dir();
-        let cfg = a.agent_config(&d);
-        let enc = cfg.join_encryption_point(&d.join("config.toml")).unwrap();
-        Sim { cfg, enc }
-    }
-
-    /// A join with a fresh key; `seal_csr` lets a test seal for another CSR.
-    fn join_with(
-        &self,
-        token: &str,
-        claims: &Value,
-        role: &str,
-        seal_csr: Option<&[u8]>,
-        iat: i64,
-    ) -> (Vec<u8>, Vec<u8>, SigningKey) {
-        let key = SigningKey::generate();
-        let csr = bca::csr::create(&key);
-        let sealed = bca::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
-        let req = Request {
-            v: 1,
-            join: Some(JoinRequest {
-                sealed_token: sealed,
-                csr: crypto::b64(&csr),
-                claims: serde_json::from_value(claims.clone()).unwrap(),
-                attestor: String::new(),
-                role: role.into(),
-            }),
-        };
-        let raw = bca::agent::exchange_raw(&self.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
-        (raw, csr, key)
-    }
-
-    fn join(&self, token: &str, claims: &Value) -> (Vec<u8>, Vec<u8>, SigningKey) {
-        self.join_with(token, claims, "node", None, bca::clock::now())
-    }
-
-    /// A join that must be admitted; returns the verified body.
-    fn admitted(&self, token: &str, claims: &Value) -> JoinResponseBody {
-        let (raw, csr, key) = self.join(token, claims);
-        let reply: Reply = serde_json::from_slice(&raw).unwrap();
-        let resp = reply
-            .join_response
-            .unwrap_or_else(|| panic!("refused: {}", String::from_utf8_lossy(&raw)));
-        bca::agent::verify_response(&self.cfg, &resp, &csr, &key, "node").unwrap()
-    }
-}
-
-fn refused_bytes() -> Vec<u8> {
-    Reply::from_outcome(bca::protocol::JoinOutcome::Refused).to_bytes()
-}
-
-fn write_claims(a: &Appliance, claims: &Value) -> std::path::PathBuf {
-    let p = a.dir.path().join(format!("claims-{}.json", rand_hex(4)));
-    std::fs::write(&p, claims.to_string()).unwrap();
-    p
-}
-
-/// `bca agent join` with the token on standard input.
-fn agent_join(
-    agent_dir: &std::path::Path,
-    data: &str,
-    claims: &std::path::Path,
-    token: &str,
-    extra: &[&str],
-) -> std::process::Output {
-    let mut child = Command::new(bin())
-        .args(["agent", "join", "--config"])
-        .arg(agent_dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(agent_dir.join(data))
-        .arg("--claims")
-        .arg(claims)
-        .args(extra)
-        .env_remove("BCD_JOIN_TOKEN")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(format!("{token}\n").as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
-}
+use std::process::Command;
 
 #[test]
 fn end_to_end_join_with_the_agent_and_openssl() {
@@ -711,6 +614,7 @@ fn josekit_seals_are_accepted_and_bca_seals_open_in_josekit() {
             attestor: "join-token".into(),
             role: "node".into(),
         }),
+        ..Default::default()
     };
     let raw = bca::agent::exchange_raw(&sim.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
     let reply: Reply = serde_json::from_slice(&raw).unwrap();

@@ -1,0 +1,419 @@
+//! `bca agent run` and `bca agent doctor`: a joined node keeps its session, renews at about 60%
+//! of its certificate's lifetime, and reconnects with capped exponential backoff and full jitter.
+//!
+//! Renewal writes the new identity so that a crash at any point leaves a loadable one:
+//! 1. the new key goes to `node.key.next` (atomically);
+//! 2. `identity.json` is replaced atomically with the new chain;
+//! 3. `node.key.next` is renamed over `node.key`.
+//!
+//! [`load_identity`] finishes step 3 when it finds an identity whose key is `node.key.next`.
+
+use crate::agent::{self, AgentConfig, GatewayStream, Identity};
+use crate::crypto::{self, SigningKey};
+use crate::error::{ApiError, ApiResult, Code};
+use crate::pki;
+use crate::protocol::{
+    renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
+};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// A loaded identity: the record, its key, and the leaf's validity.
+pub struct Loaded {
+    pub identity: Identity,
+    pub key: SigningKey,
+    pub chain_der: Vec<Vec<u8>>,
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+fn read_key(p: &Path) -> Option<SigningKey> {
+    let text = zeroize::Zeroizing::new(std::fs::read_to_string(p).ok()?);
+    let der = zeroize::Zeroizing::new(
+        pki::pem_decode_all(&text, "PRIVATE KEY")
+            .into_iter()
+            .next()?,
+    );
+    SigningKey::from_pkcs8(&der).ok()
+}
+
+/// Loads `identity.json` and the key it certifies, completing an interrupted renewal.
+pub fn load_identity(data_dir: &Path) -> ApiResult<Loaded> {
+    let ip = data_dir.join("identity.json");
+    let bytes = std::fs::read(&ip)
+        .map_err(|_| ApiError::invalid_state("not joined: run bca agent join"))?;
+    let identity: Identity = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid_state(format!("{} does not load: {e}; join again as root: bca agent join --reset --yes, then bca agent join", ip.display())))?;
+    let chain_der: Vec<Vec<u8>> = identity
+        .certificate_chain
+        .iter()
+        .filter_map(|p| pki::pem_decode_all(p, "CERTIFICATE").into_iter().next())
+        .collect();
+    let leaf = chain_der.first().and_then(|d| pki::parse_node_leaf(d)).ok_or_else(|| {
+        ApiError::invalid_state(format!("{} holds no node certificate; join again as root: bca agent join --reset --yes, then bca agent join", ip.display()))
+    })?;
+    let want = crypto::p256_spki_from_point(&leaf.public_point);
+    let (kp, next) = (data_dir.join("node.key"), data_dir.join("node.key.next"));
+    let key = match read_key(&kp).filter(|k| k.spki_der() == want) {
+        Some(k) => k,
+        None => {
+            let k = read_key(&next).filter(|k| k.spki_der() == want).ok_or_else(|| {
+                ApiError::invalid_state("node.key does not match the identity's certificate; join again as root: bca agent join --reset --yes, then bca agent join")
+            })?;
+            std::fs::rename(&next, &kp)
+                .map_err(|e| ApiError::invalid_state(format!("cannot finish the renewal: {e}")))?;
+            k
+        }
+    };
+    let not_before = {
+        use x509_parser::prelude::*;
+        X509Certificate::from_der(&chain_der[0])
+            .map(|(_, c)| c.validity().not_before.timestamp())
+            .unwrap_or(0)
+    };
+    Ok(Loaded {
+        identity,
+        key,
+        chain_der,
+        not_before,
+        not_after: leaf.not_after,
+    })
+}
+
+/// Renews over an mTLS connection and writes the new identity; returns the new leaf's serial.
+pub async fn renew(
+    cfg: &AgentConfig,
+    data_dir: &Path,
+    cur: &Loaded,
+    s: &mut GatewayStream,
+) -> ApiResult<String> {
+    let key = SigningKey::generate();
+    let csr = crate::csr::create(&key);
+    let now = crate::clock::now();
+    let msg = renew_pop_message(&crypto::sha256(&csr), &cur.identity.node_id, now);
+    let req = Request {
+        v: 1,
+        renew: Some(RenewRequest {
+            csr: crypto::b64(&csr),
+            chain: cur.identity.certificate_chain.clone(),
+            client_time: now,
+            pop_sig: crypto::b64(&cur.key.sign(RENEW_POP_PURPOSE, &msg)),
+        }),
+        ..Default::default()
+    };
+    let raw = agent::roundtrip(cfg, s, &serde_json::to_vec(&req).expect("serializes")).await?;
+    let reply: Reply = serde_json::from_slice(&raw)
+        .map_err(|e| ApiError::internal(format!("malformed answer: {e}")))?;
+    if let Some(e) = reply.error {
+        return Err(ApiError::new(Code::AccessDenied, e.message));
+    }
+    let resp = reply
+        .renew_response
+        .ok_or_else(|| ApiError::internal("the answer carries no renewal"))?;
+    let body = agent::verify_response(cfg, &resp, &csr, &key, &cur.identity.role)?;
+    if body.node_id != cur.identity.node_id {
+        return Err(ApiError::access_denied("the renewal names another node"));
+    }
+    let serial = body
+        .certificate_chain
+        .first()
+        .and_then(|p| pki::pem_decode_all(p, "CERTIFICATE").into_iter().next())
+        .and_then(|d| pki::parse_node_leaf(&d))
+        .map(|l| l.serial_hex)
+        .unwrap_or_default();
+    write_renewed(
+        data_dir,
+        &key,
+        Identity {
+            certificate_chain: body.certificate_chain,
+            ..cur.identity.clone()
+        },
+    )?;
+    Ok(serial)
+}
+
+/// The three steps of the module's doc, each atomic.
+pub fn write_renewed(data_dir: &Path, key: &SigningKey, identity: Identity) -> ApiResult<()> {
+    let next = data_dir.join("node.key.next");
+    crate::fsutil::write_atomic(
+        &next,
+        pki::pem("PRIVATE KEY", key.pkcs8()).as_bytes(),
+        0o600,
+    )
+    .map_err(ApiError::invalid_state)?;
+    crate::fsutil::write_atomic(
+        &data_dir.join("identity.json"),
+        &serde_json::to_vec_pretty(&identity).expect("serializes"),
+        0o600,
+    )
+    .map_err(ApiError::invalid_state)?;
+    std::fs::rename(&next, data_dir.join("node.key"))
+        .map_err(|e| ApiError::invalid_state(e.to_string()))
+}
+
+/// Full jitter: a random delay in `[0, min(cap, base * 2^attempt)]`.
+pub fn backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
+    let ceiling = base.saturating_mul(1u32 << attempt.min(20)).min(cap);
+    let mut r = [0u8; 8];
+    crypto::fill_random(&mut r);
+    let frac = (u64::from_le_bytes(r) >> 11) as f64 / (1u64 << 53) as f64;
+    ceiling.mul_f64(frac)
+}
+
+pub struct RunOptions {
+    pub config: PathBuf,
+    pub data_dir: PathBuf,
+    pub backoff_base: Duration,
+    pub backoff_cap: Duration,
+}
+
+enum End {
+    Renewed,
+    Lost(String),
+}
+
+/// `bca agent run`: until SIGTERM or SIGINT.
+pub fn run(o: RunOptions) -> ApiResult<()> {
+    let cfg = AgentConfig::load(&o.config)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ApiError::internal)?;
+    rt.block_on(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(ApiError::internal)?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(ApiError::internal)?;
+        let mut attempt = 0u32;
+        loop {
+            let cur = load_identity(&o.data_dir)?;
+            let now = crate::clock::now();
+            if cur.not_after <= now {
+                return Err(expired(cur.not_after));
+            }
+            let end = tokio::select! {
+                e = session(&cfg, &o.data_dir, &cur, &mut attempt) => e,
+                _ = term.recv() => return Ok(()),
+                _ = int.recv() => return Ok(()),
+            };
+            match end {
+                End::Renewed => continue,
+                End::Lost(why) => {
+                    let delay = backoff(attempt, o.backoff_base, o.backoff_cap);
+                    tracing::warn!(node = %cur.identity.node_id, reason = %why, attempt, delay_ms = delay.as_millis() as u64, "session lost; reconnecting");
+                    attempt = attempt.saturating_add(1);
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = term.recv() => return Ok(()),
+                        _ = int.recv() => return Ok(()),
+                    }
+                }
+            }
+        }
+    })
+}
+
+pub fn expired(at: i64) -> ApiError {
+    ApiError::invalid_state(format!(
+        "the certificate expired at {}; join again as root: bca agent join --reset --yes, then bca agent join",
+        crate::api::rfc3339(at)
+    ))
+}
+
+async fn session(cfg: &AgentConfig, data_dir: &Path, cur: &Loaded, attempt: &mut u32) -> End {
+    let mut s = match agent::connect(cfg, Some((cur.chain_der.clone(), cur.key.pkcs8()))).await {
+        Ok(s) => s,
+        Err(e) => return End::Lost(e.message),
+    };
+    let hello = Request {
+        v: 1,
+        hello: Some(Hello {
+            node_id: cur.identity.node_id.clone(),
+        }),
+        ..Default::default()
+    };
+    let welcome = match agent::roundtrip(
+        cfg,
+        &mut s,
+        &serde_json::to_vec(&hello).expect("serializes"),
+    )
+    .await
+    {
+        Ok(raw) => match serde_json::from_slice::<Reply>(&raw) {
+            Ok(Reply {
+                welcome: Some(w), ..
+            }) => w,
+            Ok(Reply { error: Some(e), .. }) => {
+                return End::Lost(format!("{}: {}", e.code, e.message))
+            }
+            _ => return End::Lost("no welcome".into()),
+        },
+        Err(e) => return End::Lost(e.message),
+    };
+    *attempt = 0;
+    tracing::info!(node = %welcome.node_id, skew = welcome.server_time - crate::clock::now(), "session open");
+    let hb = Duration::from_secs(welcome.heartbeat_seconds.max(1) as u64);
+    let lifetime = (cur.not_after - cur.not_before).max(1);
+    let renew_at = cur.not_before + lifetime * 6 / 10;
+    let mut next_renew = renew_at;
+    loop {
+        let now = crate::clock::now();
+        if now >= next_renew {
+            match renew(cfg, data_dir, cur, &mut s).await {
+                Ok(serial) => {
+                    tracing::info!(node = %cur.identity.node_id, serial = %serial, "renewed");
+                    return End::Renewed;
+                }
+                Err(e) if e.code == Code::AccessDenied => {
+                    tracing::error!(node = %cur.identity.node_id, error = %e, "renewal refused; retrying later");
+                    next_renew = now + hb.as_secs() as i64 * 4;
+                }
+                Err(e) => return End::Lost(e.message),
+            }
+        }
+        let until_renew = Duration::from_secs((next_renew - crate::clock::now()).max(0) as u64);
+        tokio::time::sleep(hb.min(until_renew.max(Duration::from_millis(10)))).await;
+        if crate::clock::now() >= next_renew {
+            continue;
+        }
+        let beat = Request {
+            v: 1,
+            heartbeat: Some(Empty {}),
+            ..Default::default()
+        };
+        match agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&beat).expect("serializes")).await {
+            Ok(raw) => match serde_json::from_slice::<Reply>(&raw) {
+                Ok(Reply { ack: Some(_), .. }) => {}
+                Ok(Reply { error: Some(e), .. }) => {
+                    return End::Lost(format!("{}: {}", e.code, e.message))
+                }
+                _ => return End::Lost("unexpected answer to a heartbeat".into()),
+            },
+            Err(e) => return End::Lost(e.message),
+        }
+    }
+}
+
+/// `bca agent doctor`: each check prints `ok` or `FAIL` with what to do; false when one failed.
+pub fn doctor(config: &Path, data_dir: &Path) -> bool {
+    let mut ok = true;
+    let mut line = |good: bool, what: &str, msg: String| {
+        println!("{} {what}: {msg}", if good { "ok  " } else { "FAIL" });
+        ok &= good;
+    };
+    let cfg = match AgentConfig::load(config) {
+        Ok(c) => {
+            line(
+                true,
+                "config",
+                format!(
+                    "{} (gateway {}, site {})",
+                    config.display(),
+                    c.gateway_url,
+                    c.site
+                ),
+            );
+            c
+        }
+        Err(e) => {
+            line(false, "config", e.message);
+            return false;
+        }
+    };
+    match cfg.join_encryption_point(config) {
+        Ok(_) => line(
+            true,
+            "pins",
+            "join-encryption.jwk matches join_encryption_key_pin".into(),
+        ),
+        Err(e) => line(false, "pins", e.message),
+    }
+    match load_identity(data_dir) {
+        Ok(l) if l.not_after <= crate::clock::now() => {
+            line(false, "identity", expired(l.not_after).message)
+        }
+        Ok(l) => line(
+            true,
+            "identity",
+            format!(
+                "node {} ({}), certificate valid until {}",
+                l.identity.node_id,
+                l.identity.role,
+                crate::api::rfc3339(l.not_after)
+            ),
+        ),
+        Err(e) => line(false, "identity", e.message),
+    }
+    let ping = Request {
+        v: 1,
+        ping: Some(Empty {}),
+        ..Default::default()
+    };
+    let sent = crate::clock::now();
+    match agent::exchange_raw(&cfg, &serde_json::to_vec(&ping).expect("serializes"))
+        .map(|r| serde_json::from_slice::<Reply>(&r))
+    {
+        Ok(Ok(Reply { pong: Some(c), .. })) => {
+            line(
+                true,
+                "gateway",
+                format!("{} answers under the pinned serving CA", cfg.gateway_url),
+            );
+            let skew = c.server_time - sent;
+            if skew.abs() > 30 {
+                line(false, "clock", format!("this machine's clock is {skew} s off the appliance's; renewals are refused beyond 60 s: fix NTP"));
+            } else {
+                line(
+                    true,
+                    "clock",
+                    format!("within {} s of the appliance", skew.abs()),
+                );
+            }
+        }
+        Ok(_) => line(
+            false,
+            "gateway",
+            "the gateway answered, but not a pong".into(),
+        ),
+        Err(e) => {
+            line(false, "gateway", e.message);
+            line(false, "clock", "unknown: the gateway did not answer".into());
+        }
+    }
+    ok
+}
+
+/// Sends one heartbeat-free `Hello` and returns the reply (for tests and doctor-like probes).
+pub async fn hello(cfg: &AgentConfig, cur: &Loaded) -> ApiResult<(Reply, GatewayStream)> {
+    let mut s = agent::connect(cfg, Some((cur.chain_der.clone(), cur.key.pkcs8()))).await?;
+    let hello = Request {
+        v: 1,
+        hello: Some(Hello::default()),
+        ..Default::default()
+    };
+    let raw = agent::roundtrip(
+        cfg,
+        &mut s,
+        &serde_json::to_vec(&hello).expect("serializes"),
+    )
+    .await?;
+    let r = serde_json::from_slice(&raw).map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((r, s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_capped_and_jittered() {
+        let base = Duration::from_millis(100);
+        let cap = Duration::from_secs(2);
+        let mut seen = std::collections::HashSet::new();
+        for attempt in 0..30 {
+            let d = backoff(attempt, base, cap);
+            assert!(d <= cap);
+            assert!(d <= base * 2u32.pow(attempt.min(20)));
+            seen.insert(d.as_micros());
+        }
+        assert!(seen.len() > 20, "no jitter");
+    }
+}

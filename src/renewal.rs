@@ -1,0 +1,296 @@
+//! Renewal: a node proves possession of its current key over its mTLS connection and gets a new
+//! certificate of the same role, SPIFFE ID and statements.
+//!
+//! Stage 1 ([`prepare`], outside the transaction): the CSR, the presented leaf, the proof of
+//! possession (`renew-pop` over the CSR's SHA-256, the node id and the client time), the mTLS
+//! identity, the clock (±60 s) and the replay cache (120 s). Stage 2 ([`process`], in the writer's
+//! transaction): the leaf is byte for byte a `node_certs` row, the node is not retired, the row is
+//! of the node's current generation, unrevoked and unexpired. Every refusal answers the same
+//! `ACCESS_DENIED` "Renew refused" and publishes `security.renew.refused`.
+
+use crate::api;
+use crate::app::App;
+use crate::crypto;
+use crate::csr::VerifiedCsr;
+use crate::error::ApiResult;
+use crate::joinservice::{RateLimit, Signer};
+use crate::pki;
+use crate::protocol::{
+    renew_pop_message, JoinResponseBody, Outcome, RenewRequest, RENEW_POP_PURPOSE,
+};
+use rusqlite::{params, OptionalExtension, Transaction};
+use serde_json::json;
+use std::collections::HashMap;
+
+/// How far the agent's clock may be from the appliance's.
+pub const MAX_CLOCK_SKEW: i64 = 60;
+/// How long a proof is remembered: the same proof within this window is a replay.
+pub const REPLAY_WINDOW: i64 = 120;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewReason {
+    Malformed,
+    Csr,
+    Pop,
+    Identity,
+    Clock,
+    Replay,
+    UnknownCertificate,
+    Retired,
+    Generation,
+    Revoked,
+    Expired,
+}
+
+impl RenewReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RenewReason::Malformed => "renew:malformed",
+            RenewReason::Csr => "renew:csr",
+            RenewReason::Pop => "renew:pop",
+            RenewReason::Identity => "renew:identity",
+            RenewReason::Clock => "renew:clock",
+            RenewReason::Replay => "renew:replay",
+            RenewReason::UnknownCertificate => "renew:unknown-certificate",
+            RenewReason::Retired => "renew:retired",
+            RenewReason::Generation => "renew:generation",
+            RenewReason::Revoked => "renew:revoked",
+            RenewReason::Expired => "renew:expired",
+        }
+    }
+}
+
+/// Proofs seen in the last [`REPLAY_WINDOW`] seconds, keyed by the SHA-256 of what was signed (not
+/// of the signature, which an attacker could re-encode).
+#[derive(Default)]
+pub struct ReplayCache {
+    seen: HashMap<[u8; 32], i64>,
+}
+
+impl ReplayCache {
+    /// True when the proof is fresh; it is then remembered.
+    pub fn fresh(&mut self, key: [u8; 32], now: i64) -> bool {
+        if self.seen.len() > 1024 {
+            self.seen.retain(|_, t| now - *t <= REPLAY_WINDOW);
+        }
+        match self.seen.get(&key) {
+            Some(t) if now - *t <= REPLAY_WINDOW => false,
+            _ => {
+                self.seen.insert(key, now);
+                true
+            }
+        }
+    }
+}
+
+pub struct Ready {
+    leaf_der: Vec<u8>,
+    leaf: pki::NodeLeaf,
+    csr: VerifiedCsr,
+}
+
+pub struct Prepared {
+    /// The node whose key the caller proved, once it did.
+    proven_node: Option<String>,
+    csr_sha256: Option<[u8; 32]>,
+    result: Result<Ready, RenewReason>,
+}
+
+/// Stage 1.
+pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayCache) -> Prepared {
+    let mut p = Prepared {
+        proven_node: None,
+        csr_sha256: None,
+        result: Err(RenewReason::Malformed),
+    };
+    let csr = match crypto::b64_decode(&r.csr)
+        .ok_or(())
+        .and_then(|d| crate::csr::verify(&d).map_err(|_| ()))
+    {
+        Ok(c) => c,
+        Err(()) => {
+            p.result = Err(RenewReason::Csr);
+            return p;
+        }
+    };
+    p.csr_sha256 = Some(csr.sha256);
+    let Some(leaf_der) = r
+        .chain
+        .first()
+        .and_then(|pem| pki::pem_decode_all(pem, "CERTIFICATE").into_iter().next())
+    else {
+        return p;
+    };
+    let Some(leaf) = pki::parse_node_leaf(&leaf_der) else {
+        return p;
+    };
+    let message = renew_pop_message(&csr.sha256, &leaf.node_id, r.client_time);
+    let sig = crypto::b64_decode(&r.pop_sig).unwrap_or_default();
+    if !crypto::verify(&leaf.public_point, RENEW_POP_PURPOSE, &message, &sig) {
+        p.result = Err(RenewReason::Pop);
+        return p;
+    }
+    p.proven_node = Some(leaf.node_id.clone());
+    if pki::parse_node_leaf(peer_leaf).map(|l| l.node_id) != Some(leaf.node_id.clone()) {
+        p.result = Err(RenewReason::Identity);
+        return p;
+    }
+    if (r.client_time - now).abs() > MAX_CLOCK_SKEW {
+        p.result = Err(RenewReason::Clock);
+        return p;
+    }
+    if !cache.fresh(crypto::sha256(&message), now) {
+        p.result = Err(RenewReason::Replay);
+        return p;
+    }
+    p.result = Ok(Ready {
+        leaf_der,
+        leaf,
+        csr,
+    });
+    p
+}
+
+/// Stage 2, inside the writer's transaction.
+pub(crate) fn process(
+    tx: &Transaction<'_>,
+    app: &App,
+    signer: &Signer,
+    p: &Prepared,
+    now: i64,
+    limits: &mut RateLimit,
+) -> ApiResult<Outcome> {
+    let r = match &p.result {
+        Ok(r) => r,
+        Err(reason) => return refuse(tx, app, p, *reason, now, limits),
+    };
+    let row: Option<(String, i64, String, i64, Option<i64>)> = tx
+        .query_row(
+            "SELECT node_id, identity_generation, role, not_after, revoked_at FROM node_certs WHERE serial = ?1 AND der = ?2",
+            params![r.leaf.serial_hex, r.leaf_der],
+            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?)),
+        )
+        .optional()?;
+    let Some((node_id, generation, role, not_after, revoked_at)) = row else {
+        return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
+    };
+    let node: Option<(String, i64)> = tx
+        .query_row(
+            "SELECT state, identity_generation FROM nodes WHERE id = ?1",
+            [&node_id],
+            |x| Ok((x.get(0)?, x.get(1)?)),
+        )
+        .optional()?;
+    let Some((state, current_generation)) = node else {
+        return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
+    };
+    let reason = if state == "retired" {
+        Some(RenewReason::Retired)
+    } else if generation != current_generation {
+        Some(RenewReason::Generation)
+    } else if revoked_at.is_some() {
+        Some(RenewReason::Revoked)
+    } else if not_after <= now {
+        Some(RenewReason::Expired)
+    } else {
+        None
+    };
+    if let Some(reason) = reason {
+        return refuse(tx, app, p, reason, now, limits);
+    }
+    let cfg = &app.config;
+    let new_not_after = now + cfg.pki.cert_ttl_seconds as i64;
+    let (der, serial) = pki::issue_node_cert(
+        &pki::NodeCertSpec {
+            spiffe_id: &r.leaf.spiffe_id,
+            statements: &r.leaf.statements,
+            role: &role,
+            not_before: now - pki::backdate(cfg.pki.cert_ttl_seconds as i64),
+            not_after: new_not_after,
+            public_point: &r.csr.public_point,
+        },
+        &signer.node_ca,
+    )
+    .map_err(crate::error::ApiError::internal)?;
+    let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
+        &r.csr.public_point,
+    )));
+    tx.execute(
+        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![serial, node_id, generation, role, spki_hash, der, now - pki::backdate(cfg.pki.cert_ttl_seconds as i64), new_not_after, now],
+    )?;
+    let tenant: String = tx.query_row(
+        "SELECT tenant_id FROM nodes WHERE id = ?1",
+        [&node_id],
+        |x| x.get(0),
+    )?;
+    api::publish(
+        tx,
+        now,
+        &tenant,
+        "node.renewed",
+        json!({"nodeId": node_id, "certificateSerial": serial, "previousSerial": r.leaf.serial_hex}),
+    )?;
+    let body = JoinResponseBody {
+        node_id,
+        certificate_chain: vec![pki::pem("CERTIFICATE", &der), signer.node_ca_pem.clone()],
+        command_signing_trust_bundle: vec![],
+        csr_sha256: crypto::hex(&r.csr.sha256),
+        trust_domain: cfg.trust_domain.clone(),
+        site_id: cfg.site_id.clone(),
+        role,
+    };
+    Ok(Outcome::Issued {
+        response: signer.respond(&body),
+    })
+}
+
+fn refuse(
+    tx: &Transaction<'_>,
+    app: &App,
+    p: &Prepared,
+    reason: RenewReason,
+    now: i64,
+    limits: &mut RateLimit,
+) -> ApiResult<Outcome> {
+    tracing::info!(reason = reason.as_str(), node = ?p.proven_node, "renewal refused");
+    if let Some(suppressed) = limits.admit(reason.as_str(), now) {
+        // To the node's owner once the caller proved the current key, else to the root tenant.
+        let owner: Option<String> = match &p.proven_node {
+            Some(n) => tx
+                .query_row("SELECT tenant_id FROM nodes WHERE id = ?1", [n], |x| {
+                    x.get(0)
+                })
+                .optional()?,
+            None => None,
+        };
+        api::publish(
+            tx,
+            now,
+            owner.as_deref().unwrap_or(&app.root_tenant),
+            "security.renew.refused",
+            json!({
+                "reason": reason.as_str(),
+                "nodeId": p.proven_node,
+                "csrSha256": p.csr_sha256.map(|h| crypto::hex(&h)),
+                "suppressed": suppressed,
+            }),
+        )?;
+    }
+    Ok(Outcome::Refused)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proof_is_fresh_once_per_window() {
+        let mut c = ReplayCache::default();
+        assert!(c.fresh([1; 32], 1000));
+        assert!(!c.fresh([1; 32], 1100));
+        assert!(c.fresh([2; 32], 1100));
+        assert!(c.fresh([1; 32], 1121));
+    }
+}

@@ -1,0 +1,535 @@
+//! Renewal, sessions, `bca agent run` and `doctor`.
+
+use crate::common::*;
+use bca::agent::AgentConfig;
+use bca::crypto::{self, SigningKey};
+use bca::protocol::{
+    renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
+};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A joined node as the test holds it: its chain (PEM and DER) and key.
+struct Node {
+    id: String,
+    chain_pem: Vec<String>,
+    chain_der: Vec<Vec<u8>>,
+    key: SigningKey,
+}
+
+fn join_node(sim: &Sim, token: &str, claims: &Value) -> Node {
+    let (raw, csr, key) = sim.join(token, claims);
+    let reply: Reply = serde_json::from_slice(&raw).unwrap();
+    let body =
+        bca::agent::verify_response(&sim.cfg, &reply.join_response.unwrap(), &csr, &key, "node")
+            .unwrap();
+    node_from(body.node_id, body.certificate_chain, key)
+}
+
+fn node_from(id: String, chain_pem: Vec<String>, key: SigningKey) -> Node {
+    let chain_der = chain_pem
+        .iter()
+        .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .collect();
+    Node {
+        id,
+        chain_pem,
+        chain_der,
+        key,
+    }
+}
+
+/// A renewal request: `presented` is the chain sent in the body, `pop` the key proving it, over
+/// an mTLS connection made with `mtls`.
+fn renew_raw(
+    cfg: &AgentConfig,
+    mtls: &Node,
+    presented: &[String],
+    pop_node: &str,
+    pop: &SigningKey,
+    client_time: i64,
+) -> (Vec<u8>, Request) {
+    let key = SigningKey::generate();
+    let csr = bca::csr::create(&key);
+    let msg = renew_pop_message(&crypto::sha256(&csr), pop_node, client_time);
+    let req = Request {
+        v: 1,
+        renew: Some(RenewRequest {
+            csr: crypto::b64(&csr),
+            chain: presented.to_vec(),
+            client_time,
+            pop_sig: crypto::b64(&pop.sign(RENEW_POP_PURPOSE, &msg)),
+        }),
+        ..Default::default()
+    };
+    (send(cfg, mtls, &req), req)
+}
+
+fn send(cfg: &AgentConfig, mtls: &Node, req: &Request) -> Vec<u8> {
+    rt().block_on(async {
+        let mut s = bca::agent::connect(cfg, Some((mtls.chain_der.clone(), mtls.key.pkcs8())))
+            .await
+            .unwrap();
+        bca::agent::roundtrip(cfg, &mut s, &serde_json::to_vec(req).unwrap())
+            .await
+            .unwrap()
+    })
+}
+
+fn renew_refused() -> Vec<u8> {
+    br#"{"v":1,"error":{"code":"ACCESS_DENIED","message":"Renew refused"}}"#.to_vec()
+}
+
+fn last_renew_reason(a: &Appliance) -> String {
+    a.last_event("security.renew.refused").unwrap().1["reason"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn renewal_keeps_role_and_san_and_refuses_every_bad_condition() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({"maxUses": 5, "allowReclaim": true}));
+    let m = machine();
+    let n = join_node(&sim, &token, &m);
+    let now = bca::clock::now();
+
+    // A good renewal: a new certificate, same SPIFFE ID and role, a new node_certs row.
+    let (raw, req) = renew_raw(&sim.cfg, &n, &n.chain_pem, &n.id, &n.key, now);
+    let reply: Reply = serde_json::from_slice(&raw).unwrap();
+    let resp = reply
+        .renew_response
+        .unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(&raw)));
+    let body: bca::protocol::JoinResponseBody =
+        serde_json::from_slice(&crypto::b64_decode(&resp.body).unwrap()).unwrap();
+    let new_leaf = bca::pki::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
+    let old_leaf = bca::pki::parse_node_leaf(&n.chain_der[0]).unwrap();
+    let nl = bca::pki::parse_node_leaf(&new_leaf).unwrap();
+    assert_eq!(nl.spiffe_id, old_leaf.spiffe_id);
+    assert_ne!(nl.serial_hex, old_leaf.serial_hex);
+    assert_eq!(bca::agent::cert_role(&new_leaf).as_deref(), Some("node"));
+    assert_eq!(a.count("SELECT count(*) FROM node_certs"), 2);
+    assert!(a.last_event("node.renewed").is_some());
+
+    // The same proof again: a replay.
+    let raw = send(&sim.cfg, &n, &req);
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:replay");
+
+    // Client time 61 s off.
+    let (raw, _) = renew_raw(&sim.cfg, &n, &n.chain_pem, &n.id, &n.key, now - 61);
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:clock");
+
+    // A proof by another key.
+    let (raw, _) = renew_raw(
+        &sim.cfg,
+        &n,
+        &n.chain_pem,
+        &n.id,
+        &SigningKey::generate(),
+        now,
+    );
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:pop");
+    assert_eq!(
+        a.last_event("security.renew.refused").unwrap().0,
+        a.root_tenant()
+    );
+
+    // Another node's mTLS identity presenting this node's chain and proof.
+    let other = join_node(&sim, &token, &machine());
+    let (raw, _) = renew_raw(&sim.cfg, &other, &n.chain_pem, &n.id, &n.key, now);
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:identity");
+
+    // A copied but unknown leaf: the same SPIFFE ID and key, signed by a CA of its own.
+    let rogue_ca = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let mut cap = rcgen::CertificateParams::default();
+    cap.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let rogue = cap.self_signed(&rogue_ca).unwrap();
+    let mut lp = rcgen::CertificateParams::default();
+    lp.subject_alt_names = vec![rcgen::SanType::URI(
+        old_leaf.spiffe_id.clone().try_into().unwrap(),
+    )];
+    let forged = lp.signed_by(&n.key.rcgen(), &rogue, &rogue_ca).unwrap();
+    let (raw, _) = renew_raw(&sim.cfg, &n, &[forged.pem()], &n.id, &n.key, now);
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:unknown-certificate");
+
+    // An old generation: the machine is reclaimed with a new key; the old certificate (still
+    // valid for TLS) cannot renew.
+    let _reclaimed = join_node(&sim, &token, &m);
+    let (raw, _) = renew_raw(&sim.cfg, &n, &n.chain_pem, &n.id, &n.key, now);
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:generation");
+    // The caller proved the key: the event goes to the node's owner.
+    let (tenant, ev) = a.last_event("security.renew.refused").unwrap();
+    assert_eq!(tenant, a.root_tenant());
+    assert_eq!(ev["nodeId"], json!(n.id));
+
+    // A retired node.
+    a.cli_json(&["nodes", "retire", &other.id]);
+    let (raw, _) = renew_raw(
+        &sim.cfg,
+        &other,
+        &other.chain_pem,
+        &other.id,
+        &other.key,
+        now,
+    );
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:retired");
+
+    // Without a client certificate there is nothing to renew.
+    let raw = bca::agent::exchange_raw(&sim.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
+    assert_eq!(raw, renew_refused());
+}
+
+fn hello(
+    cfg: &AgentConfig,
+    n: &Node,
+) -> (Reply, bca::agent::GatewayStream, tokio::runtime::Runtime) {
+    let rt = rt();
+    let (r, s) = rt.block_on(async {
+        let mut s = bca::agent::connect(cfg, Some((n.chain_der.clone(), n.key.pkcs8())))
+            .await
+            .unwrap();
+        let req = Request {
+            v: 1,
+            hello: Some(Hello::default()),
+            ..Default::default()
+        };
+        let raw = bca::agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&req).unwrap())
+            .await
+            .unwrap();
+        (serde_json::from_slice::<Reply>(&raw).unwrap(), s)
+    });
+    (r, s, rt)
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sessions_show_connected_and_revocation_closes_them() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({"maxUses": 2}));
+    let n = join_node(&sim, &token, &machine());
+    let (r, mut s, rt) = hello(&sim.cfg, &n);
+    let w = r.welcome.clone().unwrap_or_else(|| panic!("{r:?}"));
+    assert_eq!(w.node_id, n.id);
+    let node = a.cli_json(&["nodes", "get", &n.id]);
+    assert_eq!(node["connected"], true);
+    assert!(node["lastSeen"].is_string());
+    assert!(a.last_event("node.connected").is_some());
+    // Heartbeats are acknowledged.
+    let beat = serde_json::to_vec(&Request {
+        v: 1,
+        heartbeat: Some(Empty {}),
+        ..Default::default()
+    })
+    .unwrap();
+    let raw = rt
+        .block_on(bca::agent::roundtrip(&sim.cfg, &mut s, &beat))
+        .unwrap();
+    assert!(serde_json::from_slice::<Reply>(&raw).unwrap().ack.is_some());
+    // revokeIdentity closes the live session at once.
+    a.cli_json(&["nodes", "revoke-identity", &n.id]);
+    let closed = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), bca::protocol::read_frame(&mut s)).await
+    });
+    let frame = closed.expect("the session was not closed").unwrap();
+    assert_eq!(
+        serde_json::from_slice::<Reply>(&frame)
+            .unwrap()
+            .error
+            .unwrap()
+            .code,
+        "ACCESS_DENIED"
+    );
+    wait_for("node.disconnected", 5, || {
+        a.cli_json(&["nodes", "get", &n.id])["connected"] == false
+    });
+    assert!(a.last_event("node.disconnected").is_some());
+    // A revoked certificate cannot open a session.
+    let (r, _, _) = hello(&sim.cfg, &n);
+    assert_eq!(r.error.unwrap().message, "Session refused");
+    // Nor can a certificate from another appliance (the TLS layer refuses it).
+    let b = Appliance::start();
+    let sim_b = Sim::new(&b);
+    let pool_b = b.pool("p");
+    let (_, tb) = b.token(&pool_b, json!({}));
+    let nb = join_node(&sim_b, &tb, &machine());
+    let e = rt.block_on(async {
+        let mut s =
+            bca::agent::connect(&sim.cfg, Some((nb.chain_der.clone(), nb.key.pkcs8()))).await?;
+        let req = Request {
+            v: 1,
+            hello: Some(Hello::default()),
+            ..Default::default()
+        };
+        bca::agent::roundtrip(&sim.cfg, &mut s, &serde_json::to_vec(&req).unwrap()).await
+    });
+    assert!(e.is_err(), "a foreign certificate opened a session");
+}
+
+/// `bca agent run` as a child process with JSON logs.
+fn agent_run(dir: &Path) -> Child {
+    Command::new(bin())
+        .args(["agent", "run", "--config"])
+        .arg(dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args(["--backoff-base-ms", "400", "--backoff-cap-ms", "3000"])
+        .env("BCA_LOG_FORMAT", "json")
+        .env("BCA_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn joined_agent_dir(a: &Appliance, token: &str) -> PathBuf {
+    let dir = a.agent_dir();
+    let claims = write_claims(a, &machine());
+    let o = agent_join(&dir, "data", &claims, token, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    dir
+}
+
+fn connected(a: &Appliance) -> usize {
+    a.cli_json(&["nodes", "list"])["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["connected"] == true)
+        .count()
+}
+
+#[test]
+fn agent_run_reconnects_after_a_restart_spread_over_time() {
+    let mut a = Appliance::start_cfg("file", &[], |c| {
+        c.replace("heartbeat_seconds = 15", "heartbeat_seconds = 1")
+    });
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({"maxUses": 4}));
+    let dirs: Vec<PathBuf> = (0..4).map(|_| joined_agent_dir(&a, &token)).collect();
+    let mut agents: Vec<Child> = dirs.iter().map(|d| agent_run(d)).collect();
+    wait_for("4 connected nodes", 20, || connected(&a) == 4);
+    let identities: Vec<Vec<u8>> = dirs
+        .iter()
+        .map(|d| std::fs::read(d.join("data/identity.json")).unwrap())
+        .collect();
+    a.restart();
+    let restarted = bca::clock::now_ms();
+    wait_for("4 reconnected nodes", 30, || connected(&a) == 4);
+    for c in &mut agents {
+        let _ = c.kill();
+    }
+    // Each agent logged its sessions; the reconnects after the restart are spread by jitter.
+    let mut reconnects = Vec::new();
+    for c in agents {
+        let out = c.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        let opens: Vec<Value> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["fields"]["message"] == "session open")
+            .collect();
+        assert!(opens.len() >= 2, "an agent did not reconnect: {text}");
+        let t = time::OffsetDateTime::parse(
+            opens.last().unwrap()["timestamp"].as_str().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap();
+        reconnects.push((t.unix_timestamp_nanos() / 1_000_000) as i64 - restarted);
+        assert!(text.contains("session lost; reconnecting"), "{text}");
+    }
+    reconnects.sort();
+    eprintln!("reconnect times after the restart (ms): {reconnects:?}");
+    assert!(
+        reconnects.last().unwrap() - reconnects.first().unwrap() >= 20,
+        "every node came back in the same instant: {reconnects:?}"
+    );
+    // No identity was lost or changed by the restart.
+    for (d, before) in dirs.iter().zip(identities) {
+        assert_eq!(std::fs::read(d.join("data/identity.json")).unwrap(), before);
+    }
+}
+
+#[test]
+fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_identity() {
+    let a = Appliance::start_cfg("file", &[], |c| {
+        c.replace("cert_ttl_seconds = 86400", "cert_ttl_seconds = 10")
+            .replace("heartbeat_seconds = 15", "heartbeat_seconds = 1")
+    });
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({}));
+    let dir = joined_agent_dir(&a, &token);
+    let data = dir.join("data");
+    let first = std::fs::read(data.join("identity.json")).unwrap();
+    let mut agent = agent_run(&dir);
+    // 60% of 11 s (10 s plus 1 s set back) after notBefore: the renewal comes within seconds.
+    wait_for("a renewal", 20, || {
+        a.count("SELECT count(*) FROM node_certs") >= 2
+    });
+    wait_for("the renewed identity on disk", 10, || {
+        std::fs::read(data.join("identity.json")).unwrap() != first
+    });
+    wait_for("the renewed session", 10, || connected(&a) == 1);
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let loaded = bca::agent_run::load_identity(&data).unwrap();
+    assert_eq!(
+        bca::pki::parse_node_leaf(&loaded.chain_der[0])
+            .unwrap()
+            .public_point,
+        loaded.key.public_point()
+    );
+    assert!(!data.join("node.key.next").exists());
+
+    // A crash between writing identity.json and renaming node.key.next: the loader finishes it.
+    let cur = bca::agent_run::load_identity(&data).unwrap();
+    let old_key = std::fs::read(data.join("node.key")).unwrap();
+    let cfg = AgentConfig::load(&dir.join("config.toml")).unwrap();
+    rt().block_on(async {
+        let mut s = bca::agent::connect(&cfg, Some((cur.chain_der.clone(), cur.key.pkcs8())))
+            .await
+            .unwrap();
+        bca::agent_run::renew(&cfg, &data, &cur, &mut s)
+            .await
+            .unwrap();
+    });
+    std::fs::rename(data.join("node.key"), data.join("node.key.next")).unwrap();
+    std::fs::write(data.join("node.key"), &old_key).unwrap();
+    let l = bca::agent_run::load_identity(&data).unwrap();
+    assert_eq!(
+        bca::pki::parse_node_leaf(&l.chain_der[0])
+            .unwrap()
+            .public_point,
+        l.key.public_point()
+    );
+    assert!(!data.join("node.key.next").exists());
+    // A crash after writing only node.key.next: the old identity still loads.
+    let before = std::fs::read(data.join("identity.json")).unwrap();
+    std::fs::write(data.join("node.key.next"), b"half-written").unwrap();
+    let l = bca::agent_run::load_identity(&data).unwrap();
+    assert_eq!(std::fs::read(data.join("identity.json")).unwrap(), before);
+    assert_eq!(
+        bca::pki::parse_node_leaf(&l.chain_der[0])
+            .unwrap()
+            .public_point,
+        l.key.public_point()
+    );
+}
+
+#[test]
+fn doctor_checks_config_identity_gateway_and_clock() {
+    let mut a = Appliance::start();
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({}));
+    let dir = joined_agent_dir(&a, &token);
+    let doctor = |dir: &Path| {
+        Command::new(bin())
+            .args(["agent", "doctor", "--config"])
+            .arg(dir.join("config.toml"))
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .output()
+            .unwrap()
+    };
+    let o = doctor(&dir);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{text}");
+    for check in [
+        "ok   config",
+        "ok   pins",
+        "ok   identity",
+        "ok   gateway",
+        "ok   clock",
+    ] {
+        assert!(text.contains(check), "{check}: {text}");
+    }
+    // An expired certificate: the seed's message, adapted.
+    let id: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("data/identity.json")).unwrap()).unwrap();
+    let _ = id;
+    a.stop();
+    let o = doctor(&dir);
+    assert_eq!(o.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(text.contains("FAIL gateway"), "{text}");
+    // Not joined.
+    let fresh = a.dir.path().join("fresh");
+    std::fs::create_dir_all(&fresh).unwrap();
+    std::fs::copy(dir.join("config.toml"), fresh.join("config.toml")).unwrap();
+    std::fs::copy(
+        dir.join("join-encryption.jwk"),
+        fresh.join("join-encryption.jwk"),
+    )
+    .unwrap();
+    let o = doctor(&fresh);
+    assert!(String::from_utf8_lossy(&o.stdout)
+        .contains("FAIL identity: not joined: run bca agent join"));
+}
+
+#[test]
+fn doctor_reports_an_expired_certificate_with_the_way_back() {
+    let a = Appliance::start_cfg("file", &[], |c| {
+        c.replace("cert_ttl_seconds = 86400", "cert_ttl_seconds = 10")
+    });
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({}));
+    let dir = joined_agent_dir(&a, &token);
+    std::thread::sleep(Duration::from_secs(11));
+    let o = Command::new(bin())
+        .args(["agent", "doctor", "--config"])
+        .arg(dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        text.contains("FAIL identity: the certificate expired at "),
+        "{text}"
+    );
+    assert!(
+        text.contains("; join again as root: bca agent join --reset --yes, then bca agent join"),
+        "{text}"
+    );
+    // `agent run` refuses to start on it with the same message.
+    let o = Command::new(bin())
+        .args(["agent", "run", "--config"])
+        .arg(dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("the certificate expired at"));
+}
