@@ -1,6 +1,8 @@
 //! One integration-test binary (one link on 2 cores), a module per area. Every test runs the real
 //! `bca` binary against a real `bca serve` on a temporary state directory.
 
+#[path = "it/adopt.rs"]
+mod adopt;
 #[path = "it/common.rs"]
 mod common;
 #[path = "it/foundation.rs"]
