@@ -3,7 +3,7 @@ MUSL := x86_64-unknown-linux-musl
 STATIC := target/$(MUSL)/release/bca
 export CC_x86_64_unknown_linux_musl := musl-gcc
 
-.PHONY: build run test deps check lint clean
+.PHONY: build run sim test deps check lint clean
 
 ## The static release binary (musl, mimalloc, no OpenSSL, no libtss2).
 build: deps
@@ -15,6 +15,11 @@ build: deps
 run:
 	cargo build --release --locked
 	./target/release/bca dev
+
+## A throwaway appliance with five simulated machines (join, sessions, renewal).
+sim:
+	cargo build --release --locked
+	./target/release/bca dev --sim 5 --sim-cert-ttl 30
 
 ## Every test, after installing what the tests need.
 test: deps
