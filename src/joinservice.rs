@@ -588,30 +588,19 @@ fn admit_one(
             (node_id.clone(), *generation, true)
         }
     };
-    let spiffe = format!(
-        "spiffe://{}/site/{}/node/{}",
-        cfg.trust_domain, cfg.site_id, node_id
-    );
-    let not_after = now + cfg.pki.cert_ttl_seconds as i64;
-    let (der, serial) = pki::issue_node_cert(
-        &pki::NodeCertSpec {
-            spiffe_id: &spiffe,
-            statements: &[],
+    let (response, serial) = certify(
+        tx,
+        app,
+        signer,
+        &Subject {
+            node_id: &node_id,
+            generation,
             role: &adm.role,
-            not_before: now - pki::backdate(cfg.pki.cert_ttl_seconds as i64),
-            not_after,
-            public_point: &r.csr.public_point,
+            statements: &[],
+            ttl: cfg.pki.cert_ttl_seconds as i64,
         },
-        &signer.node_ca,
-    )
-    .map_err(crate::error::ApiError::internal)?;
-    let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
-        &r.csr.public_point,
-    )));
-    tx.execute(
-        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![serial, node_id, generation, adm.role, spki_hash, der, now - pki::backdate(cfg.pki.cert_ttl_seconds as i64), not_after, now],
+        &r.csr,
+        now,
     )?;
     let data = json!({
         "nodeId": node_id,
@@ -651,17 +640,65 @@ fn admit_one(
         "node.adopted",
         json!({"nodeId": node_id, "poolId": pool.id}),
     )?;
+    Ok(Decided::Issued(response))
+}
 
+/// Who a certificate is for: decided by the JoinService, never taken from the CSR.
+pub(crate) struct Subject<'a> {
+    pub node_id: &'a str,
+    pub generation: i64,
+    pub role: &'a str,
+    pub statements: &'a [String],
+    pub ttl: i64,
+}
+
+/// Signs a node certificate for the CSR's key, records it in `node_certs`, and returns the signed
+/// response and the certificate's serial.
+pub(crate) fn certify(
+    tx: &Transaction<'_>,
+    app: &App,
+    signer: &Signer,
+    who: &Subject<'_>,
+    csr: &crate::csr::VerifiedCsr,
+    now: i64,
+) -> ApiResult<(JoinResponse, String)> {
+    let cfg = &app.config;
+    let spiffe = format!(
+        "spiffe://{}/site/{}/node/{}",
+        cfg.trust_domain, cfg.site_id, who.node_id
+    );
+    let not_before = now - pki::backdate(who.ttl);
+    let not_after = now + who.ttl;
+    let (der, serial) = pki::issue_node_cert(
+        &pki::NodeCertSpec {
+            spiffe_id: &spiffe,
+            statements: who.statements,
+            role: who.role,
+            not_before,
+            not_after,
+            public_point: &csr.public_point,
+        },
+        &signer.node_ca,
+    )
+    .map_err(crate::error::ApiError::internal)?;
+    let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
+        &csr.public_point,
+    )));
+    tx.execute(
+        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![serial, who.node_id, who.generation, who.role, spki_hash, der, not_before, not_after, now],
+    )?;
     let body = JoinResponseBody {
-        node_id,
+        node_id: who.node_id.to_string(),
         certificate_chain: vec![pki::pem("CERTIFICATE", &der), signer.node_ca_pem.clone()],
         command_signing_trust_bundle: vec![],
-        csr_sha256: crypto::hex(&r.csr.sha256),
+        csr_sha256: crypto::hex(&csr.sha256),
         trust_domain: cfg.trust_domain.clone(),
         site_id: cfg.site_id.clone(),
-        role: adm.role,
+        role: who.role.to_string(),
     };
-    Ok(Decided::Issued(signer.respond(&body)))
+    Ok((signer.respond(&body), serial))
 }
 
 #[cfg(test)]

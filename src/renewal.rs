@@ -15,9 +15,7 @@ use crate::csr::VerifiedCsr;
 use crate::error::ApiResult;
 use crate::joinservice::{RateLimit, Signer};
 use crate::pki;
-use crate::protocol::{
-    renew_pop_message, JoinResponseBody, Outcome, RenewRequest, RENEW_POP_PURPOSE,
-};
+use crate::protocol::{renew_pop_message, Outcome, RenewRequest, RENEW_POP_PURPOSE};
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
 use std::collections::HashMap;
@@ -198,27 +196,19 @@ pub(crate) fn process(
     if let Some(reason) = reason {
         return refuse(tx, app, p, reason, now, limits);
     }
-    let cfg = &app.config;
-    let new_not_after = now + cfg.pki.cert_ttl_seconds as i64;
-    let (der, serial) = pki::issue_node_cert(
-        &pki::NodeCertSpec {
-            spiffe_id: &r.leaf.spiffe_id,
-            statements: &r.leaf.statements,
+    let (response, serial) = crate::joinservice::certify(
+        tx,
+        app,
+        signer,
+        &crate::joinservice::Subject {
+            node_id: &node_id,
+            generation,
             role: &role,
-            not_before: now - pki::backdate(cfg.pki.cert_ttl_seconds as i64),
-            not_after: new_not_after,
-            public_point: &r.csr.public_point,
+            statements: &r.leaf.statements,
+            ttl: app.config.pki.cert_ttl_seconds as i64,
         },
-        &signer.node_ca,
-    )
-    .map_err(crate::error::ApiError::internal)?;
-    let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
-        &r.csr.public_point,
-    )));
-    tx.execute(
-        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![serial, node_id, generation, role, spki_hash, der, now - pki::backdate(cfg.pki.cert_ttl_seconds as i64), new_not_after, now],
+        &r.csr,
+        now,
     )?;
     let tenant: String = tx.query_row(
         "SELECT tenant_id FROM nodes WHERE id = ?1",
@@ -232,18 +222,7 @@ pub(crate) fn process(
         "node.renewed",
         json!({"nodeId": node_id, "certificateSerial": serial, "previousSerial": r.leaf.serial_hex}),
     )?;
-    let body = JoinResponseBody {
-        node_id,
-        certificate_chain: vec![pki::pem("CERTIFICATE", &der), signer.node_ca_pem.clone()],
-        command_signing_trust_bundle: vec![],
-        csr_sha256: crypto::hex(&r.csr.sha256),
-        trust_domain: cfg.trust_domain.clone(),
-        site_id: cfg.site_id.clone(),
-        role,
-    };
-    Ok(Outcome::Issued {
-        response: signer.respond(&body),
-    })
+    Ok(Outcome::Issued { response })
 }
 
 fn refuse(
