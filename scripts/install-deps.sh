@@ -8,6 +8,7 @@ command -v file >/dev/null || need+=(file)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v sqlite3 >/dev/null || need+=(sqlite3)
 command -v curl >/dev/null || need+=(curl)
+command -v cpio >/dev/null || need+=(cpio)
 dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)   # josekit, the JWE oracle in tests
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

@@ -31,9 +31,28 @@ pub enum Reason {
     Tenant,
     Site,
     PoolAttestor,
+    DiscoveryUnknown,
+    DiscoverySecretMismatch,
+    /// The discovery token was spent, or voided by a newer boot of the same MAC.
+    DiscoverySpent,
+    DiscoveryExpired,
+    DiscoveryRoleMismatch,
+    /// The claims do not carry the MAC the discovery token is bound to.
+    DiscoveryMac,
+    /// An operator rejected this machine's request for this CSR.
+    DiscoveryRejected,
 }
 
 impl Reason {
+    /// The attestor a reason belongs to (`join:` reasons belong to the join itself).
+    pub fn attestor(self) -> &'static str {
+        if self.as_str().starts_with("discovery:") {
+            "discovery"
+        } else {
+            "join-token"
+        }
+    }
+
     /// `<attestor>:<reason>` as the seed writes it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -55,6 +74,13 @@ impl Reason {
             Reason::Tenant => "join:tenant",
             Reason::Site => "join:site",
             Reason::PoolAttestor => "join:pool-attestor",
+            Reason::DiscoveryUnknown => "discovery:unknown",
+            Reason::DiscoverySecretMismatch => "discovery:secret-mismatch",
+            Reason::DiscoverySpent => "discovery:spent",
+            Reason::DiscoveryExpired => "discovery:expired",
+            Reason::DiscoveryRoleMismatch => "discovery:role-mismatch",
+            Reason::DiscoveryMac => "discovery:mac",
+            Reason::DiscoveryRejected => "discovery:rejected",
         }
     }
 }

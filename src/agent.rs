@@ -114,6 +114,37 @@ pub struct JoinOptions {
     pub token_file: Option<PathBuf>,
     /// The token itself (for in-process callers such as `bca dev --sim`).
     pub token: Option<Zeroizing<String>>,
+    /// Empty (`join-token`) or `discovery`.
+    pub attestor: String,
+    /// How long to keep retrying a deferred join.
+    pub wait_seconds: u32,
+    /// Retry a deferred join after this many seconds instead of what the appliance says.
+    pub retry_seconds: Option<u32>,
+}
+
+/// A deferral is accepted only under the pinned join-signing key and for this CSR.
+pub fn verify_deferral(
+    cfg: &AgentConfig,
+    d: &protocol::JoinResponse,
+    csr: &[u8],
+) -> ApiResult<protocol::JoinDeferral> {
+    let bad = |m: &str| ApiError::access_denied(format!("the deferral failed verification: {m}"));
+    let signer = crypto::b64_decode(&d.signer).ok_or_else(|| bad("signer"))?;
+    let spki = pki::cert_spki(&signer).map_err(|_| bad("signer"))?;
+    if crypto::spki_pin(&spki) != cfg.join_signing_key_pin {
+        return Err(bad("not signed by the pinned join-signing key"));
+    }
+    let point = crypto::p256_point_from_spki(&spki).ok_or_else(|| bad("signer key"))?;
+    let body = crypto::b64_decode(&d.body).ok_or_else(|| bad("body"))?;
+    let sig = crypto::b64_decode(&d.sig).ok_or_else(|| bad("sig"))?;
+    if !crypto::verify(point, protocol::JOIN_DEFERRAL_PURPOSE, &body, &sig) {
+        return Err(bad("bad signature"));
+    }
+    let d: protocol::JoinDeferral = serde_json::from_slice(&body).map_err(|_| bad("body"))?;
+    if d.csr_sha256 != crypto::hex(&crypto::sha256(csr)) {
+        return Err(bad("it answers another CSR"));
+    }
+    Ok(d)
 }
 
 #[derive(Clone, Debug)]
@@ -396,29 +427,54 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
 
     let key = SigningKey::generate();
     let csr = crate::csr::create(&key);
-    let sealed = crate::jwe::seal(&token, &enc_point, &csr, crate::clock::now())
-        .map_err(ApiError::internal)?;
-    drop(token);
-    let request = Request {
-        v: 1,
-        join: Some(JoinRequest {
-            sealed_token: sealed,
-            csr: crypto::b64(&csr),
-            claims,
-            attestor: String::new(),
-            role: o.role.clone(),
-        }),
-        ..Default::default()
+    // A deferred join (waiting for an operator) is retried with the same key and CSR, sealed
+    // anew each time; the token is spent only when the join is admitted.
+    let started = crate::clock::now();
+    let resp = loop {
+        let sealed = crate::jwe::seal(&token, &enc_point, &csr, crate::clock::now())
+            .map_err(ApiError::internal)?;
+        let request = Request {
+            v: 1,
+            join: Some(JoinRequest {
+                sealed_token: sealed,
+                csr: crypto::b64(&csr),
+                claims: claims.clone(),
+                attestor: o.attestor.clone(),
+                role: o.role.clone(),
+            }),
+            ..Default::default()
+        };
+        let reply = exchange(&cfg, &serde_json::to_vec(&request).expect("serializes"))?;
+        if let Some(e) = reply.error {
+            let code = serde_json::from_value::<Code>(serde_json::Value::String(e.code.clone()))
+                .unwrap_or(Code::Internal);
+            return Err(ApiError::new(code, e.message));
+        }
+        if let Some(d) = reply.join_deferred {
+            let deferral = verify_deferral(&cfg, &d, &csr)?;
+            let waited = crate::clock::now() - started;
+            if waited >= o.wait_seconds as i64 {
+                return Err(ApiError::invalid_state(format!(
+                    "join request {} is still pending after {waited} s; an operator approves it with bca join-requests approve",
+                    deferral.request_id
+                )));
+            }
+            let retry = o
+                .retry_seconds
+                .unwrap_or(deferral.retry_after_seconds)
+                .max(1);
+            eprintln!(
+                "pending: join request {} waits for an operator's approval; retrying in {retry} s",
+                deferral.request_id
+            );
+            std::thread::sleep(std::time::Duration::from_secs(retry as u64));
+            continue;
+        }
+        break reply
+            .join_response
+            .ok_or_else(|| ApiError::internal("the gateway's answer carries no response"))?;
     };
-    let reply = exchange(&cfg, &serde_json::to_vec(&request).expect("serializes"))?;
-    if let Some(e) = reply.error {
-        let code = serde_json::from_value::<Code>(serde_json::Value::String(e.code.clone()))
-            .unwrap_or(Code::Internal);
-        return Err(ApiError::new(code, e.message));
-    }
-    let resp = reply
-        .join_response
-        .ok_or_else(|| ApiError::internal("the gateway's answer carries no response"))?;
+    drop(token);
     let body = verify_response(&cfg, &resp, &csr, &key, &o.role)?;
     if let Some(jwk) = bootstrap_jwk {
         // Built from the document: the signed response named the site; keep the configuration.

@@ -18,6 +18,12 @@ pub struct App {
     pub well_known: Value,
     /// The gateway's live node sessions.
     pub sessions: crate::sessions::Registry,
+    /// The message handle to the JoinService, once it runs (the boot server mints discovery
+    /// tokens through it).
+    pub join: std::sync::OnceLock<crate::joinservice::JoinHandle>,
+    /// Per-boot archives waiting to be fetched once, by nonce.
+    #[allow(clippy::type_complexity)]
+    pub boot_archives: std::sync::Mutex<std::collections::HashMap<String, (Vec<u8>, i64)>>,
 }
 
 pub const BASE_PATH: &str = "/api/compute";
@@ -55,6 +61,8 @@ impl App {
             pki,
             well_known,
             sessions: Default::default(),
+            join: Default::default(),
+            boot_archives: Default::default(),
         })
     }
 

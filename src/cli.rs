@@ -81,6 +81,12 @@ pub enum Command {
     /// Nodes.
     #[command(subcommand)]
     Nodes(crate::nodes::NodesCmd),
+    /// Network boot: who booted what, when.
+    #[command(subcommand)]
+    Boot(BootCmd),
+    /// The join-request queue: machines waiting for an operator's approval.
+    #[command(subcommand, name = "join-requests")]
+    JoinRequests(crate::joinrequests::JoinRequestsCmd),
     /// The appliance's PKI.
     #[command(subcommand)]
     Pki(PkiCmd),
@@ -320,6 +326,15 @@ pub enum AgentCmd {
         /// Read the token from this file (owner-only, at most 4 KiB); it is deleted after the join.
         #[arg(long)]
         token_file: Option<PathBuf>,
+        /// join-token (default) or discovery (a PXE-booted ramdisk, with role ramdisk).
+        #[arg(long, default_value = "join-token", value_parser = ["join-token", "discovery"])]
+        attestor: String,
+        /// How long to keep retrying while the join waits for an operator's approval.
+        #[arg(long, default_value = "86400")]
+        wait_seconds: u32,
+        /// Retry a waiting join after this many seconds instead of what the appliance says.
+        #[arg(long, hide = true)]
+        retry_seconds: Option<u32>,
     },
     /// Keep the node's session, renew its certificate, reconnect with backoff (until SIGTERM).
     Run {
@@ -340,6 +355,19 @@ pub enum AgentCmd {
         config: PathBuf,
         #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum BootCmd {
+    /// List boot leases, newest first.
+    Leases {
+        #[arg(long)]
+        mac: Option<String>,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
     },
 }
 
@@ -635,6 +663,34 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Nodes(cmd) => crate::nodes::run_cli(cmd, conn),
+        Command::JoinRequests(cmd) => crate::joinrequests::run_cli(cmd, conn),
+        Command::Boot(BootCmd::Leases { mac, limit, cursor }) => {
+            let v = conn.client().call(
+                "bootLeases/list",
+                &json!({"mac": mac, "limit": limit, "cursor": cursor}),
+            )?;
+            print(conn, &v, |v| {
+                print_table(
+                    &["EPOCH", "TIME", "MAC", "IP", "ARCH", "STAGE", "FILE"],
+                    items(v)
+                        .iter()
+                        .map(|l| {
+                            vec![
+                                s(&l["epoch"]),
+                                s(&l["createdAt"]),
+                                s(&l["mac"]),
+                                s(&l["ip"]),
+                                s(&l["arch"]),
+                                s(&l["stage"]),
+                                s(&l["file"]),
+                            ]
+                        })
+                        .collect(),
+                );
+                print_cursor(v);
+            });
+            Ok(())
+        }
         Command::Pki(PkiCmd::Show) => cmd_pki_show(&conn.state_dir(), conn.json),
         Command::Agent(AgentCmd::Join {
             config,
@@ -648,6 +704,9 @@ fn run(cli: Cli) -> ApiResult<()> {
             join_signing_pin,
             join_encryption_pin,
             token_file,
+            attestor,
+            wait_seconds,
+            retry_seconds,
         }) => {
             let pins = match (serving_ca_pin, join_signing_pin, join_encryption_pin) {
                 (Some(serving_ca), Some(join_signing), Some(join_encryption)) => {
@@ -670,6 +729,13 @@ fn run(cli: Cli) -> ApiResult<()> {
                 pins,
                 token_file,
                 token: None,
+                attestor: if attestor == "join-token" {
+                    String::new()
+                } else {
+                    attestor
+                },
+                wait_seconds,
+                retry_seconds,
             })?;
             println!("{node}");
             Ok(())

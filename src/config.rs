@@ -61,6 +61,53 @@ pub struct Config {
     pub join: JoinConfig,
     #[serde(default)]
     pub sessions: SessionsConfig,
+    #[serde(default)]
+    pub discovery: DiscoveryConfig,
+    #[serde(default)]
+    pub boot: crate::boot::BootConfig,
+}
+
+/// The `discovery` attestor: machines that PXE-boot the discovery ramdisk.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// `unknown-machines`: a machine whose trusted hardware key is a known node's is admitted at
+    /// once into that node's pool, any other waits for an operator; `always`: every machine waits.
+    #[serde(default = "default_approval")]
+    pub approval: String,
+    /// How long a join request waits for a decision, and how long a discovery token lives.
+    #[serde(default = "default_pending_ttl")]
+    pub pending_ttl_seconds: u32,
+    /// Lifetime of a ramdisk certificate (at most 7200).
+    #[serde(default = "default_ramdisk_ttl")]
+    pub cert_ttl_seconds: u32,
+    /// What the deferral tells the machine: retry after this many seconds.
+    #[serde(default = "default_retry")]
+    pub retry_after_seconds: u32,
+}
+
+fn default_approval() -> String {
+    "unknown-machines".into()
+}
+fn default_pending_ttl() -> u32 {
+    86_400
+}
+fn default_ramdisk_ttl() -> u32 {
+    7_200
+}
+fn default_retry() -> u32 {
+    30
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            approval: default_approval(),
+            pending_ttl_seconds: default_pending_ttl(),
+            cert_ttl_seconds: default_ramdisk_ttl(),
+            retry_after_seconds: default_retry(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -165,6 +212,19 @@ impl Config {
         }
         if self.pki.gateway_leaf_validity_days == 0 || self.pki.gateway_leaf_validity_days > 825 {
             return Err("pki.gateway_leaf_validity_days must be 1 to 825".into());
+        }
+        self.boot.validate()?;
+        if self.discovery.approval != "unknown-machines" && self.discovery.approval != "always" {
+            return Err("discovery.approval must be unknown-machines or always".into());
+        }
+        if !(60..=7 * 86_400).contains(&self.discovery.pending_ttl_seconds) {
+            return Err("discovery.pending_ttl_seconds must be 60 to 604800".into());
+        }
+        if !(10..=7_200).contains(&self.discovery.cert_ttl_seconds) {
+            return Err("discovery.cert_ttl_seconds must be 10 to 7200".into());
+        }
+        if !(1..=600).contains(&self.discovery.retry_after_seconds) {
+            return Err("discovery.retry_after_seconds must be 1 to 600".into());
         }
         if !(1..=300).contains(&self.sessions.heartbeat_seconds) {
             return Err("sessions.heartbeat_seconds must be 1 to 300".into());

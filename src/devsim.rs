@@ -143,6 +143,9 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
             pins: None,
             token_file: None,
             token: Some(token.clone()),
+            attestor: String::new(),
+            wait_seconds: 0,
+            retry_seconds: None,
         })?;
         println!("machine {i} joined as {node}");
         agents.push(adir);

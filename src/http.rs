@@ -39,10 +39,46 @@ fn well_known_path() -> String {
 }
 
 /// The public listener: only the well-known document for now.
+/// Where a public request came from and arrived at (`None` on the admin socket).
+type Addrs = Option<(std::net::SocketAddr, Option<std::net::SocketAddr>)>;
+
 async fn public(
     app: Arc<App>,
+    addrs: Addrs,
     req: Request<Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
+    if let (Some(rest), Some((peer, local))) = (
+        req.uri().path().strip_prefix(&format!("{BASE_PATH}/boot/")),
+        addrs,
+    ) {
+        if req.method() != Method::GET {
+            return Ok(error(&ApiError::invalid_input("use GET for boot files")));
+        }
+        let query = req.uri().query().unwrap_or("").to_string();
+        let text = |status: u16, body: String| {
+            Response::builder()
+                .status(status)
+                .header("content-type", "text/plain")
+                .body(Full::new(Bytes::from(body)))
+                .expect("a valid response")
+        };
+        return Ok(
+            match crate::boot::http::handle(&app, rest, &query, peer, local).await {
+                crate::boot::http::BootAnswer::Text(t) => text(200, t),
+                crate::boot::http::BootAnswer::Bytes(b) => Response::builder()
+                    .status(200)
+                    .header("content-type", "application/octet-stream")
+                    .body(Full::new(Bytes::from(b)))
+                    .expect("a valid response"),
+                crate::boot::http::BootAnswer::NotFound => {
+                    error(&ApiError::not_found(format!("no boot resource {rest}")))
+                }
+                crate::boot::http::BootAnswer::Unavailable(m) => {
+                    error(&ApiError::new(crate::error::Code::Unavailable, m))
+                }
+            },
+        );
+    }
     if req.uri().path() == well_known_path() {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return Ok(error(&ApiError::invalid_input(
@@ -112,7 +148,7 @@ async fn admin(
     }
     let path = req.uri().path().to_string();
     if path == well_known_path() {
-        return public(app, req).await;
+        return public(app, None, req).await;
     }
     let Some(method) = path
         .strip_prefix(&format!("{BASE_PATH}/"))
@@ -168,10 +204,11 @@ pub async fn serve_public(listener: TcpListener, app: Arc<App>, mut stop: watch:
         tokio::select! {
             _ = stop.changed() => return,
             acc = listener.accept() => {
-                let Ok((stream, _)) = acc else { continue };
+                let Ok((stream, peer)) = acc else { continue };
+                let local = stream.local_addr().ok();
                 let app = app.clone();
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| public(app.clone(), req));
+                    let svc = hyper::service::service_fn(move |req| public(app.clone(), Some((peer, local)), req));
                     let _ = builder().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }

@@ -129,6 +129,8 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         pki: PkiConfig::default(),
         join: JoinConfig::default(),
         sessions: Default::default(),
+        discovery: Default::default(),
+        boot: Default::default(),
     };
     config.gateway_server_name = None;
     let keys = KeyBundle::generate();

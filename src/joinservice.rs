@@ -66,13 +66,17 @@ enum Prepared {
     Ready(Box<Ready>),
 }
 
-struct Ready {
-    bearer: Bearer,
-    csr: crate::csr::VerifiedCsr,
-    claims: Claims,
-    ids: Identifiers,
-    key: Option<HardwareKey>,
-    role: String,
+pub(crate) struct Ready {
+    pub(crate) bearer: Bearer,
+    pub(crate) csr: crate::csr::VerifiedCsr,
+    pub(crate) claims: Claims,
+    pub(crate) ids: Identifiers,
+    pub(crate) key: Option<HardwareKey>,
+    pub(crate) role: String,
+    /// `join-token` or `discovery`.
+    pub(crate) attestor: &'static str,
+    /// The peer's IP address, recorded in join requests.
+    pub(crate) peer_ip: String,
 }
 
 /// What the writer thread does for one call.
@@ -82,6 +86,7 @@ enum Work {
     SessionOpen(Vec<u8>),
     SessionSeen(String),
     SessionClosed(String),
+    MintDiscovery(String, Option<i64>),
 }
 
 struct Job {
@@ -214,6 +219,13 @@ impl JoinHandle {
                 self.submit(Work::SessionClosed(node_id), String::new())
                     .await
             }
+            Ok(Call::MintDiscovery {
+                mac,
+                boot_lease_epoch,
+            }) => {
+                self.submit(Work::MintDiscovery(mac, boot_lease_epoch), String::new())
+                    .await
+            }
             Err(_) => Outcome::Refused,
         };
         serde_json::to_vec(&outcome).expect("serializes")
@@ -285,9 +297,11 @@ fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64
         csr_sha256,
         hardware_key,
     };
-    if !r.attestor.is_empty() && r.attestor != "join-token" {
-        return refuse(Reason::Attestor, None, None);
-    }
+    let attestor = match r.attestor.as_str() {
+        "" | "join-token" => "join-token",
+        "discovery" => "discovery",
+        _ => return refuse(Reason::Attestor, None, None),
+    };
     if !r.claims.within_limits() {
         return refuse(Reason::Claims, None, None);
     }
@@ -322,6 +336,12 @@ fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64
         ids,
         key,
         role: r.role.clone(),
+        attestor,
+        peer_ip: peer
+            .rsplit_once(':')
+            .map(|(h, _)| h.trim_matches(['[', ']']))
+            .unwrap_or(peer)
+            .to_string(),
     }))
 }
 
@@ -350,15 +370,17 @@ impl RateLimit {
     }
 }
 
-struct Refusal {
-    reason: Reason,
+pub(crate) struct Refusal {
+    pub(crate) reason: Reason,
     /// The tenant whose stream gets the event: the token's once its secret verified, else root.
-    tenant: Option<String>,
+    pub(crate) tenant: Option<String>,
 }
 
-enum Decided {
+pub(crate) enum Decided {
     Issued(JoinResponse),
     Refused(Refusal),
+    /// Waiting for an operator: the request was recorded (kept), nothing issued, nothing spent.
+    Deferred(JoinResponse),
 }
 
 fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
@@ -409,6 +431,9 @@ fn process(
         Work::SessionOpen(leaf) => return crate::sessions::open(tx, leaf, now),
         Work::SessionSeen(node) => return crate::sessions::seen(tx, node, now),
         Work::SessionClosed(node) => return crate::sessions::closed(tx, node, now),
+        Work::MintDiscovery(mac, epoch) => {
+            return crate::discovery::mint(tx, app, mac, *epoch, now)
+        }
     };
     let (decided, csr_sha, hk) = match prepared {
         Prepared::Refused {
@@ -425,9 +450,16 @@ fn process(
         ),
         Prepared::Ready(r) => {
             tx.execute_batch("SAVEPOINT one_join")?;
-            let d = admit_one(tx, app, signer, r, now);
+            let d = if r.attestor == "discovery" {
+                crate::discovery::admit(tx, app, signer, r, now)
+            } else {
+                admit_one(tx, app, signer, r, now)
+            };
             match &d {
-                Ok(Decided::Issued(_)) => tx.execute_batch("RELEASE one_join")?,
+                // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
+                Ok(Decided::Issued(_)) | Ok(Decided::Deferred(_)) => {
+                    tx.execute_batch("RELEASE one_join")?
+                }
                 _ => tx.execute_batch("ROLLBACK TO one_join; RELEASE one_join")?,
             }
             (
@@ -439,6 +471,7 @@ fn process(
     };
     match decided {
         Decided::Issued(response) => Ok(Outcome::Issued { response }),
+        Decided::Deferred(response) => Ok(Outcome::Deferred { response }),
         Decided::Refused(r) => {
             tracing::info!(reason = r.reason.as_str(), "join refused");
             if let Some(suppressed) = limits.admit(r.reason.as_str(), now) {
@@ -449,7 +482,7 @@ fn process(
                     &tenant,
                     "security.join.refused",
                     json!({
-                        "attestor": "join-token",
+                        "attestor": r.reason.attestor(),
                         "reason": r.reason.as_str(),
                         "role": job.role,
                         "csrSha256": csr_sha.map(|h| crypto::hex(&h)),
@@ -463,7 +496,7 @@ fn process(
     }
 }
 
-fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided> {
+pub(crate) fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided> {
     Ok(Decided::Refused(Refusal {
         reason,
         tenant: tenant.map(str::to_string),

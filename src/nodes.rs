@@ -57,6 +57,27 @@ pub enum NodesCmd {
         #[arg(long)]
         reason: Option<String>,
     },
+    /// Send the node back to the discovery ramdisk at its next network boot (`--off` to stop).
+    Rediscover {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        off: bool,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RediscoverInput {
+    tenant_id: String,
+    node_id: String,
+    #[serde(default = "yes")]
+    rediscover: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Deserialize)]
@@ -79,7 +100,7 @@ struct NodeRef {
 }
 
 const COLS: &str = "id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted, identity_generation,
-    attestor, hostname, claims_json, created_at, updated_at, retired_at, connected, last_seen";
+    attestor, hostname, claims_json, created_at, updated_at, retired_at, connected, last_seen, rediscover, boot_mac";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
     let mut v = json!({
@@ -95,6 +116,8 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
         v["retiredAt"] = json!(rfc3339(t));
     }
     v["connected"] = json!(r.get::<_, i64>(16)? == 1);
+    v["rediscover"] = json!(r.get::<_, i64>(18)? == 1);
+    v["bootMac"] = json!(r.get::<_, Option<String>>(19)?);
     v["lastSeen"] = json!(r.get::<_, Option<i64>>(17)?.map(rfc3339));
     Ok(v)
 }
@@ -202,6 +225,19 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
                 publish(tx, ctx.now, &i.tenant_id, "node.deleted", data.clone())?;
                 audit(tx, ctx.now, &i.tenant_id, "nodes.delete", ctx.caller, &i.node_id, data)?;
                 Ok(v)
+            })
+        }),
+        "nodes/rediscover" => parse::<RediscoverInput>(body).and_then(|i| {
+            validate::tenant_id("tenantId", &i.tenant_id)?;
+            validate::id("nodeId", &i.node_id, "node")?;
+            store.write(|tx| {
+                load(tx, &i.tenant_id, &i.node_id)?;
+                tx.execute(
+                    "UPDATE nodes SET rediscover = ?2, updated_at = ?3 WHERE id = ?1",
+                    params![i.node_id, i.rediscover as i64, ctx.now],
+                )?;
+                audit(tx, ctx.now, &i.tenant_id, "nodes.rediscover", ctx.caller, &i.node_id, json!({"rediscover": i.rediscover}))?;
+                load(tx, &i.tenant_id, &i.node_id)
             })
         }),
         "nodes/revokeIdentity" => parse::<NodeRef>(body).and_then(|i| {
@@ -378,6 +414,16 @@ pub fn run_cli(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
             let tenant = tenant_or_root(&c, tenant)?;
             out(
                 &c.call("nodes/delete", &json!({"tenantId": tenant, "nodeId": id}))?,
+                &record,
+            );
+        }
+        NodesCmd::Rediscover { id, tenant, off } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call(
+                    "nodes/rediscover",
+                    &json!({"tenantId": tenant, "nodeId": id, "rediscover": !off}),
+                )?,
                 &record,
             );
         }

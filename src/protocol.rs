@@ -146,6 +146,9 @@ pub struct Reply {
     pub join_response: Option<JoinResponse>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renew_response: Option<JoinResponse>,
+    /// A signed deferral: the join is waiting for an operator's approval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_deferred: Option<JoinResponse>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub welcome: Option<Welcome>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -190,6 +193,19 @@ pub struct JoinResponse {
 }
 
 pub const JOIN_RESPONSE_PURPOSE: &str = "bca join-response v1";
+pub const JOIN_DEFERRAL_PURPOSE: &str = "bca join-deferral v1";
+
+/// The body of a signed deferral (`joinDeferred`): nothing was issued and no token spent; the
+/// machine retries with the same CSR.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JoinDeferral {
+    pub request_id: String,
+    pub state: String,
+    pub retry_after_seconds: u32,
+    pub csr_sha256: String,
+    pub site_id: String,
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -224,6 +240,12 @@ pub enum Call {
     SessionSeen { node_id: String },
     #[serde(rename_all = "camelCase")]
     SessionClosed { node_id: String },
+    /// The boot server asks for a discovery token for a MAC (voiding the MAC's earlier ones).
+    #[serde(rename_all = "camelCase")]
+    MintDiscovery {
+        mac: String,
+        boot_lease_epoch: Option<i64>,
+    },
 }
 
 /// The JoinService's answer to a [`Call`].
@@ -241,6 +263,15 @@ pub enum Outcome {
     SessionOpened {
         node_id: String,
     },
+    Deferred {
+        response: JoinResponse,
+    },
+    /// A fresh discovery token, in clear for the per-boot archive; only its hash is stored.
+    DiscoveryToken {
+        token: String,
+    },
+    /// The machine's node is adopted and not marked for rediscovery: boot the local disk.
+    LocalBoot,
     Done,
 }
 
@@ -265,6 +296,11 @@ impl Reply {
             Outcome::Issued { response } => Reply {
                 v: 1,
                 join_response: Some(response),
+                ..Default::default()
+            },
+            Outcome::Deferred { response } => Reply {
+                v: 1,
+                join_deferred: Some(response),
                 ..Default::default()
             },
             Outcome::Refused => Reply::error("ACCESS_DENIED", JOIN_REFUSED),

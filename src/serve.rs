@@ -102,6 +102,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     // The gateway gets its TLS key and a message handle; the signing keys go to the JoinService.
     let gateway_key = zeroize::Zeroizing::new(keys.gateway.pkcs8().to_vec());
     let join = crate::joinservice::JoinService::start(app.clone(), keys)?;
+    let _ = app.join.set(join.handle());
     let gw = crate::gateway::Gateway::new(app.clone(), &gateway_key, Some(join.handle()))?;
     drop(gateway_key);
 

@@ -23,6 +23,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0002_sessions_downloads",
         include_str!("../migrations/0002_sessions_downloads.sql"),
     ),
+    (
+        "0003_discovery",
+        include_str!("../migrations/0003_discovery.sql"),
+    ),
 ];
 
 pub struct Store {

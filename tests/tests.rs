@@ -5,6 +5,8 @@
 mod adopt;
 #[path = "it/common.rs"]
 mod common;
+#[path = "it/discovery.rs"]
+mod discovery;
 #[path = "it/foundation.rs"]
 mod foundation;
 #[path = "it/join.rs"]

@@ -1,0 +1,222 @@
+//! The HTTP side of network boot, on the public listener:
+//!
+//! - `GET /api/compute/boot/chain.ipxe`: what DHCP points iPXE at; it chains to the per-machine
+//!   script with the booting NIC's MAC;
+//! - `GET /api/compute/boot/boot.ipxe?mac=…`: the per-machine script. A MAC whose node is adopted
+//!   and not marked for rediscovery boots its local disk; any other gets the discovery ramdisk and
+//!   a per-boot archive carrying the pins and a fresh discovery token (minted through the
+//!   JoinService; fetching again voids the earlier token);
+//! - `GET /api/compute/boot/per-boot/<nonce>.cpio`: that archive, served once;
+//! - `GET /api/compute/boot/files/<name>`: the ramdisk's kernel and initramfs and the iPXE binaries.
+//!
+//! The discovery token never appears in a URL, a log line or a boot lease row.
+
+use crate::app::{App, BASE_PATH};
+use crate::boot::cpio::Cpio;
+use crate::protocol::{Call, Outcome};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// How long a per-boot archive waits to be fetched.
+const ARCHIVE_TTL: i64 = 600;
+
+pub enum BootAnswer {
+    Text(String),
+    Bytes(Vec<u8>),
+    NotFound,
+    Unavailable(String),
+}
+
+pub fn boot_root(app: &App) -> PathBuf {
+    app.config
+        .boot
+        .root
+        .clone()
+        .unwrap_or_else(|| app.state_dir.join("boot"))
+}
+
+/// The URL iPXE reaches the HTTP listener at.
+pub fn http_url(app: &App, local: Option<SocketAddr>) -> String {
+    if let Some(u) = &app.config.boot.http_url {
+        return u.trim_end_matches('/').to_string();
+    }
+    let port = local.map(|a| a.port()).unwrap_or(80);
+    match app.config.boot.server_ip {
+        Some(ip) => format!("http://{ip}:{port}"),
+        None => format!(
+            "http://{}",
+            local
+                .map(|a| a.to_string())
+                .unwrap_or_else(|| "127.0.0.1".into())
+        ),
+    }
+}
+
+fn valid_file_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && !n.starts_with('.')
+        && n.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+}
+
+/// Records a boot lease row: who booted what, when. Returns its epoch.
+pub fn lease(
+    app: &App,
+    mac: &str,
+    ip: Option<String>,
+    arch: Option<u16>,
+    stage: &str,
+    file: Option<&str>,
+) -> Option<i64> {
+    let now = crate::clock::now();
+    app.store
+        .write(|tx| {
+            tx.execute(
+                "INSERT INTO boot_leases (mac, ip, arch, stage, file, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                rusqlite::params![mac, ip, arch, stage, file, now],
+            )?;
+            Ok(tx.last_insert_rowid())
+        })
+        .ok()
+}
+
+pub async fn handle(
+    app: &Arc<App>,
+    rest: &str,
+    query: &str,
+    peer: SocketAddr,
+    local: Option<SocketAddr>,
+) -> BootAnswer {
+    let base = http_url(app, local);
+    if rest == "chain.ipxe" {
+        return BootAnswer::Text(format!(
+            "#!ipxe\nchain {base}{BASE_PATH}/boot/boot.ipxe?mac=${{net0/mac}}\n"
+        ));
+    }
+    if rest == "boot.ipxe" {
+        let mac = query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("mac="))
+            .map(|m| m.replace("%3A", ":").replace("%3a", ":"));
+        let Some(mac) = mac.as_deref().and_then(crate::discovery::loose_mac) else {
+            return BootAnswer::Text(
+                "#!ipxe\necho bca: this script needs ?mac=<the booting NIC's MAC>\nexit 1\n".into(),
+            );
+        };
+        return script(app, &mac, peer, &base).await;
+    }
+    if let Some(nonce) = rest
+        .strip_prefix("per-boot/")
+        .and_then(|r| r.strip_suffix(".cpio"))
+    {
+        let now = crate::clock::now();
+        let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
+        return match map.remove(nonce) {
+            Some((bytes, _)) => BootAnswer::Bytes(bytes),
+            None => BootAnswer::NotFound,
+        };
+    }
+    if let Some(name) = rest.strip_prefix("files/") {
+        if !valid_file_name(name) {
+            return BootAnswer::NotFound;
+        }
+        let path = boot_root(app).join(name);
+        return match tokio::fs::read(&path).await {
+            Ok(b) => BootAnswer::Bytes(b),
+            Err(_) => BootAnswer::NotFound,
+        };
+    }
+    BootAnswer::NotFound
+}
+
+async fn script(app: &Arc<App>, mac: &str, peer: SocketAddr, base: &str) -> BootAnswer {
+    let Some(join) = app.join.get() else {
+        return BootAnswer::Unavailable("the JoinService is not running".into());
+    };
+    let ip = peer.ip().to_string();
+    let app2 = app.clone();
+    let mac2 = mac.to_string();
+    let epoch =
+        tokio::task::spawn_blocking(move || lease(&app2, &mac2, Some(ip), None, "script", None))
+            .await
+            .ok()
+            .flatten();
+    let call = Call::MintDiscovery {
+        mac: mac.to_string(),
+        boot_lease_epoch: epoch,
+    };
+    let out = join
+        .call(&serde_json::to_vec(&call).expect("serializes"))
+        .await;
+    match serde_json::from_slice::<Outcome>(&out) {
+        Ok(Outcome::LocalBoot) => {
+            tracing::info!(%mac, "boot: adopted node; local disk");
+            BootAnswer::Text("#!ipxe\necho bca: this machine is an adopted node; booting its local disk\nsanboot --no-describe --drive 0x80 || exit\n".into())
+        }
+        Ok(Outcome::DiscoveryToken { token }) => {
+            let token = zeroize::Zeroizing::new(token);
+            let archive = match per_boot_archive(app, mac, epoch, &token) {
+                Ok(a) => a,
+                Err(e) => return BootAnswer::Unavailable(e),
+            };
+            let mut n = [0u8; 16];
+            crate::crypto::fill_random(&mut n);
+            let nonce = crate::crypto::hex(&n);
+            app.boot_archives
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(nonce.clone(), (archive, crate::clock::now()));
+            tracing::info!(%mac, "boot: discovery ramdisk");
+            let args = &app.config.boot.kernel_args;
+            BootAnswer::Text(format!(
+                "#!ipxe\necho bca: discovery ramdisk for {mac}\n\
+                 kernel {base}{BASE_PATH}/boot/files/vmlinuz {args} initrd=initrd.img initrd=bca.cpio\n\
+                 initrd --name initrd.img {base}{BASE_PATH}/boot/files/initrd.img\n\
+                 initrd --name bca.cpio {base}{BASE_PATH}/boot/per-boot/{nonce}.cpio\n\
+                 boot\n"
+            ))
+        }
+        _ => BootAnswer::Unavailable("no discovery token could be minted".into()),
+    }
+}
+
+/// The second initrd: the agent's configuration and pins, the discovery token (0600) and the
+/// boot facts, under `/etc/bca-agent`.
+fn per_boot_archive(
+    app: &App,
+    mac: &str,
+    epoch: Option<i64>,
+    token: &str,
+) -> Result<Vec<u8>, String> {
+    let gateway = app
+        .config
+        .gateway_url
+        .clone()
+        .ok_or("the appliance has no gateway_url: the ramdisk would not know where to join")?;
+    let (cfg, jwk) =
+        crate::agent::agent_config_for(&app.state_dir, &gateway).map_err(|e| e.message)?;
+    let boot = serde_json::json!({"mac": mac, "bootLeaseEpoch": epoch});
+    let mut c = Cpio::new();
+    c.dir("etc", 0o755)
+        .dir("etc/bca-agent", 0o700)
+        .file(
+            "etc/bca-agent/config.toml",
+            0o600,
+            toml::to_string(&cfg).expect("serializes").as_bytes(),
+        )
+        .file("etc/bca-agent/join-encryption.jwk", 0o644, jwk.as_bytes())
+        .file(
+            "etc/bca-agent/discovery-token",
+            0o600,
+            format!("{token}\n").as_bytes(),
+        )
+        .file(
+            "etc/bca-agent/boot.json",
+            0o644,
+            boot.to_string().as_bytes(),
+        );
+    Ok(c.finish())
+}

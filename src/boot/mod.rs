@@ -1,0 +1,165 @@
+//! The boot server: proxyDHCP or full DHCP, TFTP for the iPXE binaries, and the HTTP side (iPXE
+//! scripts, the discovery ramdisk's files and the per-boot archive with the discovery token).
+
+pub mod cpio;
+pub mod http;
+
+use serde::{Deserialize, Serialize};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+/// The `[boot]` section of `config.toml`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BootConfig {
+    /// Serve DHCP and TFTP (the HTTP side is always on).
+    #[serde(default)]
+    pub enabled: bool,
+    /// `proxy` (coexist with the site's DHCP server) or `dhcp` (a full server with a range).
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    /// The address machines reach this appliance at on the provisioning network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_ip: Option<Ipv4Addr>,
+    /// The URL iPXE fetches scripts and files from (default `http://<server_ip>:<listen_http port>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_url: Option<String>,
+    #[serde(default = "default_dhcp")]
+    pub listen_dhcp: String,
+    #[serde(default = "default_proxy")]
+    pub listen_proxy: String,
+    #[serde(default = "default_tftp")]
+    pub listen_tftp: String,
+    /// The boot files: `undionly.kpxe`, `ipxe.efi`, `snponly.efi`, `vmlinuz`, `initrd.img`
+    /// (default `<state-dir>/boot`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub range_start: Option<Ipv4Addr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub range_end: Option<Ipv4Addr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netmask: Option<Ipv4Addr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<Ipv4Addr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dns: Vec<Ipv4Addr>,
+    #[serde(default = "default_lease")]
+    pub lease_seconds: u32,
+    /// The discovery kernel's command line.
+    #[serde(default = "default_args")]
+    pub kernel_args: String,
+    /// TFTP transfers at once; more are refused with a log line.
+    #[serde(default = "default_transfers")]
+    pub tftp_max_transfers: usize,
+}
+
+fn default_mode() -> String {
+    "proxy".into()
+}
+fn default_dhcp() -> String {
+    "0.0.0.0:67".into()
+}
+fn default_proxy() -> String {
+    "0.0.0.0:4011".into()
+}
+fn default_tftp() -> String {
+    "0.0.0.0:69".into()
+}
+fn default_lease() -> u32 {
+    3600
+}
+fn default_args() -> String {
+    "console=ttyS0 quiet".into()
+}
+fn default_transfers() -> usize {
+    256
+}
+
+impl Default for BootConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("defaults")
+    }
+}
+
+impl BootConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.mode != "proxy" && self.mode != "dhcp" {
+            return Err("boot.mode must be proxy or dhcp".into());
+        }
+        if self.enabled && self.server_ip.is_none() {
+            return Err("boot.server_ip is required when boot.enabled".into());
+        }
+        if self.enabled
+            && self.mode == "dhcp"
+            && (self.range_start.is_none() || self.range_end.is_none())
+        {
+            return Err("boot.mode = \"dhcp\" needs boot.range_start and boot.range_end".into());
+        }
+        if let (Some(a), Some(b)) = (self.range_start, self.range_end) {
+            if u32::from(a) > u32::from(b) || u32::from(b) - u32::from(a) > 65_535 {
+                return Err("boot.range_start must not be after boot.range_end, and the range at most 65536 addresses".into());
+            }
+        }
+        if self.kernel_args.contains(['\n', '\r']) {
+            return Err("boot.kernel_args must be one line".into());
+        }
+        if !(1..=4096).contains(&self.tftp_max_transfers) {
+            return Err("boot.tftp_max_transfers must be 1 to 4096".into());
+        }
+        Ok(())
+    }
+}
+
+/// `bootLeases.list`: who booted what, when (newest first).
+pub fn dispatch(
+    store: &crate::store::Store,
+    path: &str,
+    body: &[u8],
+) -> Option<crate::error::ApiResult<serde_json::Value>> {
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    struct ListInput {
+        mac: Option<String>,
+        limit: Option<i64>,
+        cursor: Option<String>,
+    }
+    if path != "bootLeases/list" {
+        return None;
+    }
+    Some(crate::api::parse::<ListInput>(body).and_then(|i| {
+        let limit = i.limit.unwrap_or(100);
+        crate::validate::range("limit", limit, 1, 200)?;
+        let mac = match &i.mac {
+            Some(m) => Some(crate::discovery::loose_mac(m).ok_or_else(|| {
+                crate::error::ApiError::invalid_input("mac must be a MAC address such as aa:bb:cc:dd:ee:ff")
+            })?),
+            None => None,
+        };
+        let before: i64 = match &i.cursor {
+            Some(c) => c
+                .parse()
+                .map_err(|_| crate::error::ApiError::invalid_input("cursor must be a cursor returned by bootLeases.list"))?,
+            None => i64::MAX,
+        };
+        store.read(|tx| {
+            let mut st = tx.prepare(
+                "SELECT epoch, mac, ip, arch, stage, file, created_at FROM boot_leases
+                 WHERE epoch < ?1 AND (?2 IS NULL OR mac = ?2) ORDER BY epoch DESC LIMIT ?3",
+            )?;
+            let mut rows: Vec<serde_json::Value> = st
+                .query_map(rusqlite::params![before, mac, limit + 1], |r| {
+                    Ok(serde_json::json!({
+                        "epoch": r.get::<_, i64>(0)?, "mac": r.get::<_, String>(1)?, "ip": r.get::<_, Option<String>>(2)?,
+                        "arch": r.get::<_, Option<i64>>(3)?, "stage": r.get::<_, String>(4)?, "file": r.get::<_, Option<String>>(5)?,
+                        "createdAt": crate::api::rfc3339(r.get(6)?),
+                    }))
+                })?
+                .collect::<Result<_, _>>()?;
+            let more = rows.len() as i64 > limit;
+            rows.truncate(limit as usize);
+            let cursor = if more { rows.last().map(|r| r["epoch"].to_string()) } else { None };
+            Ok(serde_json::json!({"items": rows, "cursor": cursor}))
+        })
+    }))
+}

@@ -1,0 +1,374 @@
+//! The join-request queue: `joinRequests.list/approve/reject` and `bca join-requests`.
+//!
+//! Decided on the pool, like join tokens. `list` shows the pool's requests and the site's requests
+//! no pool claimed yet (`state` defaults to `pending`; `all` lists every state). `approve` assigns
+//! the pool and admits exactly one join until `ttlSeconds` (60-86,400, one hour by default);
+//! approving twice returns the approval; any other decided state, or an archived pool, is
+//! `INVALID_STATE`. `reject` is final, and withdraws an approval not used yet.
+
+use crate::api::{audit, publish, rfc3339, Ctx};
+use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
+use crate::error::{ApiError, ApiResult};
+use crate::store::{found, Store};
+use crate::validate;
+use clap::Subcommand;
+use rusqlite::{params, Transaction};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+#[derive(Subcommand)]
+pub enum JoinRequestsCmd {
+    /// List join requests (pending by default).
+    List {
+        #[arg(long)]
+        pool: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// pending (default), approved, rejected, expired, consumed, or all.
+        #[arg(long, default_value = "pending")]
+        state: String,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Approve a request into a pool: it admits one join with the CSR it was made for.
+    Approve {
+        id: String,
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Seconds the approval stays usable (60 to 86400; one hour by default).
+        #[arg(long)]
+        ttl: Option<i64>,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Reject a request (final; also withdraws an unused approval).
+    Reject {
+        id: String,
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+const STATES: &[&str] = &["pending", "approved", "rejected", "expired", "consumed"];
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ListInput {
+    tenant_id: String,
+    pool_id: Option<String>,
+    state: Option<String>,
+    #[serde(default)]
+    all: bool,
+    limit: Option<i64>,
+    cursor: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct DecideInput {
+    tenant_id: String,
+    pool_id: String,
+    request_id: String,
+    ttl_seconds: Option<i64>,
+    reason: Option<String>,
+}
+
+const COLS: &str = "id, site_id, pool_id, attestor, hardware_key, claims_json, mac, ip, vouched_by, boot_lease_epoch, csr_sha256,
+    state, created_at, updated_at, expires_at, decided_at, decided_by, reason, consumed_at, node_id";
+
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
+    let claims: Value = serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or(Value::Null);
+    let t = |i: usize| -> rusqlite::Result<Value> {
+        Ok(json!(r.get::<_, Option<i64>>(i)?.map(rfc3339)))
+    };
+    Ok(json!({
+        "id": r.get::<_, String>(0)?, "siteId": r.get::<_, String>(1)?, "poolId": r.get::<_, Option<String>>(2)?,
+        "attestor": r.get::<_, String>(3)?, "hardwareKey": r.get::<_, Option<String>>(4)?,
+        "gpuCount": claims["gpuUuids"].as_array().map(|a| a.len()).unwrap_or(0),
+        "claims": claims, "mac": r.get::<_, Option<String>>(6)?, "ip": r.get::<_, Option<String>>(7)?,
+        "workflowId": null, "vouchedBy": r.get::<_, Option<String>>(8)?, "bootLeaseEpoch": r.get::<_, Option<i64>>(9)?,
+        "csrSha256": r.get::<_, String>(10)?, "state": r.get::<_, String>(11)?,
+        "createdAt": t(12)?, "updatedAt": t(13)?, "expiresAt": t(14)?, "decidedAt": t(15)?,
+        "decidedBy": r.get::<_, Option<String>>(16)?, "reason": r.get::<_, Option<String>>(17)?,
+        "consumedAt": t(18)?, "nodeId": r.get::<_, Option<String>>(19)?,
+    }))
+}
+
+fn check_reason(r: &Option<String>) -> ApiResult<()> {
+    if r.as_ref().is_some_and(|r| r.len() > 512) {
+        return Err(ApiError::invalid_input(
+            "reason must be at most 512 characters",
+        ));
+    }
+    Ok(())
+}
+
+pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option<ApiResult<Value>> {
+    Some(match path {
+        "joinRequests/list" => {
+            crate::api::parse::<ListInput>(body).and_then(|i| store.write(|tx| list(tx, ctx, i)))
+        }
+        "joinRequests/approve" => crate::api::parse::<DecideInput>(body)
+            .and_then(|i| store.write(|tx| decide(tx, ctx, i, true))),
+        "joinRequests/reject" => crate::api::parse::<DecideInput>(body)
+            .and_then(|i| store.write(|tx| decide(tx, ctx, i, false))),
+        _ => return None,
+    })
+}
+
+fn list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: ListInput) -> ApiResult<Value> {
+    validate::tenant_id("tenantId", &i.tenant_id)?;
+    let limit = i.limit.unwrap_or(100);
+    validate::range("limit", limit, 1, 200)?;
+    if let Some(c) = &i.cursor {
+        validate::id("cursor", c, "jreq")?;
+    }
+    let state = if i.all {
+        "all".to_string()
+    } else {
+        i.state.unwrap_or_else(|| "pending".into())
+    };
+    if state != "all" && !STATES.contains(&state.as_str()) {
+        return Err(ApiError::invalid_input(format!(
+            "state must be all or one of {}",
+            STATES.join(", ")
+        )));
+    }
+    let site = match &i.pool_id {
+        Some(p) => crate::api::pool_load(tx, &i.tenant_id, p)?.site_id,
+        None => ctx.site_id.to_string(),
+    };
+    crate::discovery::expire(tx, ctx.now)?;
+    let mut st = tx.prepare(&format!(
+        "SELECT {COLS} FROM join_requests r WHERE site_id = ?1
+         AND (pool_id IS NULL OR (?2 IS NOT NULL AND pool_id = ?2)
+              OR (?2 IS NULL AND EXISTS (SELECT 1 FROM pools p WHERE p.id = r.pool_id AND p.tenant_id = ?3)))
+         AND (?4 = 'all' OR state = ?4) AND id > ?5 ORDER BY id LIMIT ?6"
+    ))?;
+    let mut rows: Vec<Value> = st
+        .query_map(
+            params![
+                site,
+                i.pool_id,
+                i.tenant_id,
+                state,
+                i.cursor.unwrap_or_default(),
+                limit + 1
+            ],
+            row,
+        )?
+        .collect::<Result<_, _>>()?;
+    let more = rows.len() as i64 > limit;
+    rows.truncate(limit as usize);
+    let cursor = if more {
+        rows.last().map(|r| r["id"].clone())
+    } else {
+        None
+    };
+    Ok(json!({"items": rows, "cursor": cursor}))
+}
+
+fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) -> ApiResult<Value> {
+    validate::id("requestId", &i.request_id, "jreq")?;
+    check_reason(&i.reason)?;
+    let ttl = i.ttl_seconds.unwrap_or(3600);
+    validate::range("ttlSeconds", ttl, 60, 86_400)?;
+    let pool = crate::api::pool_load(tx, &i.tenant_id, &i.pool_id)?;
+    crate::discovery::expire(tx, ctx.now)?;
+    let load = |tx: &Transaction<'_>| {
+        found(
+            tx.query_row(
+                &format!("SELECT {COLS} FROM join_requests WHERE id = ?1 AND site_id = ?2"),
+                [&i.request_id, &pool.site_id],
+                row,
+            ),
+            || format!("join request {} not found", i.request_id),
+        )
+    };
+    let r = load(tx)?;
+    let state = r["state"].as_str().unwrap_or_default().to_string();
+    let pool_of = r["poolId"].as_str().map(str::to_string);
+    if pool_of.as_ref().is_some_and(|p| *p != pool.id) {
+        return Err(ApiError::not_found(format!(
+            "join request {} not found in pool {}",
+            i.request_id, pool.id
+        )));
+    }
+    let data = json!({"requestId": i.request_id, "poolId": pool.id, "reason": i.reason});
+    if approve {
+        match state.as_str() {
+            "approved" => return Ok(r),
+            "pending" => {}
+            other => {
+                return Err(ApiError::invalid_state(format!(
+                    "join request {} is {other}; only a pending request can be approved",
+                    i.request_id
+                )))
+            }
+        }
+        if pool.archived_at.is_some() || pool.agent != "bcd" {
+            return Err(ApiError::invalid_state(format!(
+                "pool {} is archived or runs no daemon; it admits no machine",
+                pool.id
+            )));
+        }
+        tx.execute(
+            "UPDATE join_requests SET state = 'approved', pool_id = ?2, decided_at = ?3, decided_by = ?4, reason = ?5,
+             expires_at = ?6, updated_at = ?3 WHERE id = ?1",
+            params![i.request_id, pool.id, ctx.now, ctx.caller, i.reason, ctx.now + ttl],
+        )?;
+        publish(
+            tx,
+            ctx.now,
+            &pool.tenant_id,
+            "security.join-request.approved",
+            data.clone(),
+        )?;
+        audit(
+            tx,
+            ctx.now,
+            &pool.tenant_id,
+            "joinRequests.approve",
+            ctx.caller,
+            &i.request_id,
+            data,
+        )?;
+    } else {
+        match state.as_str() {
+            "rejected" => return Ok(r),
+            "pending" | "approved" => {}
+            other => {
+                return Err(ApiError::invalid_state(format!(
+                    "join request {} is {other}; it cannot be rejected",
+                    i.request_id
+                )))
+            }
+        }
+        tx.execute(
+            "UPDATE join_requests SET state = 'rejected', pool_id = COALESCE(pool_id, ?2), decided_at = ?3, decided_by = ?4,
+             reason = ?5, updated_at = ?3 WHERE id = ?1",
+            params![i.request_id, pool.id, ctx.now, ctx.caller, i.reason],
+        )?;
+        publish(
+            tx,
+            ctx.now,
+            &pool.tenant_id,
+            "security.join-request.rejected",
+            data.clone(),
+        )?;
+        audit(
+            tx,
+            ctx.now,
+            &pool.tenant_id,
+            "joinRequests.reject",
+            ctx.caller,
+            &i.request_id,
+            data,
+        )?;
+    }
+    load(tx)
+}
+
+pub fn run_cli(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
+    let c = conn.client();
+    let out = |v: &Value| {
+        if conn.json {
+            println!("{}", serde_json::to_string_pretty(v).expect("serializes"));
+        } else if let Some(items) = v["items"].as_array() {
+            print_table(
+                &[
+                    "ID",
+                    "STATE",
+                    "MAC",
+                    "PRODUCT UUID",
+                    "SERIALS",
+                    "GPUS",
+                    "IP",
+                    "FIRST ASKED",
+                    "POOL",
+                ],
+                items
+                    .iter()
+                    .map(|r| {
+                        let serials = &r["claims"]["serials"];
+                        vec![
+                            s(&r["id"]),
+                            s(&r["state"]),
+                            s(&r["mac"]),
+                            s(&r["claims"]["productUuid"]),
+                            ["product", "board", "chassis"]
+                                .iter()
+                                .filter_map(|k| serials[*k].as_str())
+                                .collect::<Vec<_>>()
+                                .join(","),
+                            s(&r["gpuCount"]),
+                            s(&r["ip"]),
+                            s(&r["createdAt"]),
+                            s(&r["poolId"]),
+                        ]
+                    })
+                    .collect(),
+            );
+            print_cursor(v);
+        } else {
+            for k in [
+                "id",
+                "state",
+                "poolId",
+                "mac",
+                "decidedBy",
+                "decidedAt",
+                "reason",
+                "expiresAt",
+            ] {
+                println!("{k:<10} {}", s(&v[k]));
+            }
+        }
+    };
+    match cmd {
+        JoinRequestsCmd::List {
+            pool,
+            tenant,
+            state,
+            limit,
+            cursor,
+        } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(&c.call("joinRequests/list", &json!({"tenantId": tenant, "poolId": pool, "state": state, "limit": limit, "cursor": cursor}))?);
+        }
+        JoinRequestsCmd::Approve {
+            id,
+            pool,
+            tenant,
+            ttl,
+            reason,
+        } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(&c.call(
+                "joinRequests/approve",
+                &json!({"tenantId": tenant, "poolId": pool, "requestId": id, "ttlSeconds": ttl, "reason": reason}),
+            )?);
+        }
+        JoinRequestsCmd::Reject {
+            id,
+            pool,
+            tenant,
+            reason,
+        } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(&c.call(
+                "joinRequests/reject",
+                &json!({"tenantId": tenant, "poolId": pool, "requestId": id, "reason": reason}),
+            )?);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,397 @@
+//! Discovery without a VM: the boot scripts, the per-boot archive (unpacked by GNU cpio), the
+//! `discovery` attestor, the join-request queue and its decisions.
+
+use crate::common::*;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// An appliance whose config names its gateway (the ramdisk needs it) and retries quickly.
+fn appliance(approval: &str) -> Appliance {
+    let mut a = Appliance::start_cfg("file", &[], |c| c);
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let text = format!("gateway_url = \"https://{}\"\n{text}", a.gateway)
+        .replace(
+            "approval = \"unknown-machines\"",
+            &format!("approval = \"{approval}\""),
+        )
+        .replace("retry_after_seconds = 30", "retry_after_seconds = 1");
+    assert!(text.contains(&format!("approval = \"{approval}\"")));
+    std::fs::write(&cfg, text).unwrap();
+    a.restart();
+    a
+}
+
+fn get(a: &Appliance, path: &str) -> (u16, Vec<u8>) {
+    let o = Command::new("curl")
+        .args([
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            &format!("http://{}{path}", a.http),
+        ])
+        .output()
+        .unwrap();
+    let mut body = o.stdout;
+    let nl = body.iter().rposition(|c| *c == b'\n').unwrap();
+    let code = String::from_utf8_lossy(&body[nl + 1..]).parse().unwrap();
+    body.truncate(nl);
+    (code, body)
+}
+
+/// Fetches the per-machine script and its archive, unpacked by cpio into a new folder.
+fn boot(a: &Appliance, mac: &str) -> (String, PathBuf) {
+    let (code, script) = get(a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
+    assert_eq!(code, 200);
+    let script = String::from_utf8(script).unwrap();
+    let url = script
+        .lines()
+        .find_map(|l| l.strip_prefix("initrd --name bca.cpio "))
+        .unwrap_or_else(|| panic!("{script}"))
+        .to_string();
+    let path = url
+        .split_once("/api/")
+        .map(|(_, p)| format!("/api/{p}"))
+        .unwrap();
+    let (code, cpio) = get(a, &path);
+    assert_eq!(code, 200);
+    // Served once.
+    assert_eq!(get(a, &path).0, 404);
+    let dir = a.dir.path().join(format!("ramdisk-{}", rand_hex(4)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = Command::new("cpio")
+        .args(["-idm", "--quiet"])
+        .current_dir(&dir)
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(&cpio).unwrap();
+    assert!(child.wait().unwrap().success());
+    (script, dir)
+}
+
+fn discovery_join(dir: &Path, claims: &Path, wait: u32) -> Child {
+    let etc = dir.join("etc/bca-agent");
+    Command::new(bin())
+        .args([
+            "agent",
+            "join",
+            "--attestor",
+            "discovery",
+            "--role",
+            "ramdisk",
+            "--config",
+        ])
+        .arg(etc.join("config.toml"))
+        .arg("--token-file")
+        .arg(etc.join("discovery-token"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--claims")
+        .arg(claims)
+        .args(["--wait-seconds", &wait.to_string(), "--retry-seconds", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn vm_claims(a: &Appliance, mac: &str) -> PathBuf {
+    write_claims(
+        a,
+        &json!({"productUuid": "00000000-0000-0000-0000-000000000000", "macs": [mac], "hostname": "pxe"}),
+    )
+}
+
+fn pending(a: &Appliance, mac: &str) -> Option<Value> {
+    a.cli_json(&["join-requests", "list"])["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["mac"] == mac)
+        .cloned()
+}
+
+fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
+    let t = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
+    let a = appliance("unknown-machines");
+    let pool = a.pool("intake");
+    let (code, chain) = get(&a, "/api/compute/boot/chain.ipxe");
+    assert_eq!(code, 200);
+    assert!(String::from_utf8_lossy(&chain).contains("/api/compute/boot/boot.ipxe?mac=${net0/mac}"));
+
+    let mac = "52:54:00:12:34:56";
+    let (script, dir) = boot(&a, mac);
+    assert!(
+        script.contains("kernel ") && script.contains("initrd --name initrd.img"),
+        "{script}"
+    );
+    let etc = dir.join("etc/bca-agent");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(etc.join("discovery-token"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+    let token = std::fs::read_to_string(etc.join("discovery-token")).unwrap();
+    assert!(token.starts_with("bcjt_jt_"));
+    assert!(!script.contains(token.trim()), "the token is in the script");
+
+    // A second fetch voids the first token.
+    let (_, dir2) = boot(&a, mac);
+    let claims = vm_claims(&a, mac);
+    let old = discovery_join(&dir, &claims, 5).wait_with_output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&old.stderr).trim(),
+        "ACCESS_DENIED: Join refused"
+    );
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "discovery:spent"
+    );
+
+    // The fresh token: the machine asks, and waits.
+    let agent = discovery_join(&dir2, &claims, 60);
+    let req = wait_for("a pending request", 20, || pending(&a, mac));
+    assert_eq!(req["attestor"], "discovery");
+    assert_eq!(req["state"], "pending");
+    assert!(req["csrSha256"].as_str().unwrap().len() == 64);
+    assert!(req["ip"].is_string());
+    assert!(req["bootLeaseEpoch"].is_i64());
+    // Waiting spends nothing: the token is still unspent.
+    assert_eq!(
+        a.count("SELECT count(*) FROM discovery_tokens WHERE spent_at IS NOT NULL"),
+        0
+    );
+    let id = req["id"].as_str().unwrap().to_string();
+    let approved = a.cli_json(&[
+        "join-requests",
+        "approve",
+        &id,
+        "--pool",
+        &pool,
+        "--ttl",
+        "900",
+        "--reason",
+        "rack B7 intake, ticket 4411",
+    ]);
+    assert_eq!(approved["state"], "approved");
+    assert_eq!(approved["decidedBy"], "uid:0");
+    // Approving twice returns the approval.
+    assert_eq!(
+        a.cli_json(&["join-requests", "approve", &id, "--pool", &pool])["decidedAt"],
+        approved["decidedAt"]
+    );
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node_id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let node = a.cli_json(&["nodes", "get", &node_id]);
+    assert_eq!(node["role"], "ramdisk");
+    assert_eq!(node["poolId"], json!(pool));
+    let ttl: i64 = a
+        .db()
+        .query_row(
+            "SELECT not_after - created_at FROM node_certs WHERE node_id = ?1",
+            [&node_id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(ttl <= 7200);
+    let identity: Value =
+        serde_json::from_slice(&std::fs::read(dir2.join("data/identity.json")).unwrap()).unwrap();
+    let leaf = bca::pki::pem_decode_all(
+        identity["certificateChain"][0].as_str().unwrap(),
+        "CERTIFICATE",
+    )
+    .remove(0);
+    assert_eq!(bca::agent::cert_role(&leaf).as_deref(), Some("ramdisk"));
+    let all = a.cli_json(&["join-requests", "list", "--state", "all"]);
+    let consumed = all["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == json!(id))
+        .unwrap()
+        .clone();
+    assert_eq!(consumed["state"], "consumed");
+    assert_eq!(consumed["nodeId"], json!(node_id));
+    assert!(a.last_event("security.join-request.approved").is_some());
+    // A consumed request cannot be decided again; the token file was deleted; the token is spent.
+    let (code, _) = a.cli_err(&["join-requests", "reject", &id, "--pool", &pool]);
+    assert_eq!(code, "INVALID_STATE");
+    assert!(!dir2.join("etc/bca-agent/discovery-token").exists());
+
+    // A ramdisk node (nothing installed yet) boots the ramdisk again; once its node runs an OS
+    // (role node) it boots its local disk; marked for rediscovery it gets the ramdisk again.
+    let (_, s) = get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
+    assert!(
+        String::from_utf8_lossy(&s).contains("bca.cpio"),
+        "{}",
+        String::from_utf8_lossy(&s)
+    );
+    a.db()
+        .execute("UPDATE nodes SET role = 'node' WHERE id = ?1", [&node_id])
+        .unwrap();
+    let (_, s) = get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
+    assert!(String::from_utf8_lossy(&s).contains("sanboot"));
+    a.cli_json(&["nodes", "rediscover", &node_id]);
+    let (_, s) = get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
+    assert!(String::from_utf8_lossy(&s).contains("bca.cpio"));
+    // Boot leases record who booted what; the token appears nowhere.
+    let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
+    assert!(leases["items"].as_array().unwrap().len() >= 3);
+    let dump = std::fs::read(a.state().join("bca.db")).unwrap();
+    let t = token.trim();
+    assert!(
+        !dump.windows(t.len()).any(|w| w == t.as_bytes()),
+        "the discovery token is in the database"
+    );
+    let secret = t.split('.').nth(1).unwrap();
+    assert!(!a.snapshot().contains(secret));
+}
+
+#[test]
+fn a_rejected_machine_is_refused_and_another_waiting_one_is_unaffected() {
+    let a = appliance("always");
+    let pool = a.pool("intake");
+    let (m1, m2) = ("52:54:00:00:00:01", "52:54:00:00:00:02");
+    let (_, d1) = boot(&a, m1);
+    let (_, d2) = boot(&a, m2);
+    let (c1, c2) = (vm_claims(&a, m1), vm_claims(&a, m2));
+    let j1 = discovery_join(&d1, &c1, 60);
+    let mut j2 = discovery_join(&d2, &c2, 60);
+    let r1 = wait_for("m1's request", 20, || pending(&a, m1));
+    wait_for("m2's request", 20, || pending(&a, m2));
+    let rej = a.cli_json(&[
+        "join-requests",
+        "reject",
+        r1["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+        "--reason",
+        "unknown serial",
+    ]);
+    assert_eq!(rej["state"], "rejected");
+    let out = j1.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).lines().last().unwrap(),
+        "ACCESS_DENIED: Join refused"
+    );
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "discovery:rejected"
+    );
+    assert!(a.last_event("security.join-request.rejected").is_some());
+    // Rejected is final: approving it is INVALID_STATE.
+    let (code, _) = a.cli_err(&[
+        "join-requests",
+        "approve",
+        r1["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+    ]);
+    assert_eq!(code, "INVALID_STATE");
+    // m2 still waits.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(j2.try_wait().unwrap().is_none(), "m2 stopped waiting");
+    let r2 = pending(&a, m2).unwrap();
+    // An archived pool approves nothing.
+    let archived = a.pool("old");
+    a.cli_json(&["pools", "archive", &archived]);
+    let (code, _) = a.cli_err(&[
+        "join-requests",
+        "approve",
+        r2["id"].as_str().unwrap(),
+        "--pool",
+        &archived,
+    ]);
+    assert_eq!(code, "INVALID_STATE");
+    for bad in [vec!["--ttl", "59"], vec!["--ttl", "86401"]] {
+        let mut args = vec![
+            "join-requests",
+            "approve",
+            r2["id"].as_str().unwrap(),
+            "--pool",
+            &pool,
+        ];
+        args.extend(bad.iter());
+        let (code, _) = a.cli_err(&args);
+        assert_eq!(code, "INVALID_INPUT");
+    }
+    let (code, _) = a.cli_err(&["join-requests", "approve", "jreq_bad", "--pool", &pool]);
+    assert_eq!(code, "INVALID_INPUT");
+    let (code, _) = a.cli_err(&["join-requests", "list", "--state", "odd"]);
+    assert_eq!(code, "INVALID_INPUT");
+    a.cli_json(&[
+        "join-requests",
+        "approve",
+        r2["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+    ]);
+    let out = j2.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_known_machine_is_admitted_at_once_under_unknown_machines() {
+    let a = appliance("unknown-machines");
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({}));
+    let m = machine();
+    let mac = m["macs"][0].as_str().unwrap().to_string();
+    let sim = Sim::new(&a);
+    let joined = sim.admitted(&token, &m);
+    let (_, dir) = boot(&a, &mac);
+    let claims = write_claims(&a, &m);
+    let out = discovery_join(&dir, &claims, 10)
+        .wait_with_output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), joined.node_id);
+    assert_eq!(a.count("SELECT count(*) FROM join_requests"), 0);
+    // A claimed MAC that is not the token's: refused.
+    let (_, dir2) = boot(&a, "52:54:00:99:99:99");
+    let out = discovery_join(&dir2, &claims, 5)
+        .wait_with_output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "discovery:mac"
+    );
+}
