@@ -18,8 +18,9 @@ pub struct ServeOptions {
 
 /// Loads everything `serve` needs; every failure here is a clear message and changes nothing.
 pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
-    let app = App::load(state_dir)?;
-    let passphrase = match app.config.key_protection {
+    // The keys first: a wrong passphrase must not even open the database.
+    let config = crate::config::Config::load(state_dir)?;
+    let passphrase = match config.key_protection {
         KeyProtection::Passphrase => Some(keys::passphrase_from_env_or_prompt(false)?),
         KeyProtection::File => {
             tracing::warn!(
@@ -31,9 +32,10 @@ pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
     };
     let bundle = keys::unseal(
         state_dir,
-        app.config.key_protection,
+        config.key_protection,
         passphrase.as_ref().map(|p| p.as_bytes()),
     )?;
+    let app = App::load(state_dir)?;
     app.check_keys(&bundle)?;
     Ok((app, bundle))
 }
