@@ -108,6 +108,8 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     let gw = crate::gateway::Gateway::new(app.clone(), &gateway_key, Some(join.handle()))?;
     drop(gateway_key);
 
+    // Every listener is bound before the readiness line.
+    crate::boot::server::start(app.clone(), http.local_addr().ok(), stop_rx.clone())?;
     // Signal handlers first: whoever reads the readiness line may stop us at once.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| e.to_string())?;

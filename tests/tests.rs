@@ -3,6 +3,8 @@
 
 #[path = "it/adopt.rs"]
 mod adopt;
+#[path = "it/boot.rs"]
+mod boot;
 #[path = "it/common.rs"]
 mod common;
 #[path = "it/discovery.rs"]

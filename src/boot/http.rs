@@ -53,6 +53,11 @@ pub fn http_url(app: &App, local: Option<SocketAddr>) -> String {
     }
 }
 
+/// The script iPXE gets first: it chains to the per-machine script with the booting NIC's MAC.
+pub fn chain_script(base: &str) -> String {
+    format!("#!ipxe\nchain {base}{BASE_PATH}/boot/boot.ipxe?mac=${{net0/mac}}\n")
+}
+
 fn valid_file_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 64
@@ -91,9 +96,7 @@ pub async fn handle(
 ) -> BootAnswer {
     let base = http_url(app, local);
     if rest == "chain.ipxe" {
-        return BootAnswer::Text(format!(
-            "#!ipxe\nchain {base}{BASE_PATH}/boot/boot.ipxe?mac=${{net0/mac}}\n"
-        ));
+        return BootAnswer::Text(chain_script(&base));
     }
     if rest == "boot.ipxe" {
         let mac = query

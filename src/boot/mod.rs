@@ -2,7 +2,10 @@
 //! scripts, the discovery ramdisk's files and the per-boot archive with the discovery token).
 
 pub mod cpio;
+pub mod dhcp;
 pub mod http;
+pub mod server;
+pub mod tftp;
 
 use serde::{Deserialize, Serialize};
 use std::net::Ipv4Addr;
@@ -18,6 +21,9 @@ pub struct BootConfig {
     /// `proxy` (coexist with the site's DHCP server) or `dhcp` (a full server with a range).
     #[serde(default = "default_mode")]
     pub mode: String,
+    /// The provisioning network's interface: DHCP and TFTP bind to it (`SO_BINDTODEVICE`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<String>,
     /// The address machines reach this appliance at on the provisioning network.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_ip: Option<Ipv4Addr>,

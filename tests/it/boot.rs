@@ -1,0 +1,130 @@
+//! The boot server on loopback: TFTP against curl's client (blksize, tsize), the path guard on the
+//! wire, and the proxyDHCP port-4011 exchange with real packets.
+
+use crate::common::*;
+use dhcproto::v4::{Architecture, DhcpOption, Message, MessageType, Opcode, OptionCode};
+use dhcproto::{Decodable, Decoder, Encodable, Encoder};
+use std::process::Command;
+
+fn free_udp() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// An appliance with `[boot]` on loopback ports and an iPXE binary in its boot root.
+fn boot_appliance(mode: &str) -> (Appliance, u16, u16) {
+    let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());
+    let mut a = Appliance::start();
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let i = text.find("[boot]").unwrap();
+    let boot = format!(
+        "[boot]\nenabled = true\nmode = \"{mode}\"\nserver_ip = \"127.0.0.1\"\nlisten_dhcp = \"127.0.0.1:{dhcp}\"\n\
+         listen_proxy = \"127.0.0.1:{proxy}\"\nlisten_tftp = \"127.0.0.1:{tftp}\"\nrange_start = \"127.0.0.100\"\nrange_end = \"127.0.0.110\"\n"
+    );
+    // Replace the [boot] table init wrote (defaults) with this one.
+    let rest = &text[i + 6..];
+    let end = rest
+        .find("\n[")
+        .map(|j| i + 6 + j + 1)
+        .unwrap_or(text.len());
+    std::fs::write(&cfg, format!("{}{boot}{}", &text[..i], &text[end..])).unwrap();
+    let root = a.state().join("boot");
+    std::fs::create_dir_all(&root).unwrap();
+    let mut big = Vec::new();
+    for i in 0..200_000u32 {
+        big.extend_from_slice(&i.to_le_bytes());
+    }
+    std::fs::write(root.join("undionly.kpxe"), &big).unwrap();
+    std::fs::write(root.join("snponly.efi"), b"efi").unwrap();
+    a.restart();
+    (a, proxy, tftp)
+}
+
+#[test]
+fn curl_fetches_over_tftp_with_blksize_and_the_path_guard_holds() {
+    let (a, _, tftp) = boot_appliance("proxy");
+    let out = a.dir.path().join("got");
+    let o = Command::new("curl")
+        .args([
+            "-sS",
+            "--tftp-blksize",
+            "1468",
+            "-o",
+            out.to_str().unwrap(),
+            &format!("tftp://127.0.0.1:{tftp}/undionly.kpxe"),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read(&out).unwrap(),
+        std::fs::read(a.state().join("boot/undionly.kpxe")).unwrap()
+    );
+    // Default block size too, and the chain script written for iPXE.
+    let o = Command::new("curl")
+        .args(["-sS", &format!("tftp://127.0.0.1:{tftp}/chain.ipxe")])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains("boot.ipxe?mac=${net0/mac}"));
+    for bad in ["../config.toml", "%2e%2e/config.toml", "missing.bin"] {
+        let o = Command::new("curl")
+            .args([
+                "-sS",
+                "-o",
+                "/dev/null",
+                &format!("tftp://127.0.0.1:{tftp}/{bad}"),
+            ])
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{bad} was served");
+    }
+}
+
+fn request(kind: MessageType, arch: u16) -> Message {
+    let mut m = Message::default();
+    m.set_opcode(Opcode::BootRequest)
+        .set_xid(0xb0a)
+        .set_chaddr(&[0x52, 0x54, 0, 0xaa, 0xbb, 0xcc]);
+    m.opts_mut().insert(DhcpOption::MessageType(kind));
+    m.opts_mut().insert(DhcpOption::ClassIdentifier(
+        b"PXEClient:Arch:00007:UNDI:003016".to_vec(),
+    ));
+    m.opts_mut()
+        .insert(DhcpOption::ClientSystemArchitecture(Architecture::from(
+            arch,
+        )));
+    m
+}
+
+#[test]
+fn the_proxy_answers_the_uefi_boot_server_request_on_4011() {
+    let (a, proxy, _) = boot_appliance("proxy");
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = Vec::new();
+    request(MessageType::Request, 7)
+        .encode(&mut Encoder::new(&mut buf))
+        .unwrap();
+    s.send_to(&buf, ("127.0.0.1", proxy)).unwrap();
+    let mut rb = [0u8; 1500];
+    let n = s.recv(&mut rb).unwrap();
+    let ack = Message::decode(&mut Decoder::new(&rb[..n])).unwrap();
+    assert_eq!(ack.opts().msg_type(), Some(MessageType::Ack));
+    assert_eq!(ack.xid(), 0xb0a);
+    assert_eq!(ack.siaddr(), std::net::Ipv4Addr::LOCALHOST);
+    assert!(
+        matches!(ack.opts().get(OptionCode::BootfileName), Some(DhcpOption::BootfileName(f)) if f == b"snponly.efi")
+    );
+    // Garbage and non-PXE requests get nothing; the server keeps answering.
+    s.send_to(b"not dhcp", ("127.0.0.1", proxy)).unwrap();
+    let leases = a.cli_json(&["boot", "leases"]);
+    assert_eq!(leases["items"][0]["mac"], "52:54:00:aa:bb:cc");
+    assert_eq!(leases["items"][0]["file"], "snponly.efi");
+    s.send_to(&buf, ("127.0.0.1", proxy)).unwrap();
+    assert!(s.recv(&mut rb).is_ok());
+}
