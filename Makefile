@@ -3,7 +3,7 @@ MUSL := x86_64-unknown-linux-musl
 STATIC := target/$(MUSL)/release/bca
 export CC_x86_64_unknown_linux_musl := musl-gcc
 
-.PHONY: build run sim test deps check lint clean
+.PHONY: build run sim image test deps check lint clean
 
 ## The static release binary (musl, mimalloc, no OpenSSL, no libtss2).
 build: deps
@@ -21,12 +21,18 @@ sim:
 	cargo build --release --locked
 	./target/release/bca dev --sim 5 --sim-cert-ttl 30
 
-## Every test, after installing what the tests need.
-test: deps
+## The discovery ramdisk (image/out/vmlinuz, initrd.img) and the checked iPXE binaries.
+image: build
+	./scripts/install-boot-deps.sh
+	./image/build.sh
+
+## Every test, after installing what the tests need (the network-boot tests boot the ramdisk).
+test: deps image
 	cargo test --locked --all-targets
 
 deps:
 	./scripts/install-deps.sh
+	./scripts/install-boot-deps.sh
 
 lint:
 	cargo fmt --all -- --check

@@ -13,5 +13,7 @@ mod discovery;
 mod foundation;
 #[path = "it/join.rs"]
 mod join;
+#[path = "it/pxe.rs"]
+mod pxe;
 #[path = "it/renew.rs"]
 mod renew;

@@ -6,7 +6,8 @@
 //!   and not marked for rediscovery boots its local disk; any other gets the discovery ramdisk and
 //!   a per-boot archive carrying the pins and a fresh discovery token (minted through the
 //!   JoinService; fetching again voids the earlier token);
-//! - `GET /api/compute/boot/per-boot/<nonce>.cpio`: that archive, served once;
+//! - `GET /api/compute/boot/per-boot/<nonce>/initrd.img`: the ramdisk's initramfs with that
+//!   archive appended (or `<nonce>.cpio`, the archive alone), served once;
 //! - `GET /api/compute/boot/files/<name>`: the ramdisk's kernel and initramfs and the iPXE binaries.
 //!
 //! The discovery token never appears in a URL, a log line or a boot lease row.
@@ -110,17 +111,36 @@ pub async fn handle(
         };
         return script(app, &mac, peer, &base).await;
     }
-    if let Some(nonce) = rest
-        .strip_prefix("per-boot/")
-        .and_then(|r| r.strip_suffix(".cpio"))
-    {
-        let now = crate::clock::now();
-        let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
-        map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
-        return match map.remove(nonce) {
-            Some((bytes, _)) => BootAnswer::Bytes(bytes),
-            None => BootAnswer::NotFound,
+    if let Some(r) = rest.strip_prefix("per-boot/") {
+        // `<nonce>.cpio` is the archive alone; `<nonce>/initrd.img` the ramdisk with the archive
+        // appended (one initrd works with every firmware's way of loading initrds). Either is
+        // served once.
+        let (nonce, combined) = match (r.strip_suffix(".cpio"), r.strip_suffix("/initrd.img")) {
+            (Some(n), _) => (n, false),
+            (None, Some(n)) => (n, true),
+            _ => return BootAnswer::NotFound,
         };
+        let archive = {
+            let now = crate::clock::now();
+            let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
+            map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
+            map.remove(nonce)
+        };
+        let Some((archive, _)) = archive else {
+            return BootAnswer::NotFound;
+        };
+        if !combined {
+            return BootAnswer::Bytes(archive);
+        }
+        let Ok(mut bytes) = tokio::fs::read(boot_root(app).join("initrd.img")).await else {
+            return BootAnswer::NotFound;
+        };
+        // The kernel skips zero padding between concatenated archives.
+        while bytes.len() % 4 != 0 {
+            bytes.push(0);
+        }
+        bytes.extend_from_slice(&archive);
+        return BootAnswer::Bytes(bytes);
     }
     if let Some(name) = rest.strip_prefix("files/") {
         if !valid_file_name(name) {
@@ -176,9 +196,8 @@ async fn script(app: &Arc<App>, mac: &str, peer: SocketAddr, base: &str) -> Boot
             let args = &app.config.boot.kernel_args;
             BootAnswer::Text(format!(
                 "#!ipxe\necho bca: discovery ramdisk for {mac}\n\
-                 kernel {base}{BASE_PATH}/boot/files/vmlinuz {args} initrd=initrd.img initrd=bca.cpio\n\
-                 initrd --name initrd.img {base}{BASE_PATH}/boot/files/initrd.img\n\
-                 initrd --name bca.cpio {base}{BASE_PATH}/boot/per-boot/{nonce}.cpio\n\
+                 kernel {base}{BASE_PATH}/boot/files/vmlinuz {args} initrd=initrd.img\n\
+                 initrd --name initrd.img {base}{BASE_PATH}/boot/per-boot/{nonce}/initrd.img\n\
                  boot\n"
             ))
         }

@@ -48,13 +48,15 @@ fn boot(a: &Appliance, mac: &str) -> (String, PathBuf) {
     let script = String::from_utf8(script).unwrap();
     let url = script
         .lines()
-        .find_map(|l| l.strip_prefix("initrd --name bca.cpio "))
+        .find_map(|l| l.strip_prefix("initrd --name initrd.img "))
         .unwrap_or_else(|| panic!("{script}"))
         .to_string();
+    // The archive alone (the script's URL serves it appended to the ramdisk's initramfs).
     let path = url
         .split_once("/api/")
         .map(|(_, p)| format!("/api/{p}"))
-        .unwrap();
+        .unwrap()
+        .replace("/initrd.img", ".cpio");
     let (code, cpio) = get(a, &path);
     assert_eq!(code, 200);
     // Served once.
@@ -250,7 +252,7 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
     // (role node) it boots its local disk; marked for rediscovery it gets the ramdisk again.
     let (_, s) = get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
     assert!(
-        String::from_utf8_lossy(&s).contains("bca.cpio"),
+        String::from_utf8_lossy(&s).contains("per-boot/"),
         "{}",
         String::from_utf8_lossy(&s)
     );
@@ -261,7 +263,7 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
     assert!(String::from_utf8_lossy(&s).contains("sanboot"));
     a.cli_json(&["nodes", "rediscover", &node_id]);
     let (_, s) = get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
-    assert!(String::from_utf8_lossy(&s).contains("bca.cpio"));
+    assert!(String::from_utf8_lossy(&s).contains("per-boot/"));
     // Boot leases record who booted what; the token appears nowhere.
     let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
     assert!(leases["items"].as_array().unwrap().len() >= 3);

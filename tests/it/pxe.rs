@@ -1,0 +1,307 @@
+//! A real network boot: a disk-less QEMU VM on a tap in a network namespace PXE-boots from
+//! `bca serve` (the NIC's iPXE ROM, TFTP for the chain script, HTTP for the per-machine script,
+//! the kernel, the initramfs and the per-boot archive), its ramdisk asks to join, an operator
+//! approves it from the CLI, and it joins with a `ramdisk` certificate. SeaBIOS and OVMF (UEFI),
+//! full DHCP, and proxyDHCP beside a separate DHCP server (dnsmasq), as at a real site.
+
+use crate::common::*;
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn image() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("image/out")
+}
+
+fn sh(cmd: &str) {
+    let o = Command::new("sh").arg("-c").arg(cmd).output().unwrap();
+    assert!(
+        o.status.success(),
+        "{cmd}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// A network namespace with a bridge (the provisioning network) and a tap for the VM.
+struct Netns {
+    name: String,
+    net: String,
+}
+
+impl Netns {
+    fn new(tag: &str, octet: u8) -> Self {
+        let name = format!("bca-{tag}-{}", rand_hex(3));
+        let net = format!("10.{octet}.{}", 10 + (std::process::id() % 200));
+        let n = &name;
+        sh(&format!("ip netns add {n}"));
+        sh(&format!("ip -n {n} link set lo up"));
+        sh(&format!("ip -n {n} link add br0 type bridge"));
+        sh(&format!("ip -n {n} addr add {net}.1/24 dev br0"));
+        sh(&format!("ip -n {n} link set br0 up"));
+        sh(&format!("ip -n {n} tuntap add tap0 mode tap"));
+        sh(&format!("ip -n {n} link set tap0 master br0"));
+        sh(&format!("ip -n {n} link set tap0 up"));
+        Netns { name, net }
+    }
+
+    fn ip(&self) -> String {
+        format!("{}.1", self.net)
+    }
+
+    fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.name, program]);
+        c
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "pids", &self.name])
+            .output()
+            .map(|o| {
+                for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-9", pid]).status();
+                }
+            });
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+struct Killed(Child);
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// An appliance serving network boot inside the namespace.
+fn appliance(ns: &Netns, mode: &str) -> Appliance {
+    let ip = ns.ip();
+    let (dir, out) = init_dir(
+        "file",
+        &[
+            "--gateway-san",
+            &ip,
+            "--gateway-url",
+            &format!("https://{ip}:8443"),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let state = dir.path().join("state");
+    let cfg = state.join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let i = text.find("[boot]").unwrap();
+    let rest = &text[i + 6..];
+    let end = rest
+        .find("\n[")
+        .map(|j| i + 6 + j + 1)
+        .unwrap_or(text.len());
+    let net = &ns.net;
+    let boot = format!(
+        "[boot]\nenabled = true\nmode = \"{mode}\"\ninterface = \"br0\"\nserver_ip = \"{ip}\"\nrange_start = \"{net}.100\"\n\
+         range_end = \"{net}.150\"\nnetmask = \"255.255.255.0\"\nkernel_args = \"console=ttyS0\"\n"
+    );
+    let text = format!("{}{boot}{}", &text[..i], &text[end..])
+        .replace("retry_after_seconds = 30", "retry_after_seconds = 2");
+    std::fs::write(&cfg, text).unwrap();
+    let root = state.join("boot");
+    std::fs::create_dir_all(&root).unwrap();
+    for f in [
+        "vmlinuz",
+        "initrd.img",
+        "undionly.kpxe",
+        "ipxe.efi",
+        "snponly.efi",
+    ] {
+        std::fs::copy(image().join(f), root.join(f))
+            .unwrap_or_else(|e| panic!("{f}: {e}: run make image"));
+    }
+    let mut child = ns
+        .cmd(bin())
+        .args([
+            "serve",
+            "--listen-http",
+            &format!("{ip}:8080"),
+            "--listen-gateway",
+            &format!("{ip}:8443"),
+        ])
+        .env("BCA_STATE_DIR", &state)
+        .env("BCA_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(dir.path().join("serve.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: Value =
+        serde_json::from_str(&line).unwrap_or_else(|_| panic!("serve did not start: {line:?}"));
+    Appliance {
+        dir,
+        child: Some(child),
+        http: ready["http"].as_str().unwrap().into(),
+        gateway: ready["gateway"].as_str().unwrap().into(),
+        socket: PathBuf::from(ready["admin"].as_str().unwrap()),
+        init_stdout: String::new(),
+    }
+}
+
+fn vm(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) -> (Killed, PathBuf) {
+    let console = a
+        .dir
+        .path()
+        .join(format!("console-{}.log", mac.replace(':', "")));
+    let mut c = ns.cmd("qemu-system-x86_64");
+    c.args([
+        "-accel",
+        "tcg",
+        "-m",
+        "1024",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-monitor",
+        "none",
+    ])
+    .arg("-serial")
+    .arg(format!("file:{}", console.display()))
+    .args(["-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no"])
+    .args(["-device", &format!("virtio-net-pci,netdev=n0,mac={mac}")])
+    .args([
+        "-smbios",
+        &format!(
+            "type=1,serial=VM-{},uuid=6a0c5d3e-1f2b-4c7d-9e8f-{}",
+            mac.replace(':', ""),
+            mac.replace(':', "")
+        ),
+    ])
+    .args(["-boot", "n"]);
+    if uefi {
+        let vars = a.dir.path().join("OVMF_VARS.fd");
+        std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars).unwrap();
+        c.args([
+            "-drive",
+            "if=pflash,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
+        ])
+        .arg("-drive")
+        .arg(format!("if=pflash,format=raw,file={}", vars.display()));
+    }
+    let child = c
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    (Killed(child), console)
+}
+
+fn wait_for<T>(what: &str, secs: u64, console: &Path, mut f: impl FnMut() -> Option<T>) -> T {
+    let t = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if t.elapsed() > Duration::from_secs(secs) {
+            let log = std::fs::read_to_string(console).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            panic!(
+                "timed out waiting for {what}; console tail:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The whole story for one VM: boot, ask, approval, join as ramdisk.
+fn boot_and_approve(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) {
+    let pool = a.pool(&format!("intake-{}", rand_hex(2)));
+    let (_vm, console) = vm(ns, a, mac, uefi);
+    let req = wait_for("the VM's join request", 300, &console, || {
+        a.cli_json(&["join-requests", "list"])["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["mac"] == mac)
+            .cloned()
+    });
+    assert_eq!(req["attestor"], "discovery");
+    assert!(req["ip"].as_str().unwrap().starts_with(&ns.net), "{req}");
+    let id = req["id"].as_str().unwrap();
+    a.cli_json(&[
+        "join-requests",
+        "approve",
+        id,
+        "--pool",
+        &pool,
+        "--reason",
+        "rack intake",
+    ]);
+    let node = wait_for("the ramdisk node", 120, &console, || {
+        a.cli_json(&["nodes", "list", "--pool", &pool])["items"]
+            .as_array()
+            .unwrap()
+            .first()
+            .cloned()
+    });
+    assert_eq!(node["role"], "ramdisk");
+    wait_for("the ramdisk's session", 60, &console, || {
+        (a.cli_json(&["nodes", "get", node["id"].as_str().unwrap()])["connected"] == true)
+            .then_some(())
+    });
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert!(log.contains("bca: joined"), "{log}");
+    let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
+    let stages: Vec<&str> = leases["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l["stage"].as_str())
+        .collect();
+    assert!(stages.contains(&"script"), "{stages:?}");
+}
+
+fn require_tools() {
+    for t in ["qemu-system-x86_64", "ip"] {
+        assert!(
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("command -v {t}"))
+                .status()
+                .unwrap()
+                .success(),
+            "{t} is missing: run make deps"
+        );
+    }
+    assert!(
+        image().join("initrd.img").exists(),
+        "image/out/initrd.img is missing: run make image"
+    );
+}
+
+#[test]
+fn a_vm_pxe_boots_with_seabios_and_is_approved() {
+    require_tools();
+    let ns = Netns::new("bios", 99);
+    let a = appliance(&ns, "dhcp");
+    boot_and_approve(&ns, &a, "52:54:00:b1:05:01", false);
+}
+
+#[test]
+fn a_vm_pxe_boots_with_ovmf_and_is_approved() {
+    require_tools();
+    let ns = Netns::new("uefi", 98);
+    let a = appliance(&ns, "dhcp");
+    boot_and_approve(&ns, &a, "52:54:00:ef:10:01", true);
+}
