@@ -80,10 +80,16 @@ pub struct Files {
 /// The boot file for a client: the chain script (over TFTP) for iPXE, an `http://` URL for HTTP-boot
 /// clients, else the iPXE binary for its architecture (RFC 4578: 0 BIOS, 7 and 9 x64 UEFI, 11
 /// arm64 UEFI, 16 and 19 HTTP boot). `None` when the appliance has nothing for it.
-pub fn boot_file(c: &PxeClient, http_base: &str, f: &Files) -> Option<String> {
+pub fn boot_file(
+    c: &PxeClient,
+    tftp_server: Ipv4Addr,
+    http_base: &str,
+    f: &Files,
+) -> Option<String> {
     if c.ipxe {
-        // iPXE fetches the chain script over TFTP; it chains to the per-machine script over HTTP.
-        return Some("chain.ipxe".into());
+        // iPXE fetches the chain script over TFTP from this server, named in full: beside a site
+        // DHCP server, next-server may be that server's; the script chains to HTTP.
+        return Some(format!("tftp://{tftp_server}/chain.ipxe"));
     }
     match c.arch {
         16 | 19 if f.ipxe_efi => Some(format!("{http_base}/api/compute/boot/files/ipxe.efi")),
@@ -170,7 +176,7 @@ pub fn reply(req: &Message, proxy: bool, port_4011: bool, ctx: &ReplyCtx<'_>) ->
         if !c.http {
             o.insert(DhcpOption::VendorExtensions(PXE_VENDOR_OPTIONS.to_vec()));
         }
-        if let Some(file) = boot_file(c, ctx.http_base, ctx.files) {
+        if let Some(file) = boot_file(c, ctx.server_ip, ctx.http_base, ctx.files) {
             o.insert(DhcpOption::BootfileName(file.as_bytes().to_vec()));
             m.set_fname_str(&file);
         } else if proxy {
@@ -251,6 +257,10 @@ mod tests {
         }
     }
 
+    fn boot_file_t(c: &PxeClient, base: &str, f: &Files) -> Option<String> {
+        boot_file(c, Ipv4Addr::new(10, 0, 0, 1), base, f)
+    }
+
     #[test]
     fn boot_files_by_architecture() {
         let f = all_files();
@@ -262,15 +272,15 @@ mod tests {
             http,
         };
         assert_eq!(
-            boot_file(&c(0, false, false), base, &f).as_deref(),
+            boot_file_t(&c(0, false, false), base, &f).as_deref(),
             Some("undionly.kpxe")
         );
         assert_eq!(
-            boot_file(&c(7, false, false), base, &f).as_deref(),
+            boot_file_t(&c(7, false, false), base, &f).as_deref(),
             Some("snponly.efi")
         );
         assert_eq!(
-            boot_file(&c(9, false, false), base, &f).as_deref(),
+            boot_file_t(&c(9, false, false), base, &f).as_deref(),
             Some("snponly.efi")
         );
         let no_snp = Files {
@@ -278,34 +288,34 @@ mod tests {
             ..all_files()
         };
         assert_eq!(
-            boot_file(&c(7, false, false), base, &no_snp).as_deref(),
+            boot_file_t(&c(7, false, false), base, &no_snp).as_deref(),
             Some("ipxe.efi")
         );
-        assert_eq!(boot_file(&c(11, false, false), base, &f), None);
+        assert_eq!(boot_file_t(&c(11, false, false), base, &f), None);
         let arm = Files {
             arm64: true,
             ..all_files()
         };
         assert_eq!(
-            boot_file(&c(11, false, false), base, &arm).as_deref(),
+            boot_file_t(&c(11, false, false), base, &arm).as_deref(),
             Some("ipxe-arm64.efi")
         );
         assert_eq!(
-            boot_file(&c(16, false, true), base, &f).as_deref(),
+            boot_file_t(&c(16, false, true), base, &f).as_deref(),
             Some("http://h/api/compute/boot/files/ipxe.efi")
         );
         assert_eq!(
-            boot_file(&c(19, false, true), base, &f).as_deref(),
+            boot_file_t(&c(19, false, true), base, &f).as_deref(),
             Some("http://h/api/compute/boot/files/ipxe.efi")
         );
         // iPXE itself gets the script: the chainload loop is broken.
         assert_eq!(
-            boot_file(&c(0, true, false), base, &f).as_deref(),
-            Some("chain.ipxe")
+            boot_file_t(&c(0, true, false), base, &f).as_deref(),
+            Some("tftp://10.0.0.1/chain.ipxe")
         );
         assert_eq!(
-            boot_file(&c(7, true, false), base, &f).as_deref(),
-            Some("chain.ipxe")
+            boot_file_t(&c(7, true, false), base, &f).as_deref(),
+            Some("tftp://10.0.0.1/chain.ipxe")
         );
     }
 
@@ -467,7 +477,10 @@ mod tests {
         back.encode(&mut Encoder::new(&mut again)).unwrap();
         assert_eq!(again, buf, "decode -> encode changed the bytes");
         assert_eq!(Message::decode(&mut Decoder::new(&again)).unwrap(), back);
-        assert_eq!(file_of(&back).as_deref(), Some("chain.ipxe"));
+        assert_eq!(
+            file_of(&back).as_deref(),
+            Some("tftp://10.0.0.1/chain.ipxe")
+        );
         // Garbage does not decode into anything we would answer.
         assert!(Message::decode(&mut Decoder::new(&[1, 2, 3])).is_err());
     }

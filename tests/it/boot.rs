@@ -64,6 +64,28 @@ fn curl_fetches_over_tftp_with_blksize_and_the_path_guard_holds() {
         std::fs::read(&out).unwrap(),
         std::fs::read(a.state().join("boot/undionly.kpxe")).unwrap()
     );
+    // curl negotiated the options: its trace shows our OACK's blksize and tsize.
+    let o = Command::new("curl")
+        .args([
+            "-v",
+            "-sS",
+            "--tftp-blksize",
+            "1468",
+            "-o",
+            "/dev/null",
+            &format!("tftp://127.0.0.1:{tftp}/undionly.kpxe"),
+        ])
+        .output()
+        .unwrap();
+    let trace = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        trace.contains("blksize") && trace.contains("1468"),
+        "{trace}"
+    );
+    assert!(
+        trace.contains("tsize") && trace.contains("800000"),
+        "{trace}"
+    );
     // Default block size too, and the chain script written for iPXE.
     let o = Command::new("curl")
         .args(["-sS", &format!("tftp://127.0.0.1:{tftp}/chain.ipxe")])

@@ -262,6 +262,10 @@ fn boot_and_approve(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) {
     });
     let log = std::fs::read_to_string(&console).unwrap();
     assert!(log.contains("bca: joined"), "{log}");
+    // No token of any kind appears in the appliance's log.
+    let serve_log = std::fs::read_to_string(a.dir.path().join("serve.log")).unwrap();
+    assert!(serve_log.contains("boot: discovery ramdisk"), "{serve_log}");
+    assert!(!serve_log.contains("bcjt_"), "a token leaked into the log");
     let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
     let stages: Vec<&str> = leases["items"]
         .as_array()
@@ -304,4 +308,81 @@ fn a_vm_pxe_boots_with_ovmf_and_is_approved() {
     let ns = Netns::new("uefi", 98);
     let a = appliance(&ns, "dhcp");
     boot_and_approve(&ns, &a, "52:54:00:ef:10:01", true);
+}
+
+/// The site's own DHCP server (dnsmasq) in a namespace of its own, on the same wire as the
+/// appliance: it gives addresses, bca only boot information (proxyDHCP).
+struct SiteDhcp {
+    ns: String,
+    _dnsmasq: Killed,
+}
+
+impl Drop for SiteDhcp {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+fn site_dhcp(prov: &Netns, dir: &Path) -> SiteDhcp {
+    let site = format!("bca-site-{}", rand_hex(3));
+    let net = &prov.net;
+    sh(&format!("ip netns add {site}"));
+    sh(&format!("ip -n {site} link set lo up"));
+    sh(&format!(
+        "ip -n {} link add vs0 type veth peer name vs1 netns {site}",
+        prov.name
+    ));
+    sh(&format!("ip -n {} link set vs0 master br0", prov.name));
+    sh(&format!("ip -n {} link set vs0 up", prov.name));
+    sh(&format!("ip -n {site} addr add {net}.2/24 dev vs1"));
+    sh(&format!("ip -n {site} link set vs1 up"));
+    let child = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &site,
+            "dnsmasq",
+            "--no-daemon",
+            "--port=0",
+            "--interface=vs1",
+            "--bind-interfaces",
+        ])
+        .arg(format!("--dhcp-range={net}.160,{net}.190,255.255.255.0,1h"))
+        .arg(format!(
+            "--dhcp-leasefile={}",
+            dir.join("dnsmasq.leases").display()
+        ))
+        .args([
+            "--conf-file=/dev/null",
+            "--no-resolv",
+            "--log-dhcp",
+            "--user=root",
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("dnsmasq.log")).unwrap())
+        .spawn()
+        .unwrap();
+    SiteDhcp {
+        ns: site,
+        _dnsmasq: Killed(child),
+    }
+}
+
+#[test]
+fn a_vm_pxe_boots_through_proxy_dhcp_beside_the_sites_dhcp_server() {
+    require_tools();
+    let ns = Netns::new("proxy", 97);
+    let a = appliance(&ns, "proxy");
+    let _site = site_dhcp(&ns, a.dir.path());
+    boot_and_approve(&ns, &a, "52:54:00:9a:0c:01", false);
+    // The address came from the site's server (its range), the boot from bca.
+    let leases = std::fs::read_to_string(a.dir.path().join("dnsmasq.leases")).unwrap();
+    assert!(leases.contains("52:54:00:9a:0c:01"), "{leases}");
+    let node = a.cli_json(&["join-requests", "list", "--state", "all"])["items"][0].clone();
+    let ip = node["ip"].as_str().unwrap();
+    let last: u8 = ip.rsplit('.').next().unwrap().parse().unwrap();
+    assert!(
+        (160..=190).contains(&last),
+        "{ip} is not from the site's range"
+    );
 }
