@@ -122,6 +122,27 @@ pub struct JoinOptions {
     pub retry_seconds: Option<u32>,
 }
 
+/// The body of a `{ body, sig, signer }` answer, once the signer is the pinned join-signing key
+/// and the signature (under `purpose`) verifies; else what failed.
+fn signed_body(
+    cfg: &AgentConfig,
+    r: &protocol::JoinResponse,
+    purpose: &str,
+) -> Result<Vec<u8>, &'static str> {
+    let signer = crypto::b64_decode(&r.signer).ok_or("signer")?;
+    let spki = pki::cert_spki(&signer).map_err(|_| "signer")?;
+    if crypto::spki_pin(&spki) != cfg.join_signing_key_pin {
+        return Err("not signed by the pinned join-signing key");
+    }
+    let point = crypto::p256_point_from_spki(&spki).ok_or("signer key")?;
+    let body = crypto::b64_decode(&r.body).ok_or("body")?;
+    let sig = crypto::b64_decode(&r.sig).ok_or("sig")?;
+    if !crypto::verify(point, purpose, &body, &sig) {
+        return Err("bad signature");
+    }
+    Ok(body)
+}
+
 /// A deferral is accepted only under the pinned join-signing key and for this CSR.
 pub fn verify_deferral(
     cfg: &AgentConfig,
@@ -129,17 +150,7 @@ pub fn verify_deferral(
     csr: &[u8],
 ) -> ApiResult<protocol::JoinDeferral> {
     let bad = |m: &str| ApiError::access_denied(format!("the deferral failed verification: {m}"));
-    let signer = crypto::b64_decode(&d.signer).ok_or_else(|| bad("signer"))?;
-    let spki = pki::cert_spki(&signer).map_err(|_| bad("signer"))?;
-    if crypto::spki_pin(&spki) != cfg.join_signing_key_pin {
-        return Err(bad("not signed by the pinned join-signing key"));
-    }
-    let point = crypto::p256_point_from_spki(&spki).ok_or_else(|| bad("signer key"))?;
-    let body = crypto::b64_decode(&d.body).ok_or_else(|| bad("body"))?;
-    let sig = crypto::b64_decode(&d.sig).ok_or_else(|| bad("sig"))?;
-    if !crypto::verify(point, protocol::JOIN_DEFERRAL_PURPOSE, &body, &sig) {
-        return Err(bad("bad signature"));
-    }
+    let body = signed_body(cfg, d, protocol::JOIN_DEFERRAL_PURPOSE).map_err(&bad)?;
     let d: protocol::JoinDeferral = serde_json::from_slice(&body).map_err(|_| bad("body"))?;
     if d.csr_sha256 != crypto::hex(&crypto::sha256(csr)) {
         return Err(bad("it answers another CSR"));
@@ -590,17 +601,7 @@ pub fn verify_response(
 ) -> ApiResult<JoinResponseBody> {
     let bad =
         |m: &str| ApiError::access_denied(format!("the join response failed verification: {m}"));
-    let signer = crypto::b64_decode(&resp.signer).ok_or_else(|| bad("signer"))?;
-    let spki = pki::cert_spki(&signer).map_err(|_| bad("signer"))?;
-    if crypto::spki_pin(&spki) != cfg.join_signing_key_pin {
-        return Err(bad("not signed by the pinned join-signing key"));
-    }
-    let point = crypto::p256_point_from_spki(&spki).ok_or_else(|| bad("signer key"))?;
-    let body_bytes = crypto::b64_decode(&resp.body).ok_or_else(|| bad("body"))?;
-    let sig = crypto::b64_decode(&resp.sig).ok_or_else(|| bad("sig"))?;
-    if !crypto::verify(point, JOIN_RESPONSE_PURPOSE, &body_bytes, &sig) {
-        return Err(bad("bad signature"));
-    }
+    let body_bytes = signed_body(cfg, resp, JOIN_RESPONSE_PURPOSE).map_err(&bad)?;
     let body: JoinResponseBody = serde_json::from_slice(&body_bytes).map_err(|_| bad("body"))?;
     if body.csr_sha256 != crypto::hex(&crypto::sha256(csr)) {
         return Err(bad("it answers another CSR"));
@@ -637,19 +638,7 @@ pub fn verify_response(
 pub fn spiffe_sans(der: &[u8]) -> Option<String> {
     use x509_parser::prelude::*;
     let (_, c) = X509Certificate::from_der(der).ok()?;
-    let san = c.subject_alternative_name().ok()??;
-    let uris: Vec<&str> = san
-        .value
-        .general_names
-        .iter()
-        .filter_map(|g| {
-            if let GeneralName::URI(u) = g {
-                Some(*u)
-            } else {
-                None
-            }
-        })
-        .collect();
+    let uris = pki::uri_sans(&c)?;
     let first = *uris.first()?;
     if !first.starts_with("spiffe://") || uris[1..].iter().any(|u| !u.starts_with("urn:bc:")) {
         return None;

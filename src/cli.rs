@@ -538,6 +538,22 @@ pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
     }
 }
 
+/// Prints a list answer: `--json` as the API's JSON, else a table of the given (header, field)
+/// columns and the next cursor.
+pub fn print_list(conn: &Conn, v: &Value, columns: &[(&str, &str)]) {
+    print(conn, v, |v| {
+        let headers: Vec<&str> = columns.iter().map(|(h, _)| *h).collect();
+        print_table(
+            &headers,
+            items(v)
+                .iter()
+                .map(|item| columns.iter().map(|(_, k)| s(&item[*k])).collect())
+                .collect(),
+        );
+        print_cursor(v);
+    });
+}
+
 pub fn s(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
@@ -669,26 +685,19 @@ fn run(cli: Cli) -> ApiResult<()> {
                 "bootLeases/list",
                 &json!({"mac": mac, "limit": limit, "cursor": cursor}),
             )?;
-            print(conn, &v, |v| {
-                print_table(
-                    &["EPOCH", "TIME", "MAC", "IP", "ARCH", "STAGE", "FILE"],
-                    items(v)
-                        .iter()
-                        .map(|l| {
-                            vec![
-                                s(&l["epoch"]),
-                                s(&l["createdAt"]),
-                                s(&l["mac"]),
-                                s(&l["ip"]),
-                                s(&l["arch"]),
-                                s(&l["stage"]),
-                                s(&l["file"]),
-                            ]
-                        })
-                        .collect(),
-                );
-                print_cursor(v);
-            });
+            print_list(
+                conn,
+                &v,
+                &[
+                    ("EPOCH", "epoch"),
+                    ("TIME", "createdAt"),
+                    ("MAC", "mac"),
+                    ("IP", "ip"),
+                    ("ARCH", "arch"),
+                    ("STAGE", "stage"),
+                    ("FILE", "file"),
+                ],
+            );
             Ok(())
         }
         Command::Pki(PkiCmd::Show) => cmd_pki_show(&conn.state_dir(), conn.json),
@@ -774,23 +783,17 @@ fn run(cli: Cli) -> ApiResult<()> {
         }
         Command::Downloads(DownloadsCmd::List) => {
             let v = conn.client().call("downloads/list", &json!({}))?;
-            print(conn, &v, |v| {
-                print_table(
-                    &["PRODUCT", "VERSION", "ARCH", "SHA-256", "SIZE"],
-                    items(v)
-                        .iter()
-                        .map(|d| {
-                            vec![
-                                s(&d["product"]),
-                                s(&d["version"]),
-                                s(&d["arch"]),
-                                s(&d["sha256"]),
-                                s(&d["size"]),
-                            ]
-                        })
-                        .collect(),
-                )
-            });
+            print_list(
+                conn,
+                &v,
+                &[
+                    ("PRODUCT", "product"),
+                    ("VERSION", "version"),
+                    ("ARCH", "arch"),
+                    ("SHA-256", "sha256"),
+                    ("SIZE", "size"),
+                ],
+            );
             Ok(())
         }
         Command::Daemon(DaemonCmd::InstallScript {

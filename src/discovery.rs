@@ -110,13 +110,7 @@ fn deferral(app: &App, signer: &Signer, request_id: &str, csr_sha256: &[u8; 32])
         csr_sha256: crypto::hex(csr_sha256),
         site_id: app.config.site_id.clone(),
     };
-    let body = serde_json::to_vec(&body).expect("serializes");
-    let sig = signer.join_signing.sign(JOIN_DEFERRAL_PURPOSE, &body);
-    JoinResponse {
-        body: crypto::b64(&body),
-        sig: crypto::b64(&sig),
-        signer: signer.signer_b64.clone(),
-    }
+    signer.signed(JOIN_DEFERRAL_PURPOSE, &body)
 }
 
 /// Stage 2 of a discovery join, inside its savepoint.

@@ -46,8 +46,13 @@ pub(crate) struct Signer {
 impl Signer {
     /// Signs a response body: `JoinResponse{ body, sig, signer }`.
     pub(crate) fn respond(&self, body: &JoinResponseBody) -> JoinResponse {
+        self.signed(JOIN_RESPONSE_PURPOSE, body)
+    }
+
+    /// `{ body, sig, signer }`: the JSON of `body`, signed under `purpose`.
+    pub(crate) fn signed(&self, purpose: &str, body: &impl serde::Serialize) -> JoinResponse {
         let body = serde_json::to_vec(body).expect("serializes");
-        let sig = self.join_signing.sign(JOIN_RESPONSE_PURPOSE, &body);
+        let sig = self.join_signing.sign(purpose, &body);
         JoinResponse {
             body: crypto::b64(&body),
             sig: crypto::b64(&sig),

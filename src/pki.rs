@@ -399,6 +399,25 @@ pub struct NodeLeaf {
     pub not_after: i64,
 }
 
+/// The URI SANs of a certificate, in order (`None` without a SAN extension).
+pub fn uri_sans<'a>(c: &'a x509_parser::certificate::X509Certificate<'_>) -> Option<Vec<&'a str>> {
+    use x509_parser::extensions::GeneralName;
+    let san = c.subject_alternative_name().ok()??;
+    Some(
+        san.value
+            .general_names
+            .iter()
+            .filter_map(|g| {
+                if let GeneralName::URI(u) = g {
+                    Some(*u)
+                } else {
+                    None
+                }
+            })
+            .collect(),
+    )
+}
+
 /// Parses a node certificate: its SPIFFE ID (`…/node/<id>`), serial, key and statements.
 pub fn parse_node_leaf(der: &[u8]) -> Option<NodeLeaf> {
     use x509_parser::prelude::*;
@@ -406,19 +425,7 @@ pub fn parse_node_leaf(der: &[u8]) -> Option<NodeLeaf> {
     if !rest.is_empty() {
         return None;
     }
-    let san = c.subject_alternative_name().ok()??;
-    let uris: Vec<&str> = san
-        .value
-        .general_names
-        .iter()
-        .filter_map(|g| {
-            if let GeneralName::URI(u) = g {
-                Some(*u)
-            } else {
-                None
-            }
-        })
-        .collect();
+    let uris = uri_sans(&c)?;
     let spiffe = uris.first().filter(|u| u.starts_with("spiffe://"))?;
     let node_id = spiffe.rsplit_once("/node/")?.1.to_string();
     let point = crypto::p256_point_from_spki(c.public_key().raw)?.to_vec();

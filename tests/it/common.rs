@@ -432,11 +432,12 @@ pub fn agent_join(
         .spawn()
         .unwrap();
     use std::io::Write;
-    child
+    // The agent may exit before reading its input (already joined, a refused flag): a closed pipe
+    // is not an error of the test.
+    let _ = child
         .stdin
         .take()
         .unwrap()
-        .write_all(format!("{token}\n").as_bytes())
-        .unwrap();
+        .write_all(format!("{token}\n").as_bytes());
     child.wait_with_output().unwrap()
 }
