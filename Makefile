@@ -3,7 +3,7 @@ MUSL := x86_64-unknown-linux-musl
 STATIC := target/$(MUSL)/release/bca
 export CC_x86_64_unknown_linux_musl := musl-gcc
 
-.PHONY: build run sim image test deps check lint clean
+.PHONY: build run sim image test bench deps check lint clean
 
 ## The static release binary (musl, mimalloc, no OpenSSL, no libtss2).
 build: deps
@@ -29,6 +29,11 @@ image: build
 ## Every test, after installing what the tests need (the network-boot tests boot the ramdisk).
 test: deps image
 	cargo test --locked --all-targets
+
+## Join and renewal storms, sessions and cold start, per appliance core (see BENCHMARKS.md).
+bench:
+	cargo build --release --locked
+	cargo bench --locked --bench storm
 
 deps:
 	./scripts/install-deps.sh

@@ -1,0 +1,390 @@
+//! `make bench`: join and renewal storms, sessions and cold start against the real binary over real
+//! sockets, each printed beside a reference measured in the same run. `bca serve` is pinned to
+//! core 0 and this load generator to core 1 (`taskset`), so figures are per appliance core.
+//!
+//! Output: one line per figure, `name: value unit`. Sizes: `BENCH_JOINS` (default 4000),
+//! `BENCH_CONCURRENCY` (200), `BENCH_SESSIONS` (2000).
+
+use bca::agent::{self, AgentConfig};
+use bca::crypto::{self, SigningKey};
+use bca::protocol::{self, Hello, JoinRequest, RenewRequest, Reply, Request};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn bin() -> PathBuf {
+    // target/release/deps/storm-… -> target/release/bca
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().join("bca")
+}
+
+fn line(name: &str, value: f64, unit: &str) {
+    if value >= 100.0 {
+        println!("{name}: {value:.0} {unit}");
+    } else {
+        println!("{name}: {value:.3} {unit}");
+    }
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1000.0
+}
+
+struct Appliance {
+    dir: PathBuf,
+    child: Child,
+    gateway: String,
+    socket: PathBuf,
+}
+
+impl Drop for Appliance {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn taskset(core: &str) -> Command {
+    if Command::new("taskset").arg("--version").output().is_ok() {
+        let mut c = Command::new("taskset");
+        c.args(["-c", core]);
+        c
+    } else {
+        Command::new("env")
+    }
+}
+
+fn start_serve(state: &Path) -> (Child, Value, Duration) {
+    let t = Instant::now();
+    let mut child = taskset("0")
+        .arg(bin())
+        .args(["serve", "--listen-http", "127.0.0.1:0", "--listen-gateway", "127.0.0.1:0"])
+        .env("BCA_STATE_DIR", state)
+        .env("BCA_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut l = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut l).unwrap();
+    let took = t.elapsed();
+    (child, serde_json::from_str(&l).expect("serve started"), took)
+}
+
+fn appliance() -> Appliance {
+    let dir = std::env::temp_dir().join(format!("bca-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let state = dir.join("state");
+    let o = Command::new(bin())
+        .args(["init", "--trust-domain", "bench.example.com", "--site", "bench", "--key-protection", "file", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (child, ready, _) = start_serve(&state);
+    Appliance {
+        dir,
+        child,
+        gateway: ready["gateway"].as_str().unwrap().into(),
+        socket: PathBuf::from(ready["admin"].as_str().unwrap()),
+    }
+}
+
+fn api(a: &Appliance, m: &str, body: Value) -> Value {
+    bca::client::Client::new(&a.socket).call(m, &body).unwrap()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap()))
+        .unwrap()
+}
+
+/// One machine, prepared as a real one would be before the clock starts.
+struct Machine {
+    key: SigningKey,
+    csr: Vec<u8>,
+    request: Vec<u8>,
+}
+
+fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
+    let key = SigningKey::generate();
+    let csr = bca::csr::create(&key);
+    let sealed = bca::jwe::seal(token, enc, &csr, bca::clock::now()).unwrap();
+    let claims = bca::devsim::sim_claims(i);
+    let req = Request {
+        v: 1,
+        join: Some(JoinRequest { sealed_token: sealed, csr: crypto::b64(&csr), claims, attestor: String::new(), role: "node".into() }),
+        ..Default::default()
+    };
+    Machine { key, csr, request: serde_json::to_vec(&req).unwrap() }
+}
+
+/// The appliance's own cryptography of one join, in a tight loop on this core: the TLS handshake's
+/// server side, opening the seal, verifying the CSR, signing the certificate and the response.
+fn ceiling(n: usize) -> f64 {
+    let keys = bca::keys::KeyBundle::generate();
+    let cfg: bca::config::Config = toml::from_str(
+        "trust_domain = \"b.example\"\nsite_id = \"site_x\"\nsite_name = \"x\"\nkey_protection = \"file\"\n",
+    )
+    .unwrap();
+    let issued = bca::pki::create(&cfg, &keys, &["localhost".into()], bca::clock::now()).unwrap();
+    let server_cfg = Arc::new(bca::gateway::server_config(&issued.gateway, &issued.serving_ca, keys.gateway.pkcs8(), &issued.node_ca).unwrap());
+    let pin = crypto::spki_pin(&keys.serving_ca.spki_der());
+    let client_cfg = Arc::new(bca::tlsclient::client_config(&pin).unwrap());
+    let dec = bca::jwe::decryption_key(keys.join_encryption.pkcs8()).unwrap();
+    let node_ca = bca::pki::issuer(bca::pki::CaKind::Node, &cfg, &keys.node_ca);
+    let inputs: Vec<(Vec<u8>, String)> = (0..n)
+        .map(|_| {
+            let k = SigningKey::generate();
+            let csr = bca::csr::create(&k);
+            let s = bca::jwe::seal("bcjt_jt_0123456789abcdefghjkmnpqrs.x", keys.join_encryption.public_point(), &csr, bca::clock::now()).unwrap();
+            (csr, s)
+        })
+        .collect();
+    let mut server_time = Duration::ZERO;
+    let mut rest = Duration::ZERO;
+    for (csr, sealed) in &inputs {
+        // The handshake, in memory: only the server's calls are timed.
+        let mut client = rustls::ClientConnection::new(client_cfg.clone(), "localhost".try_into().unwrap()).unwrap();
+        let mut server = rustls::ServerConnection::new(server_cfg.clone()).unwrap();
+        let mut buf = Vec::new();
+        while client.is_handshaking() || server.is_handshaking() {
+            buf.clear();
+            while client.wants_write() {
+                client.write_tls(&mut buf).unwrap();
+            }
+            let t = Instant::now();
+            let mut rd = &buf[..];
+            while !rd.is_empty() {
+                server.read_tls(&mut rd).unwrap();
+                server.process_new_packets().unwrap();
+            }
+            let mut out = Vec::new();
+            while server.wants_write() {
+                server.write_tls(&mut out).unwrap();
+            }
+            server_time += t.elapsed();
+            let mut rd = &out[..];
+            while !rd.is_empty() {
+                client.read_tls(&mut rd).unwrap();
+                client.process_new_packets().unwrap();
+            }
+            if out.is_empty() && !client.wants_write() {
+                break;
+            }
+        }
+        let t = Instant::now();
+        let v = bca::csr::verify(csr).unwrap();
+        let _ = bca::jwe::open(sealed, &dec, &v.sha256, bca::clock::now(), 300).unwrap();
+        let (der, _) = bca::pki::issue_node_cert(
+            &bca::pki::NodeCertSpec {
+                spiffe_id: "spiffe://b.example/site/site_x/node/node_x",
+                statements: &[],
+                role: "node",
+                not_before: 0,
+                not_after: 86_400,
+                public_point: &v.public_point,
+            },
+            &node_ca,
+        )
+        .unwrap();
+        let _ = keys.join_signing.sign(protocol::JOIN_RESPONSE_PURPOSE, &der);
+        rest += t.elapsed();
+    }
+    let per = (server_time + rest).as_secs_f64() / n as f64;
+    line("join_ceiling_tls_server_us", server_time.as_secs_f64() / n as f64 * 1e6, "us");
+    line("join_ceiling_rest_us", rest.as_secs_f64() / n as f64 * 1e6, "us");
+    1.0 / per
+}
+
+async fn one_join(cfg: Arc<AgentConfig>, m: Arc<Machine>) -> (Duration, Option<protocol::JoinResponse>) {
+    let t = Instant::now();
+    let mut s = agent::connect(&cfg, None).await.unwrap();
+    let raw = agent::roundtrip(&cfg, &mut s, &m.request).await.unwrap();
+    let reply: Reply = serde_json::from_slice(&raw).unwrap();
+    (t.elapsed(), reply.join_response)
+}
+
+fn main() {
+    // `cargo test --all-targets` builds and runs benches too; only `cargo bench` (which passes
+    // `--bench`) runs the storm.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("storm: run with `make bench`");
+        return;
+    }
+    if std::env::var("BCA_BENCH_PINNED").is_err() && Command::new("taskset").arg("--version").output().is_ok() {
+        // Re-run this load generator on core 1, leaving core 0 to the appliance.
+        let status = Command::new("taskset")
+            .args(["-c", "1"])
+            .arg(std::env::current_exe().unwrap())
+            .args(std::env::args().skip(1))
+            .env("BCA_BENCH_PINNED", "1")
+            .status()
+            .unwrap();
+        std::process::exit(status.code().unwrap_or(1));
+    }
+    let joins = env("BENCH_JOINS", 4000);
+    let conc = env("BENCH_CONCURRENCY", 200);
+    let sessions = env("BENCH_SESSIONS", 2000).min(joins);
+    println!("# bca storm bench: {joins} joins, {conc} concurrent, {sessions} sessions; bca serve on core 0, load on core 1");
+
+    let ceil = ceiling(500);
+    line("join_ceiling", ceil, "joins/s/core");
+
+    let a = appliance();
+    let root = api(&a, "tenants/list", json!({}))["items"][0]["id"].as_str().unwrap().to_string();
+    let pool = api(&a, "pools/create", json!({"tenantId": root, "name": "bench"}))["id"].as_str().unwrap().to_string();
+    let mut tokens = Vec::new();
+    for i in 0..joins.div_ceil(10_000) {
+        let t = api(&a, "joinTokens/create", json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": format!("b{i}")}));
+        tokens.push(t["token"].as_str().unwrap().to_string());
+    }
+    let adir = a.dir.join("agent");
+    agent::write_agent_config(&a.dir.join("state"), &format!("https://{}", a.gateway), &adir).unwrap();
+    let cfg = Arc::new(AgentConfig::load(&adir.join("config.toml")).unwrap());
+    let enc = cfg.join_encryption_point(&adir.join("config.toml")).unwrap();
+    let machines: Vec<Arc<Machine>> = (0..joins).map(|i| Arc::new(machine(i, &tokens[i / 10_000], &enc))).collect();
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    // Join storm.
+    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
+    let t = Instant::now();
+    let results: Vec<(Duration, Option<protocol::JoinResponse>)> = rt.block_on(async {
+        let mut hs = Vec::new();
+        for m in &machines {
+            let (cfg, m, sem) = (cfg.clone(), m.clone(), sem.clone());
+            hs.push(tokio::spawn(async move {
+                let _p = sem.acquire_owned().await.unwrap();
+                one_join(cfg, m).await
+            }));
+        }
+        let mut out = Vec::new();
+        for h in hs {
+            out.push(h.await.unwrap());
+        }
+        out
+    });
+    let wall = t.elapsed();
+    let ok = results.iter().filter(|r| r.1.is_some()).count();
+    let mut lat: Vec<Duration> = results.iter().map(|r| r.0).collect();
+    lat.sort();
+    let rate = ok as f64 / wall.as_secs_f64();
+    line("join_storm", rate, "joins/s/core");
+    line("join_ceiling_fraction", rate / ceil, "");
+    line("join_p50", pct(&lat, 0.5), "ms");
+    line("join_p99", pct(&lat, 0.99), "ms");
+    line("join_failures", (joins - ok) as f64, "");
+
+    // Sessions and renewals: the first `sessions` nodes open mTLS sessions, then renew over them.
+    let rss0 = rss_kib(a.child.id());
+    let nodes: Vec<(Arc<Machine>, protocol::JoinResponseBody)> = machines
+        .iter()
+        .zip(results)
+        .take(sessions)
+        .filter_map(|(m, (_, r))| {
+            let body = agent::verify_response(&cfg, r.as_ref()?, &m.csr, &m.key, "node").ok()?;
+            Some((m.clone(), body))
+        })
+        .collect();
+    let streams = rt.block_on(async {
+        let mut hs = Vec::new();
+        for (m, body) in &nodes {
+            let (cfg, m, body, sem) = (cfg.clone(), m.clone(), body.clone(), sem.clone());
+            hs.push(tokio::spawn(async move {
+                let _p = sem.acquire_owned().await.unwrap();
+                let chain: Vec<Vec<u8>> =
+                    body.certificate_chain.iter().map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0)).collect();
+                let mut s = agent::connect(&cfg, Some((chain, m.key.pkcs8()))).await.ok()?;
+                let hello = Request { v: 1, hello: Some(Hello::default()), ..Default::default() };
+                let raw = agent::roundtrip(&cfg, &mut s, &serde_json::to_vec(&hello).unwrap()).await.ok()?;
+                serde_json::from_slice::<Reply>(&raw).ok()?.welcome?;
+                Some(s)
+            }));
+        }
+        let mut out = Vec::new();
+        for h in hs {
+            out.push(h.await.unwrap());
+        }
+        out
+    });
+    let open = streams.iter().filter(|s| s.is_some()).count();
+    std::thread::sleep(Duration::from_millis(500));
+    let rss1 = rss_kib(a.child.id());
+    line("sessions_open", open as f64, "");
+    line("session_rss", (rss1.saturating_sub(rss0)) as f64 / open.max(1) as f64, "KiB/session");
+
+    let t = Instant::now();
+    let renewed: Vec<Option<Duration>> = rt.block_on(async {
+        let mut hs = Vec::new();
+        for (s, (m, body)) in streams.into_iter().zip(nodes.iter()) {
+            let (cfg, m, body) = (cfg.clone(), m.clone(), body.clone());
+            hs.push(tokio::spawn(async move {
+                let mut s = s?;
+                let key = SigningKey::generate();
+                let csr = bca::csr::create(&key);
+                let now = bca::clock::now();
+                let msg = protocol::renew_pop_message(&crypto::sha256(&csr), &body.node_id, now);
+                let req = Request {
+                    v: 1,
+                    renew: Some(RenewRequest {
+                        csr: crypto::b64(&csr),
+                        chain: body.certificate_chain.clone(),
+                        client_time: now,
+                        pop_sig: crypto::b64(&m.key.sign(protocol::RENEW_POP_PURPOSE, &msg)),
+                    }),
+                    ..Default::default()
+                };
+                let bytes = serde_json::to_vec(&req).unwrap();
+                let t = Instant::now();
+                let raw = agent::roundtrip(&cfg, &mut s, &bytes).await.ok()?;
+                serde_json::from_slice::<Reply>(&raw).ok()?.renew_response?;
+                Some(t.elapsed())
+            }));
+        }
+        let mut out = Vec::new();
+        for h in hs {
+            out.push(h.await.unwrap());
+        }
+        out
+    });
+    let wall = t.elapsed();
+    let mut rl: Vec<Duration> = renewed.iter().flatten().copied().collect();
+    rl.sort();
+    line("renewal_storm", rl.len() as f64 / wall.as_secs_f64(), "renewals/s/core");
+    line("renewal_p50", pct(&rl, 0.5), "ms");
+    line("renewal_p99", pct(&rl, 0.99), "ms");
+    line("renewal_failures", (renewed.len() - rl.len()) as f64, "");
+    drop(rt);
+
+    // Cold start: exec to the readiness line, file keys.
+    let state = a.dir.join("state");
+    let mut a = a;
+    let _ = a.child.kill();
+    let _ = a.child.wait();
+    let mut starts = Vec::new();
+    for _ in 0..5 {
+        let (mut c, _, took) = start_serve(&state);
+        starts.push(took);
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    starts.sort();
+    line("cold_start", starts[2].as_secs_f64() * 1000.0, "ms");
+    let (c, _, _) = start_serve(&state);
+    a.child = c;
+}
