@@ -16,7 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn env(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn bin() -> PathBuf {
@@ -70,7 +73,13 @@ fn start_serve(state: &Path) -> (Child, Value, Duration) {
     let t = Instant::now();
     let mut child = taskset("0")
         .arg(bin())
-        .args(["serve", "--listen-http", "127.0.0.1:0", "--listen-gateway", "127.0.0.1:0"])
+        .args([
+            "serve",
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
         .env("BCA_STATE_DIR", state)
         .env("BCA_LOG", "error")
         .stdout(Stdio::piped())
@@ -78,9 +87,15 @@ fn start_serve(state: &Path) -> (Child, Value, Duration) {
         .spawn()
         .unwrap();
     let mut l = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut l).unwrap();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut l)
+        .unwrap();
     let took = t.elapsed();
-    (child, serde_json::from_str(&l).expect("serve started"), took)
+    (
+        child,
+        serde_json::from_str(&l).expect("serve started"),
+        took,
+    )
 }
 
 fn appliance() -> Appliance {
@@ -88,7 +103,16 @@ fn appliance() -> Appliance {
     let _ = std::fs::remove_dir_all(&dir);
     let state = dir.join("state");
     let o = Command::new(bin())
-        .args(["init", "--trust-domain", "bench.example.com", "--site", "bench", "--key-protection", "file", "--state-dir"])
+        .args([
+            "init",
+            "--trust-domain",
+            "bench.example.com",
+            "--site",
+            "bench",
+            "--key-protection",
+            "file",
+            "--state-dir",
+        ])
         .arg(&state)
         .output()
         .unwrap();
@@ -110,7 +134,10 @@ fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap()
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap()))
+        .find_map(|l| {
+            l.strip_prefix("VmRSS:")
+                .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap())
+        })
         .unwrap()
 }
 
@@ -128,10 +155,20 @@ fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
     let claims = bca::devsim::sim_claims(i);
     let req = Request {
         v: 1,
-        join: Some(JoinRequest { sealed_token: sealed, csr: crypto::b64(&csr), claims, attestor: String::new(), role: "node".into() }),
+        join: Some(JoinRequest {
+            sealed_token: sealed,
+            csr: crypto::b64(&csr),
+            claims,
+            attestor: String::new(),
+            role: "node".into(),
+        }),
         ..Default::default()
     };
-    Machine { key, csr, request: serde_json::to_vec(&req).unwrap() }
+    Machine {
+        key,
+        csr,
+        request: serde_json::to_vec(&req).unwrap(),
+    }
 }
 
 /// The appliance's own cryptography of one join, in a tight loop on this core: the TLS handshake's
@@ -143,7 +180,15 @@ fn ceiling(n: usize) -> f64 {
     )
     .unwrap();
     let issued = bca::pki::create(&cfg, &keys, &["localhost".into()], bca::clock::now()).unwrap();
-    let server_cfg = Arc::new(bca::gateway::server_config(&issued.gateway, &issued.serving_ca, keys.gateway.pkcs8(), &issued.node_ca).unwrap());
+    let server_cfg = Arc::new(
+        bca::gateway::server_config(
+            &issued.gateway,
+            &issued.serving_ca,
+            keys.gateway.pkcs8(),
+            &issued.node_ca,
+        )
+        .unwrap(),
+    );
     let pin = crypto::spki_pin(&keys.serving_ca.spki_der());
     let client_cfg = Arc::new(bca::tlsclient::client_config(&pin).unwrap());
     let dec = bca::jwe::decryption_key(keys.join_encryption.pkcs8()).unwrap();
@@ -152,7 +197,13 @@ fn ceiling(n: usize) -> f64 {
         .map(|_| {
             let k = SigningKey::generate();
             let csr = bca::csr::create(&k);
-            let s = bca::jwe::seal("bcjt_jt_0123456789abcdefghjkmnpqrs.x", keys.join_encryption.public_point(), &csr, bca::clock::now()).unwrap();
+            let s = bca::jwe::seal(
+                "bcjt_jt_0123456789abcdefghjkmnpqrs.x",
+                keys.join_encryption.public_point(),
+                &csr,
+                bca::clock::now(),
+            )
+            .unwrap();
             (csr, s)
         })
         .collect();
@@ -160,7 +211,9 @@ fn ceiling(n: usize) -> f64 {
     let mut rest = Duration::ZERO;
     for (csr, sealed) in &inputs {
         // The handshake, in memory: only the server's calls are timed.
-        let mut client = rustls::ClientConnection::new(client_cfg.clone(), "localhost".try_into().unwrap()).unwrap();
+        let mut client =
+            rustls::ClientConnection::new(client_cfg.clone(), "localhost".try_into().unwrap())
+                .unwrap();
         let mut server = rustls::ServerConnection::new(server_cfg.clone()).unwrap();
         let mut buf = Vec::new();
         while client.is_handshaking() || server.is_handshaking() {
@@ -203,16 +256,29 @@ fn ceiling(n: usize) -> f64 {
             &node_ca,
         )
         .unwrap();
-        let _ = keys.join_signing.sign(protocol::JOIN_RESPONSE_PURPOSE, &der);
+        let _ = keys
+            .join_signing
+            .sign(protocol::JOIN_RESPONSE_PURPOSE, &der);
         rest += t.elapsed();
     }
     let per = (server_time + rest).as_secs_f64() / n as f64;
-    line("join_ceiling_tls_server_us", server_time.as_secs_f64() / n as f64 * 1e6, "us");
-    line("join_ceiling_rest_us", rest.as_secs_f64() / n as f64 * 1e6, "us");
+    line(
+        "join_ceiling_tls_server_us",
+        server_time.as_secs_f64() / n as f64 * 1e6,
+        "us",
+    );
+    line(
+        "join_ceiling_rest_us",
+        rest.as_secs_f64() / n as f64 * 1e6,
+        "us",
+    );
     1.0 / per
 }
 
-async fn one_join(cfg: Arc<AgentConfig>, m: Arc<Machine>) -> (Duration, Option<protocol::JoinResponse>) {
+async fn one_join(
+    cfg: Arc<AgentConfig>,
+    m: Arc<Machine>,
+) -> (Duration, Option<protocol::JoinResponse>) {
     let t = Instant::now();
     let mut s = agent::connect(&cfg, None).await.unwrap();
     let raw = agent::roundtrip(&cfg, &mut s, &m.request).await.unwrap();
@@ -227,7 +293,9 @@ fn main() {
         println!("storm: run with `make bench`");
         return;
     }
-    if std::env::var("BCA_BENCH_PINNED").is_err() && Command::new("taskset").arg("--version").output().is_ok() {
+    if std::env::var("BCA_BENCH_PINNED").is_err()
+        && Command::new("taskset").arg("--version").output().is_ok()
+    {
         // Re-run this load generator on core 1, leaving core 0 to the appliance.
         let status = Command::new("taskset")
             .args(["-c", "1"])
@@ -247,20 +315,47 @@ fn main() {
     line("join_ceiling", ceil, "joins/s/core");
 
     let a = appliance();
-    let root = api(&a, "tenants/list", json!({}))["items"][0]["id"].as_str().unwrap().to_string();
-    let pool = api(&a, "pools/create", json!({"tenantId": root, "name": "bench"}))["id"].as_str().unwrap().to_string();
+    let root = api(&a, "tenants/list", json!({}))["items"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pool = api(
+        &a,
+        "pools/create",
+        json!({"tenantId": root, "name": "bench"}),
+    )["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let mut tokens = Vec::new();
     for i in 0..joins.div_ceil(10_000) {
-        let t = api(&a, "joinTokens/create", json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": format!("b{i}")}));
+        let t = api(
+            &a,
+            "joinTokens/create",
+            json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": format!("b{i}")}),
+        );
         tokens.push(t["token"].as_str().unwrap().to_string());
     }
     let adir = a.dir.join("agent");
-    agent::write_agent_config(&a.dir.join("state"), &format!("https://{}", a.gateway), &adir).unwrap();
+    agent::write_agent_config(
+        &a.dir.join("state"),
+        &format!("https://{}", a.gateway),
+        &adir,
+    )
+    .unwrap();
     let cfg = Arc::new(AgentConfig::load(&adir.join("config.toml")).unwrap());
-    let enc = cfg.join_encryption_point(&adir.join("config.toml")).unwrap();
-    let machines: Vec<Arc<Machine>> = (0..joins).map(|i| Arc::new(machine(i, &tokens[i / 10_000], &enc))).collect();
+    let enc = cfg
+        .join_encryption_point(&adir.join("config.toml"))
+        .unwrap();
+    let machines: Vec<Arc<Machine>> = (0..joins)
+        .map(|i| Arc::new(machine(i, &tokens[i / 10_000], &enc)))
+        .collect();
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     // Join storm.
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let t = Instant::now();
@@ -307,11 +402,22 @@ fn main() {
             let (cfg, m, body, sem) = (cfg.clone(), m.clone(), body.clone(), sem.clone());
             hs.push(tokio::spawn(async move {
                 let _p = sem.acquire_owned().await.unwrap();
-                let chain: Vec<Vec<u8>> =
-                    body.certificate_chain.iter().map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0)).collect();
-                let mut s = agent::connect(&cfg, Some((chain, m.key.pkcs8()))).await.ok()?;
-                let hello = Request { v: 1, hello: Some(Hello::default()), ..Default::default() };
-                let raw = agent::roundtrip(&cfg, &mut s, &serde_json::to_vec(&hello).unwrap()).await.ok()?;
+                let chain: Vec<Vec<u8>> = body
+                    .certificate_chain
+                    .iter()
+                    .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
+                    .collect();
+                let mut s = agent::connect(&cfg, Some((chain, m.key.pkcs8())))
+                    .await
+                    .ok()?;
+                let hello = Request {
+                    v: 1,
+                    hello: Some(Hello::default()),
+                    ..Default::default()
+                };
+                let raw = agent::roundtrip(&cfg, &mut s, &serde_json::to_vec(&hello).unwrap())
+                    .await
+                    .ok()?;
                 serde_json::from_slice::<Reply>(&raw).ok()?.welcome?;
                 Some(s)
             }));
@@ -326,7 +432,11 @@ fn main() {
     std::thread::sleep(Duration::from_millis(500));
     let rss1 = rss_kib(a.child.id());
     line("sessions_open", open as f64, "");
-    line("session_rss", (rss1.saturating_sub(rss0)) as f64 / open.max(1) as f64, "KiB/session");
+    line(
+        "session_rss",
+        (rss1.saturating_sub(rss0)) as f64 / open.max(1) as f64,
+        "KiB/session",
+    );
 
     let t = Instant::now();
     let renewed: Vec<Option<Duration>> = rt.block_on(async {
@@ -365,7 +475,11 @@ fn main() {
     let wall = t.elapsed();
     let mut rl: Vec<Duration> = renewed.iter().flatten().copied().collect();
     rl.sort();
-    line("renewal_storm", rl.len() as f64 / wall.as_secs_f64(), "renewals/s/core");
+    line(
+        "renewal_storm",
+        rl.len() as f64 / wall.as_secs_f64(),
+        "renewals/s/core",
+    );
     line("renewal_p50", pct(&rl, 0.5), "ms");
     line("renewal_p99", pct(&rl, 0.99), "ms");
     line("renewal_failures", (renewed.len() - rl.len()) as f64, "");
