@@ -115,7 +115,8 @@ pub fn publish(
     data: Value,
 ) -> ApiResult<()> {
     let id = ids::new_id("ev", now * 1000);
-    tx.execute(
+    crate::store::exec(
+        tx,
         "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
         params![id, tenant, kind, data.to_string(), now],
     )?;
@@ -132,7 +133,7 @@ pub fn audit(
     target: &str,
     data: Value,
 ) -> ApiResult<()> {
-    tx.execute(
+    crate::store::exec(tx,
         "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         params![tenant, action, actor, target, data.to_string(), now],
     )?;
@@ -401,13 +402,13 @@ pub fn pool_load(tx: &Transaction<'_>, tenant: &str, pool: &str) -> ApiResult<Po
 
 /// The pool by id alone, for the JoinService (which then checks the tenant itself).
 pub fn pool_by_id(tx: &Transaction<'_>, pool: &str) -> ApiResult<Option<Pool>> {
-    Ok(tx
-        .query_row(
-            &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1"),
-            [pool],
-            pool_row,
-        )
-        .optional()?)
+    Ok(crate::store::query_row(
+        tx,
+        &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1"),
+        [pool],
+        pool_row,
+    )
+    .optional()?)
 }
 
 fn pool_save(tx: &Transaction<'_>, p: &Pool) -> ApiResult<()> {

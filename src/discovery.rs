@@ -36,7 +36,7 @@ pub fn loose_mac(v: &str) -> Option<String> {
 
 /// Marks requests past their expiry `expired`.
 pub fn expire(tx: &Transaction<'_>, now: i64) -> ApiResult<()> {
-    tx.execute(
+    crate::store::exec(tx,
         "UPDATE join_requests SET state = 'expired', updated_at = ?1 WHERE state IN ('pending', 'approved') AND expires_at <= ?1",
         [now],
     )?;
@@ -55,8 +55,7 @@ pub(crate) fn mint(
     let Some(mac) = loose_mac(mac) else {
         return Ok(Outcome::Refused);
     };
-    let local: Option<String> = tx
-        .query_row(
+    let local: Option<String> = crate::store::query_row(tx,
             "SELECT id FROM nodes WHERE boot_mac = ?1 AND state = 'adopted' AND rediscover = 0 AND role != 'ramdisk'",
             [&mac],
             |r| r.get(0),
@@ -65,7 +64,7 @@ pub(crate) fn mint(
     if local.is_some() {
         return Ok(Outcome::LocalBoot);
     }
-    tx.execute(
+    crate::store::exec(tx,
         "UPDATE discovery_tokens SET voided_at = ?2 WHERE mac = ?1 AND spent_at IS NULL AND voided_at IS NULL",
         params![mac, now],
     )?;
@@ -75,7 +74,7 @@ pub(crate) fn mint(
         id: crate::ids::new_id("jt", now * 1000),
         secret,
     };
-    tx.execute(
+    crate::store::exec(tx,
         "INSERT INTO discovery_tokens (id, site_id, mac, secret_sha256, boot_lease_epoch, created_at, expires_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![
@@ -122,8 +121,7 @@ pub(crate) fn admit(
     now: i64,
 ) -> ApiResult<Decided> {
     expire(tx, now)?;
-    let row = tx
-        .query_row(
+    let row = crate::store::query_row(tx,
             "SELECT mac, secret_sha256, boot_lease_epoch, expires_at, spent_at, voided_at FROM discovery_tokens WHERE id = ?1",
             [&r.bearer.id],
             |x| {
@@ -168,8 +166,7 @@ pub(crate) fn admit(
         .clone()
         .unwrap_or_else(|| format!("mac:{}:{}", cfg.site_id, t.mac));
     let known: Option<(String, String, String, i64)> = match &trusted {
-        Some(k) => tx
-            .query_row(
+        Some(k) => crate::store::query_row(tx,
                 "SELECT id, tenant_id, pool_id, identity_generation FROM nodes WHERE hardware_key = ?1 AND hardware_key_trusted = 1 AND state != 'retired'",
                 [k],
                 |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
@@ -195,7 +192,8 @@ pub(crate) fn admit(
                 now,
             )?;
             spend(tx, &r.bearer.id, now)?;
-            tx.execute(
+            crate::store::exec(
+                tx,
                 "UPDATE nodes SET boot_mac = ?2, updated_at = ?3 WHERE id = ?1",
                 params![node, t.mac, now],
             )?;
@@ -214,8 +212,7 @@ pub(crate) fn admit(
         }
     }
     let csr_hex = crypto::hex(&r.csr.sha256);
-    let rejected: Option<String> = tx
-        .query_row(
+    let rejected: Option<String> = crate::store::query_row(tx,
             "SELECT id FROM join_requests WHERE machine_key = ?1 AND state = 'rejected' AND csr_sha256 = ?2",
             params![machine_key, csr_hex],
             |x| x.get(0),
@@ -224,8 +221,7 @@ pub(crate) fn admit(
     if rejected.is_some() {
         return refused(Reason::DiscoveryRejected, None);
     }
-    let current: Option<(String, String, Option<String>, String)> = tx
-        .query_row(
+    let current: Option<(String, String, Option<String>, String)> = crate::store::query_row(tx,
             "SELECT id, state, pool_id, csr_sha256 FROM join_requests WHERE machine_key = ?1 AND state IN ('pending', 'approved')
              ORDER BY created_at DESC LIMIT 1",
             [&machine_key],
@@ -245,7 +241,7 @@ pub(crate) fn admit(
                 Some((node, _, _, generation)) => (node.clone(), *generation),
                 None => {
                     let node = crate::ids::new_id("node", now * 1000);
-                    tx.execute(
+                    crate::store::exec(tx,
                         "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
                          identity_generation, attestor, hostname, claims_json, created_at, updated_at, boot_mac)
                          VALUES (?1, ?2, ?3, ?4, 'ramdisk', 'adopting', ?5, ?6, ?7, 1, 'discovery', ?8, ?9, ?10, ?10, ?11)",
@@ -281,7 +277,7 @@ pub(crate) fn admit(
                 now,
             )?;
             spend(tx, &r.bearer.id, now)?;
-            tx.execute(
+            crate::store::exec(tx,
                 "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
                 params![id, now, node],
             )?;
@@ -296,7 +292,8 @@ pub(crate) fn admit(
                 &id,
                 known.is_some(),
             )?;
-            tx.execute(
+            crate::store::exec(
+                tx,
                 "UPDATE nodes SET state = 'adopted' WHERE id = ?1 AND state = 'adopting'",
                 [&node],
             )?;
@@ -311,7 +308,7 @@ pub(crate) fn admit(
         }
         Some((id, _, _, _)) => {
             // Pending, or approved for another CSR (the machine rebooted): pending again, refreshed.
-            tx.execute(
+            crate::store::exec(tx,
                 "UPDATE join_requests SET state = 'pending', pool_id = NULL, decided_at = NULL, decided_by = NULL, reason = NULL,
                  csr_sha256 = ?2, claims_json = ?3, ip = ?4, mac = ?5, boot_lease_epoch = ?6, updated_at = ?7, expires_at = ?8
                  WHERE id = ?1",
@@ -321,7 +318,7 @@ pub(crate) fn admit(
         }
         None => {
             let id = crate::ids::new_id("jreq", now * 1000);
-            tx.execute(
+            crate::store::exec(tx,
                 "INSERT INTO join_requests (id, site_id, attestor, machine_key, hardware_key, hardware_key_trusted, claims_json, mac, ip,
                  vouched_by, boot_lease_epoch, csr_sha256, state, created_at, updated_at, expires_at)
                  VALUES (?1, ?2, 'discovery', ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, 'pending', ?12, ?12, ?13)",
@@ -354,7 +351,8 @@ pub(crate) fn admit(
 }
 
 fn spend(tx: &Transaction<'_>, token: &str, now: i64) -> ApiResult<()> {
-    tx.execute(
+    crate::store::exec(
+        tx,
         "UPDATE discovery_tokens SET spent_at = ?2 WHERE id = ?1 AND spent_at IS NULL",
         params![token, now],
     )?;

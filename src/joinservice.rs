@@ -132,7 +132,13 @@ impl JoinService {
         drop(keys);
         // No session outlives a restart of the appliance.
         app.store
-            .write(|tx| Ok(tx.execute("UPDATE nodes SET connected = 0 WHERE connected = 1", [])?))
+            .write(|tx| {
+                Ok(crate::store::exec(
+                    tx,
+                    "UPDATE nodes SET connected = 0 WHERE connected = 1",
+                    [],
+                )?)
+            })
             .map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::sync_channel::<Job>(4096);
         let inner = Arc::new(Inner {
@@ -454,7 +460,7 @@ fn process(
             hardware_key.clone(),
         ),
         Prepared::Ready(r) => {
-            tx.execute_batch("SAVEPOINT one_join")?;
+            crate::store::exec(tx, "SAVEPOINT one_join", [])?;
             let d = if r.attestor == "discovery" {
                 crate::discovery::admit(tx, app, signer, r, now)
             } else {
@@ -463,9 +469,12 @@ fn process(
             match &d {
                 // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
                 Ok(Decided::Issued(_)) | Ok(Decided::Deferred(_)) => {
-                    tx.execute_batch("RELEASE one_join")?
+                    crate::store::exec(tx, "RELEASE one_join", [])?;
                 }
-                _ => tx.execute_batch("ROLLBACK TO one_join; RELEASE one_join")?,
+                _ => {
+                    crate::store::exec(tx, "ROLLBACK TO one_join", [])?;
+                    crate::store::exec(tx, "RELEASE one_join", [])?;
+                }
             }
             (
                 d?,
@@ -517,13 +526,13 @@ fn admit_one(
     now: i64,
 ) -> ApiResult<Decided> {
     let cfg = &app.config;
-    let token: Option<TokenRow> = tx
-        .query_row(
-            &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
-            [&r.bearer.id],
-            api::token_row,
-        )
-        .optional()?;
+    let token: Option<TokenRow> = crate::store::query_row(
+        tx,
+        &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
+        [&r.bearer.id],
+        api::token_row,
+    )
+    .optional()?;
     let Some(token) = token else {
         return refused(Reason::Unknown, None);
     };
@@ -532,14 +541,14 @@ fn admit_one(
         return refused(reason, tenant);
     }
     let tenant = Some(token.tenant_id.as_str());
-    tx.execute(
+    crate::store::exec(
+        tx,
         "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?1 AND uses_left > 0",
         [&token.id],
     )?;
     let pool = api::pool_by_id(tx, &token.pool_id)?;
     let known = match r.key.as_ref().filter(|k| k.trusted) {
-        Some(k) => tx
-            .query_row(
+        Some(k) => crate::store::query_row(tx,
                 "SELECT id, tenant_id, site_id, pool_id, role, state, trust, identity_generation FROM nodes
                  WHERE hardware_key = ?1 AND hardware_key_trusted = 1",
                 [&k.hex],
@@ -577,7 +586,7 @@ fn admit_one(
     let (node_id, generation, reclaim) = match &adm.kind {
         Kind::New => {
             let id = crate::ids::new_id("node", now * 1000);
-            tx.execute(
+            crate::store::exec(tx,
                 "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
                  identity_generation, attestor, hostname, claims_json, created_at, updated_at)
                  VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'join-token', ?9, ?10, ?11, ?11)",
@@ -601,7 +610,7 @@ fn admit_one(
             node_id,
             generation,
         } => {
-            tx.execute(
+            crate::store::exec(tx,
                 "UPDATE nodes SET identity_generation = ?2, state = 'adopting', trust = ?3, hostname = ?4, claims_json = ?5,
                  updated_at = ?6 WHERE id = ?1",
                 params![node_id, generation, adm.trust, r.claims.hostname, claims_json, now],
@@ -611,7 +620,7 @@ fn admit_one(
                 .query_map([node_id], |row| row.get(0))?
                 .collect::<Result<_, _>>()?;
             for serial in serials {
-                tx.execute(
+                crate::store::exec(tx,
                     "UPDATE node_certs SET revoked_at = ?2, revoke_reason = 'reclaimed' WHERE serial = ?1",
                     params![serial, now],
                 )?;
@@ -667,7 +676,8 @@ fn admit_one(
         data,
     )?;
     // No acceptance checks yet: the node is adopted at once.
-    tx.execute(
+    crate::store::exec(
+        tx,
         "UPDATE nodes SET state = 'adopted' WHERE id = ?1",
         [&node_id],
     )?;
@@ -722,7 +732,7 @@ pub(crate) fn certify(
     let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
         &csr.public_point,
     )));
-    tx.execute(
+    crate::store::exec(tx,
         "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         params![serial, who.node_id, who.generation, who.role, spki_hash, der, not_before, not_after, now],

@@ -162,8 +162,7 @@ pub(crate) fn process(
         Ok(r) => r,
         Err(reason) => return refuse(tx, app, p, *reason, now, limits),
     };
-    let row: Option<(String, i64, String, i64, Option<i64>)> = tx
-        .query_row(
+    let row: Option<(String, i64, String, i64, Option<i64>)> = crate::store::query_row(tx,
             "SELECT node_id, identity_generation, role, not_after, revoked_at FROM node_certs WHERE serial = ?1 AND der = ?2",
             params![r.leaf.serial_hex, r.leaf_der],
             |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?)),
@@ -172,13 +171,13 @@ pub(crate) fn process(
     let Some((node_id, generation, role, not_after, revoked_at)) = row else {
         return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
     };
-    let node: Option<(String, i64)> = tx
-        .query_row(
-            "SELECT state, identity_generation FROM nodes WHERE id = ?1",
-            [&node_id],
-            |x| Ok((x.get(0)?, x.get(1)?)),
-        )
-        .optional()?;
+    let node: Option<(String, i64)> = crate::store::query_row(
+        tx,
+        "SELECT state, identity_generation FROM nodes WHERE id = ?1",
+        [&node_id],
+        |x| Ok((x.get(0)?, x.get(1)?)),
+    )
+    .optional()?;
     let Some((state, current_generation)) = node else {
         return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
     };
@@ -210,7 +209,8 @@ pub(crate) fn process(
         &r.csr,
         now,
     )?;
-    let tenant: String = tx.query_row(
+    let tenant: String = crate::store::query_row(
+        tx,
         "SELECT tenant_id FROM nodes WHERE id = ?1",
         [&node_id],
         |x| x.get(0),

@@ -88,8 +88,7 @@ pub fn open(tx: &Transaction<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
     let Some(l) = pki::parse_node_leaf(leaf) else {
         return Ok(Outcome::Refused);
     };
-    let row = tx
-        .query_row(
+    let row = crate::store::query_row(tx,
             "SELECT c.node_id, c.identity_generation, c.revoked_at, c.not_after, n.identity_generation, n.state,
                     n.tenant_id, n.connected
              FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?1 AND c.der = ?2",
@@ -121,7 +120,8 @@ pub fn open(tx: &Transaction<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
         return Ok(Outcome::Refused);
     }
     let (node, tenant, connected) = (c.node, c.tenant, c.connected);
-    tx.execute(
+    crate::store::exec(
+        tx,
         "UPDATE nodes SET connected = 1, last_seen = ?2 WHERE id = ?1",
         params![node, now],
     )?;
@@ -132,7 +132,8 @@ pub fn open(tx: &Transaction<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
 }
 
 pub fn seen(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
-    tx.execute(
+    crate::store::exec(
+        tx,
         "UPDATE nodes SET last_seen = ?2 WHERE id = ?1",
         params![node, now],
     )?;
@@ -140,15 +141,16 @@ pub fn seen(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
 }
 
 pub fn closed(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
-    let tenant: Option<String> = tx
-        .query_row(
-            "SELECT tenant_id FROM nodes WHERE id = ?1 AND connected = 1",
-            [node],
-            |x| x.get(0),
-        )
-        .optional()?;
+    let tenant: Option<String> = crate::store::query_row(
+        tx,
+        "SELECT tenant_id FROM nodes WHERE id = ?1 AND connected = 1",
+        [node],
+        |x| x.get(0),
+    )
+    .optional()?;
     if let Some(t) = tenant {
-        tx.execute(
+        crate::store::exec(
+            tx,
             "UPDATE nodes SET connected = 0, last_seen = ?2 WHERE id = ?1",
             params![node, now],
         )?;

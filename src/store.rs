@@ -52,6 +52,8 @@ impl Store {
         )
         .map_err(|e| format!("cannot configure the database: {e}"))?;
         migrate(&mut conn)?;
+        // Hot paths reuse their prepared statements (see `exec` and `query_row`).
+        conn.set_prepared_statement_cache_capacity(128);
         Ok(Self {
             conn: Mutex::new(conn),
         })
@@ -99,6 +101,26 @@ fn migrate(conn: &mut Connection) -> Result<(), String> {
         tx.commit().map_err(|e| e.to_string())?;
     }
     Ok(())
+}
+
+/// `execute` through the connection's statement cache: the hot paths (joins, renewals, sessions,
+/// events) do not parse their SQL again for every row.
+pub fn exec(
+    tx: &Transaction<'_>,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> rusqlite::Result<usize> {
+    tx.prepare_cached(sql)?.execute(params)
+}
+
+/// `query_row` through the statement cache.
+pub fn query_row<T>(
+    tx: &Transaction<'_>,
+    sql: &str,
+    params: impl rusqlite::Params,
+    f: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> rusqlite::Result<T> {
+    tx.prepare_cached(sql)?.query_row(params, f)
 }
 
 /// Maps "no row" to `NOT_FOUND` with the given message.
