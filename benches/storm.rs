@@ -130,6 +130,15 @@ fn api(a: &Appliance, m: &str, body: Value) -> Value {
     bca::client::Client::new(&a.socket).call(m, &body).unwrap()
 }
 
+/// CPU seconds (user + system) a process has used.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 of stat (utime, stime), in clock ticks of 1/100 s.
+    (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / 100.0
+}
+
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap()
@@ -358,6 +367,7 @@ fn main() {
         .unwrap();
     // Join storm.
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
+    let cpu0 = cpu_seconds(a.child.id());
     let t = Instant::now();
     let results: Vec<(Duration, Option<protocol::JoinResponse>)> = rt.block_on(async {
         let mut hs = Vec::new();
@@ -375,12 +385,24 @@ fn main() {
         out
     });
     let wall = t.elapsed();
+    let join_cpu = cpu_seconds(a.child.id()) - cpu0;
     let ok = results.iter().filter(|r| r.1.is_some()).count();
     let mut lat: Vec<Duration> = results.iter().map(|r| r.0).collect();
     lat.sort();
     let rate = ok as f64 / wall.as_secs_f64();
     line("join_storm", rate, "joins/s/core");
     line("join_ceiling_fraction", rate / ceil, "");
+    // How busy the appliance's core was: below 1, the load generator's core is the bound.
+    line(
+        "join_storm_appliance_core_busy",
+        join_cpu / wall.as_secs_f64(),
+        "",
+    );
+    line(
+        "join_per_appliance_cpu_second",
+        ok as f64 / join_cpu.max(0.01),
+        "joins/cpu-s",
+    );
     line("join_p50", pct(&lat, 0.5), "ms");
     line("join_p99", pct(&lat, 0.99), "ms");
     line("join_failures", (joins - ok) as f64, "");
@@ -438,6 +460,7 @@ fn main() {
         "KiB/session",
     );
 
+    let cpu0 = cpu_seconds(a.child.id());
     let t = Instant::now();
     let renewed: Vec<Option<Duration>> = rt.block_on(async {
         let mut hs = Vec::new();
@@ -473,12 +496,23 @@ fn main() {
         out
     });
     let wall = t.elapsed();
+    let renew_cpu = cpu_seconds(a.child.id()) - cpu0;
     let mut rl: Vec<Duration> = renewed.iter().flatten().copied().collect();
     rl.sort();
     line(
         "renewal_storm",
         rl.len() as f64 / wall.as_secs_f64(),
         "renewals/s/core",
+    );
+    line(
+        "renewal_storm_appliance_core_busy",
+        renew_cpu / wall.as_secs_f64(),
+        "",
+    );
+    line(
+        "renewal_per_appliance_cpu_second",
+        rl.len() as f64 / renew_cpu.max(0.01),
+        "renewals/cpu-s",
     );
     line("renewal_p50", pct(&rl, 0.5), "ms");
     line("renewal_p99", pct(&rl, 0.99), "ms");

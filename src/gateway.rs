@@ -30,8 +30,19 @@ pub struct Gateway {
 }
 
 /// The rustls provider every TLS endpoint of bca uses: aws-lc-rs.
+///
+/// TLS 1.3's AES-128-GCM-SHA256 is preferred: its key schedule runs on SHA-256, which these
+/// machines accelerate, where SHA-384 (AES-256-GCM's) cost 5% of a join in a profile. AES-256-GCM
+/// and ChaCha20-Poly1305 stay available.
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+    use rustls::crypto::aws_lc_rs::cipher_suite as cs;
+    let mut p = rustls::crypto::aws_lc_rs::default_provider();
+    p.cipher_suites = vec![
+        cs::TLS13_AES_128_GCM_SHA256,
+        cs::TLS13_AES_256_GCM_SHA384,
+        cs::TLS13_CHACHA20_POLY1305_SHA256,
+    ];
+    Arc::new(p)
 }
 
 /// TLS 1.3 only, the gateway leaf and the serving CA as its chain, ALPN `bca/1`, optional client
@@ -64,6 +75,10 @@ pub fn server_config(
         )
         .map_err(|e| format!("the gateway certificate: {e}"))?;
     cfg.alpn_protocols = vec![protocol::ALPN.to_vec()];
+    cfg.ignore_client_order = true;
+    // Agents open a connection per join or session and never resume: no session tickets.
+    cfg.send_tls13_tickets = 0;
+    cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(cfg)
 }
 
