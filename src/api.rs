@@ -197,7 +197,7 @@ fn events_list(tx: &Transaction<'_>, i: EventsListInput) -> ApiResult<Value> {
 }
 
 /// `{"items": [...], "cursor": ...}` from up to `limit + 1` rows.
-fn page<K>(mut rows: Vec<(K, Value)>, limit: i64, cursor: impl Fn(&K) -> String) -> Value {
+pub fn page<K>(mut rows: Vec<(K, Value)>, limit: i64, cursor: impl Fn(&K) -> String) -> Value {
     let more = rows.len() as i64 > limit;
     rows.truncate(limit as usize);
     let next = if more {

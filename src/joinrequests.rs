@@ -153,7 +153,7 @@ fn list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: ListInput) -> ApiResult<Value> {
               OR (?2 IS NULL AND EXISTS (SELECT 1 FROM pools p WHERE p.id = r.pool_id AND p.tenant_id = ?3)))
          AND (?4 = 'all' OR state = ?4) AND id > ?5 ORDER BY id LIMIT ?6"
     ))?;
-    let mut rows: Vec<Value> = st
+    let rows: Vec<(String, Value)> = st
         .query_map(
             params![
                 site,
@@ -165,15 +165,9 @@ fn list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: ListInput) -> ApiResult<Value> {
             ],
             row,
         )?
+        .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
         .collect::<Result<_, _>>()?;
-    let more = rows.len() as i64 > limit;
-    rows.truncate(limit as usize);
-    let cursor = if more {
-        rows.last().map(|r| r["id"].clone())
-    } else {
-        None
-    };
-    Ok(json!({"items": rows, "cursor": cursor}))
+    Ok(crate::api::page(rows, limit, |id| id.clone()))
 }
 
 fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) -> ApiResult<Value> {

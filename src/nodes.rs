@@ -282,7 +282,7 @@ fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
         "SELECT {COLS} FROM nodes WHERE tenant_id = ?1 AND (?2 IS NULL OR pool_id = ?2) AND id > ?3
          AND (?4 OR state != 'retired') ORDER BY id LIMIT ?5"
     ))?;
-    let mut rows: Vec<(String, Value)> = st
+    let rows: Vec<(String, Value)> = st
         .query_map(
             params![
                 i.tenant_id,
@@ -295,14 +295,7 @@ fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
         )?
         .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
         .collect::<Result<_, _>>()?;
-    let more = rows.len() as i64 > limit;
-    rows.truncate(limit as usize);
-    let cursor = if more {
-        rows.last().map(|(k, _)| k.clone())
-    } else {
-        None
-    };
-    Ok(json!({"items": rows.into_iter().map(|(_, v)| v).collect::<Vec<_>>(), "cursor": cursor}))
+    Ok(crate::api::page(rows, limit, |id| id.clone()))
 }
 
 pub fn run_cli(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {

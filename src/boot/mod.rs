@@ -153,19 +153,16 @@ pub fn dispatch(
                 "SELECT epoch, mac, ip, arch, stage, file, created_at FROM boot_leases
                  WHERE epoch < ?1 AND (?2 IS NULL OR mac = ?2) ORDER BY epoch DESC LIMIT ?3",
             )?;
-            let mut rows: Vec<serde_json::Value> = st
+            let rows: Vec<(i64, serde_json::Value)> = st
                 .query_map(rusqlite::params![before, mac, limit + 1], |r| {
-                    Ok(serde_json::json!({
+                    Ok((r.get::<_, i64>(0)?, serde_json::json!({
                         "epoch": r.get::<_, i64>(0)?, "mac": r.get::<_, String>(1)?, "ip": r.get::<_, Option<String>>(2)?,
                         "arch": r.get::<_, Option<i64>>(3)?, "stage": r.get::<_, String>(4)?, "file": r.get::<_, Option<String>>(5)?,
                         "createdAt": crate::api::rfc3339(r.get(6)?),
-                    }))
+                    })))
                 })?
                 .collect::<Result<_, _>>()?;
-            let more = rows.len() as i64 > limit;
-            rows.truncate(limit as usize);
-            let cursor = if more { rows.last().map(|r| r["epoch"].to_string()) } else { None };
-            Ok(serde_json::json!({"items": rows, "cursor": cursor}))
+            Ok(crate::api::page(rows, limit, |epoch| epoch.to_string()))
         })
     }))
 }

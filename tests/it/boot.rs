@@ -20,18 +20,12 @@ fn boot_appliance(mode: &str) -> (Appliance, u16, u16) {
     let mut a = Appliance::start();
     let cfg = a.state().join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
-    let i = text.find("[boot]").unwrap();
     let boot = format!(
         "[boot]\nenabled = true\nmode = \"{mode}\"\nserver_ip = \"127.0.0.1\"\nlisten_dhcp = \"127.0.0.1:{dhcp}\"\n\
          listen_proxy = \"127.0.0.1:{proxy}\"\nlisten_tftp = \"127.0.0.1:{tftp}\"\nrange_start = \"127.0.0.100\"\nrange_end = \"127.0.0.110\"\n"
     );
     // Replace the [boot] table init wrote (defaults) with this one.
-    let rest = &text[i + 6..];
-    let end = rest
-        .find("\n[")
-        .map(|j| i + 6 + j + 1)
-        .unwrap_or(text.len());
-    std::fs::write(&cfg, format!("{}{boot}{}", &text[..i], &text[end..])).unwrap();
+    std::fs::write(&cfg, replace_table(&text, "boot", &boot)).unwrap();
     let root = a.state().join("boot");
     std::fs::create_dir_all(&root).unwrap();
     let mut big = Vec::new();

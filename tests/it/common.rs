@@ -441,3 +441,31 @@ pub fn agent_join(
         .write_all(format!("{token}\n").as_bytes());
     child.wait_with_output().unwrap()
 }
+
+/// Replaces the `[table]` section of a TOML text (as `bca init` wrote it) with `section`.
+pub fn replace_table(text: &str, table: &str, section: &str) -> String {
+    let head = format!("[{table}]");
+    let i = text
+        .find(&head)
+        .unwrap_or_else(|| panic!("no {head} in config.toml"));
+    let end = text[i + head.len()..]
+        .find("\n[")
+        .map(|j| i + head.len() + j + 1)
+        .unwrap_or(text.len());
+    format!("{}{section}{}", &text[..i], &text[end..])
+}
+
+/// Polls `f` until it gives a value, failing the test after `secs` seconds.
+pub fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
+    let t = std::time::Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -5,7 +5,7 @@ use crate::common::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// An appliance whose config names its gateway (the ramdisk needs it) and retries quickly.
 fn appliance(approval: &str) -> Appliance {
@@ -116,20 +116,6 @@ fn pending(a: &Appliance, mac: &str) -> Option<Value> {
         .iter()
         .find(|r| r["mac"] == mac)
         .cloned()
-}
-
-fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
-    let t = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 #[test]

@@ -101,18 +101,12 @@ fn appliance(ns: &Netns, mode: &str) -> Appliance {
     let state = dir.path().join("state");
     let cfg = state.join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
-    let i = text.find("[boot]").unwrap();
-    let rest = &text[i + 6..];
-    let end = rest
-        .find("\n[")
-        .map(|j| i + 6 + j + 1)
-        .unwrap_or(text.len());
     let net = &ns.net;
     let boot = format!(
         "[boot]\nenabled = true\nmode = \"{mode}\"\ninterface = \"br0\"\nserver_ip = \"{ip}\"\nrange_start = \"{net}.100\"\n\
          range_end = \"{net}.150\"\nnetmask = \"255.255.255.0\"\nkernel_args = \"console=ttyS0\"\n"
     );
-    let text = format!("{}{boot}{}", &text[..i], &text[end..])
+    let text = replace_table(&text, "boot", &boot)
         .replace("retry_after_seconds = 30", "retry_after_seconds = 2");
     std::fs::write(&cfg, text).unwrap();
     let root = state.join("boot");

@@ -9,7 +9,7 @@ use bca::protocol::{
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -220,17 +220,6 @@ fn hello(
     (r, s, rt)
 }
 
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn sessions_show_connected_and_revocation_closes_them() {
     let a = Appliance::start();
@@ -271,7 +260,7 @@ fn sessions_show_connected_and_revocation_closes_them() {
         "ACCESS_DENIED"
     );
     wait_for("node.disconnected", 5, || {
-        a.cli_json(&["nodes", "get", &n.id])["connected"] == false
+        ({ a.cli_json(&["nodes", "get", &n.id])["connected"] == false }).then_some(())
     });
     assert!(a.last_event("node.disconnected").is_some());
     // A revoked certificate cannot open a session.
@@ -338,14 +327,18 @@ fn agent_run_reconnects_after_a_restart_spread_over_time() {
     let (_, token) = a.token(&pool, json!({"maxUses": 4}));
     let dirs: Vec<PathBuf> = (0..4).map(|_| joined_agent_dir(&a, &token)).collect();
     let mut agents: Vec<Child> = dirs.iter().map(|d| agent_run(d)).collect();
-    wait_for("4 connected nodes", 20, || connected(&a) == 4);
+    wait_for("4 connected nodes", 20, || {
+        (connected(&a) == 4).then_some(())
+    });
     let identities: Vec<Vec<u8>> = dirs
         .iter()
         .map(|d| std::fs::read(d.join("data/identity.json")).unwrap())
         .collect();
     a.restart();
     let restarted = bca::clock::now_ms();
-    wait_for("4 reconnected nodes", 30, || connected(&a) == 4);
+    wait_for("4 reconnected nodes", 30, || {
+        (connected(&a) == 4).then_some(())
+    });
     for c in &mut agents {
         let _ = c.kill();
     }
@@ -394,12 +387,14 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     let mut agent = agent_run(&dir);
     // 60% of 11 s (10 s plus 1 s set back) after notBefore: the renewal comes within seconds.
     wait_for("a renewal", 20, || {
-        a.count("SELECT count(*) FROM node_certs") >= 2
+        ({ a.count("SELECT count(*) FROM node_certs") >= 2 }).then_some(())
     });
     wait_for("the renewed identity on disk", 10, || {
-        std::fs::read(data.join("identity.json")).unwrap() != first
+        ({ std::fs::read(data.join("identity.json")).unwrap() != first }).then_some(())
     });
-    wait_for("the renewed session", 10, || connected(&a) == 1);
+    wait_for("the renewed session", 10, || {
+        (connected(&a) == 1).then_some(())
+    });
     let _ = agent.kill();
     let _ = agent.wait();
     let loaded = bca::agent_run::load_identity(&data).unwrap();
