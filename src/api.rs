@@ -98,6 +98,7 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> ApiRes
             store.read(|tx| events_list(tx, i))
         }
         _ => crate::nodes::dispatch(store, ctx, path, body)
+            .or_else(|| crate::audit::dispatch(store, ctx, path, body))
             .or_else(|| crate::joinrequests::dispatch(store, ctx, path, body))
             .or_else(|| crate::boot::dispatch(store, path, body))
             .unwrap_or_else(|| Err(ApiError::not_found(format!("no method {path}")))),

@@ -68,26 +68,28 @@ impl App {
 
     /// Checks that the unsealed keys are the ones the public PKI names.
     pub fn check_keys(&self, keys: &KeyBundle) -> Result<(), String> {
-        let pairs = [
-            ("node CA", &self.pki.node_ca, &keys.node_ca),
-            ("serving CA", &self.pki.serving_ca, &keys.serving_ca),
-            ("gateway", &self.pki.gateway, &keys.gateway),
-            ("join-signing", &self.pki.join_signing, &keys.join_signing),
-        ];
-        for (name, cert, key) in pairs {
-            if crate::pki::cert_spki(cert)? != key.spki_der() {
-                return Err(format!(
-                    "the {name} key does not match its certificate in {}",
-                    self.state_dir.display()
-                ));
-            }
-        }
-        if self.pki.join_encryption.point().as_deref() != Some(keys.join_encryption.public_point())
-        {
-            return Err("the join-encryption key does not match join-encryption.jwk".into());
-        }
-        Ok(())
+        check_keys_against(&self.pki, keys)
+            .map_err(|e| format!("{e} (in {})", self.state_dir.display()))
     }
+}
+
+/// Checks that the unsealed keys are the ones the certificates and the JWK name.
+pub fn check_keys_against(pki: &PublicPki, keys: &KeyBundle) -> Result<(), String> {
+    let pairs = [
+        ("node CA", &pki.node_ca, &keys.node_ca),
+        ("serving CA", &pki.serving_ca, &keys.serving_ca),
+        ("gateway", &pki.gateway, &keys.gateway),
+        ("join-signing", &pki.join_signing, &keys.join_signing),
+    ];
+    for (name, cert, key) in pairs {
+        if crate::pki::cert_spki(cert)? != key.spki_der() {
+            return Err(format!("the {name} key does not match its certificate"));
+        }
+    }
+    if pki.join_encryption.point().as_deref() != Some(keys.join_encryption.public_point()) {
+        return Err("the join-encryption key does not match join-encryption.jwk".into());
+    }
+    Ok(())
 }
 
 pub fn well_known(config: &Config, pki: &PublicPki) -> Result<Value, String> {

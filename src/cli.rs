@@ -99,6 +99,13 @@ pub enum Command {
     /// Agent binaries served to install scripts.
     #[command(subcommand)]
     Downloads(DownloadsCmd),
+    /// The audit trail: who did what, when.
+    #[command(subcommand)]
+    Audit(AuditCmd),
+    /// Check the appliance: state directory, modes, keys, database, server, ports, TPM, clock.
+    Doctor,
+    /// The running server's health (the admin socket's health/get).
+    Health,
     /// Shell completions on stdout.
     Completions { shell: clap_complete::Shell },
     /// The man page (roff) on stdout.
@@ -284,6 +291,28 @@ pub enum EventsCmd {
         #[arg(long)]
         tenant: Option<String>,
         /// Every tenant's events.
+        #[arg(long, conflicts_with = "tenant")]
+        all_tenants: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AuditCmd {
+    /// List audit rows, newest first.
+    List {
+        /// Only rows at or after this time: RFC 3339 (2026-12-03T10:00:00Z) or an age (24h, 7d).
+        #[arg(long)]
+        since: Option<String>,
+        /// Only actions starting with this (joinTokens., nodes.retire, retention.pruned).
+        #[arg(long)]
+        action: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Every tenant's rows.
         #[arg(long, conflicts_with = "tenant")]
         all_tenants: bool,
         #[arg(long)]
@@ -676,6 +705,67 @@ fn run(cli: Cli) -> ApiResult<()> {
                 );
                 print_cursor(v);
             });
+            Ok(())
+        }
+        Command::Audit(AuditCmd::List {
+            since,
+            action,
+            tenant,
+            all_tenants,
+            limit,
+            cursor,
+        }) => {
+            let c = conn.client();
+            let tenant = if all_tenants {
+                None
+            } else {
+                Some(tenant_or_root(&c, tenant)?)
+            };
+            // An age is turned into a time here; a time is passed on for the server to check.
+            let since = since.map(|s| match crate::audit::parse_age(&s) {
+                Some(age) => crate::api::rfc3339(crate::clock::now() - age),
+                None => s,
+            });
+            let v = c.call(
+                "audit/list",
+                &json!({"tenantId": tenant, "action": action, "since": since, "limit": limit, "cursor": cursor}),
+            )?;
+            print(conn, &v, |v| {
+                print_table(
+                    &["TIME", "ACTION", "ACTOR", "TARGET", "DATA"],
+                    items(v)
+                        .iter()
+                        .map(|e| {
+                            vec![
+                                s(&e["createdAt"]),
+                                s(&e["action"]),
+                                s(&e["actor"]),
+                                s(&e["target"]),
+                                e["data"].to_string(),
+                            ]
+                        })
+                        .collect(),
+                );
+                print_cursor(v);
+            });
+            Ok(())
+        }
+        Command::Doctor => {
+            if crate::doctor::run(&conn.state_dir(), conn.socket.as_deref()) {
+                Ok(())
+            } else {
+                Err(ApiError::new(
+                    Code::InvalidState,
+                    "bca doctor found problems (FAIL lines above)",
+                ))
+            }
+        }
+        Command::Health => {
+            let v = conn.client().call("health/get", &json!({}))?;
+            print(conn, &v, print_record);
+            if v["status"] == "failing" {
+                return Err(ApiError::new(Code::Unavailable, "the appliance is failing"));
+            }
             Ok(())
         }
         Command::Nodes(cmd) => crate::nodes::run_cli(cmd, conn),

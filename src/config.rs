@@ -65,6 +65,8 @@ pub struct Config {
     pub discovery: DiscoveryConfig,
     #[serde(default)]
     pub boot: crate::boot::BootConfig,
+    #[serde(default)]
+    pub retention: crate::audit::RetentionConfig,
 }
 
 /// The `discovery` attestor: machines that PXE-boot the discovery ramdisk.
@@ -229,6 +231,7 @@ impl Config {
         if !(1..=300).contains(&self.sessions.heartbeat_seconds) {
             return Err("sessions.heartbeat_seconds must be 1 to 300".into());
         }
+        self.retention.validate()?;
         if !(30..=900).contains(&self.join.seal_max_skew_seconds) {
             return Err("join.seal_max_skew_seconds must be 30 to 900".into());
         }

@@ -55,6 +55,9 @@ async fn public(
             return Ok(error(&ApiError::invalid_input("use GET for boot files")));
         }
         let query = req.uri().query().unwrap_or("").to_string();
+        crate::metrics::get()
+            .boot_http_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let text = |status: u16, body: String| {
             Response::builder()
                 .status(status)
@@ -78,6 +81,54 @@ async fn public(
                 }
             },
         );
+    }
+    if matches!(req.uri().path(), "/healthz" | "/metrics") && addrs.is_some() {
+        if req.method() != Method::GET {
+            return Ok(error(&ApiError::invalid_input(format!(
+                "use GET for {}",
+                req.uri().path()
+            ))));
+        }
+        let metrics = req.uri().path() == "/metrics";
+        let app2 = app.clone();
+        let res = tokio::task::spawn_blocking(move || {
+            if metrics {
+                Ok(crate::metrics::get()
+                    .render(app2.sessions.len())
+                    .into_bytes())
+            } else {
+                crate::health::report(&app2).map(|v| {
+                    let mut b = serde_json::to_vec_pretty(&v).expect("serializes");
+                    b.push(b'\n');
+                    b
+                })
+            }
+        })
+        .await;
+        return Ok(match res {
+            Ok(Ok(body)) => {
+                // Load balancers and probes read the status code: 503 while failing.
+                let failing = !metrics
+                    && serde_json::from_slice::<Value>(&body)
+                        .map(|v| v["status"] == "failing")
+                        .unwrap_or(true);
+                Response::builder()
+                    .status(if failing { 503 } else { 200 })
+                    .header(
+                        "content-type",
+                        if metrics {
+                            "text/plain; version=0.0.4"
+                        } else {
+                            "application/json"
+                        },
+                    )
+                    .header("cache-control", "no-store")
+                    .body(Full::new(Bytes::from(body)))
+                    .expect("a valid response")
+            }
+            Ok(Err(e)) => error(&e),
+            Err(e) => error(&ApiError::internal(e)),
+        });
     }
     if req.uri().path() == well_known_path() {
         if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -180,6 +231,9 @@ async fn admin(
             root_tenant: &app.root_tenant,
             sessions: Some(&app.sessions),
         };
+        if method == "health/get" {
+            return crate::health::report(&app);
+        }
         crate::downloads::dispatch(&app.store, &app.state_dir, &ctx, &method, &body)
             .unwrap_or_else(|| api::dispatch(&app.store, &ctx, &method, &body))
     })

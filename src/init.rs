@@ -131,6 +131,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         sessions: Default::default(),
         discovery: Default::default(),
         boot: Default::default(),
+        retention: Default::default(),
     };
     config.gateway_server_name = None;
     let keys = KeyBundle::generate();

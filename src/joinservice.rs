@@ -112,6 +112,17 @@ struct Inner {
     jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
     in_flight: Mutex<HashSet<String>>,
     renew_proofs: Mutex<crate::renewal::ReplayCache>,
+    /// False once the writer thread has ended (stopped or panicked).
+    alive: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Clears `alive` when the writer thread ends, however it ends.
+struct Alive(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 pub struct JoinService {
@@ -141,7 +152,10 @@ impl JoinService {
             })
             .map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::sync_channel::<Job>(4096);
+        let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let guard = Alive(alive.clone());
         let inner = Arc::new(Inner {
+            alive,
             app: app.clone(),
             signer: signer.clone(),
             jobs: Mutex::new(Some(tx)),
@@ -150,7 +164,10 @@ impl JoinService {
         });
         let writer = std::thread::Builder::new()
             .name("join-writer".into())
-            .spawn(move || writer_loop(app, signer, rx))
+            .spawn(move || {
+                let _alive = guard;
+                writer_loop(app, signer, rx)
+            })
             .map_err(|e| format!("cannot start the join writer: {e}"))?;
         Ok(Self {
             handle: JoinHandle { inner },
@@ -194,6 +211,17 @@ impl Drop for InFlight<'_> {
 }
 
 impl JoinHandle {
+    /// Whether the writer thread still takes work.
+    pub fn is_running(&self) -> bool {
+        self.inner.alive.load(std::sync::atomic::Ordering::SeqCst)
+            && self
+                .inner
+                .jobs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some()
+    }
+
     /// The message interface: a serialized [`Call`] in, a serialized [`Outcome`] out.
     pub async fn call(&self, msg: &[u8]) -> Vec<u8> {
         let outcome = match serde_json::from_slice::<Call>(msg) {
@@ -254,6 +282,8 @@ impl JoinHandle {
         let Some(sender) = sender else {
             return Outcome::Busy;
         };
+        let depth = &crate::metrics::get().queue_depth;
+        depth.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if sender
             .try_send(Job {
                 work,
@@ -262,6 +292,7 @@ impl JoinHandle {
             })
             .is_err()
         {
+            depth.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             return Outcome::Busy;
         }
         rx.await.unwrap_or(Outcome::Busy)
@@ -404,7 +435,11 @@ fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
                 Err(_) => break,
             }
         }
+        crate::metrics::get()
+            .queue_depth
+            .fetch_sub(batch.len() as i64, std::sync::atomic::Ordering::Relaxed);
         let now = crate::clock::now();
+        let started = std::time::Instant::now();
         let result = app.store.write(|tx| {
             let mut outs = Vec::with_capacity(batch.len());
             for job in &batch {
@@ -412,20 +447,39 @@ fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
             }
             Ok(outs)
         });
+        crate::metrics::get().commit(started.elapsed().as_micros() as u64);
         match result {
             Ok(outs) => {
                 for (job, out) in batch.into_iter().zip(outs) {
+                    count(&job.work, &out);
                     let _ = job.reply.send(out);
                 }
             }
             Err(e) => {
                 tracing::error!(error = %e, joins = batch.len(), "join batch failed; nothing was admitted");
                 for job in batch {
+                    count(&job.work, &Outcome::Busy);
                     let _ = job.reply.send(Outcome::Busy);
                 }
             }
         }
     }
+}
+
+/// Counts an answered join or renewal for `/metrics`.
+fn count(work: &Work, out: &Outcome) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let m = crate::metrics::get();
+    let c = match (work, out) {
+        (Work::Join(_), Outcome::Issued { .. }) => &m.joins_issued,
+        (Work::Join(_), Outcome::Deferred { .. }) => &m.joins_deferred,
+        (Work::Join(_), Outcome::Refused) => &m.joins_refused,
+        (Work::Join(_), _) => &m.joins_busy,
+        (Work::Renew(_), Outcome::Issued { .. }) => &m.renewals_issued,
+        (Work::Renew(_), _) => &m.renewals_refused,
+        _ => return,
+    };
+    c.fetch_add(1, Relaxed);
 }
 
 fn process(
@@ -488,6 +542,7 @@ fn process(
         Decided::Deferred(response) => Ok(Outcome::Deferred { response }),
         Decided::Refused(r) => {
             tracing::info!(reason = r.reason.as_str(), "join refused");
+            crate::metrics::get().refused(r.reason.as_str());
             if let Some(suppressed) = limits.admit(r.reason.as_str(), now) {
                 let tenant = r.tenant.unwrap_or_else(|| app.root_tenant.clone());
                 api::publish(

@@ -263,6 +263,13 @@ pub fn cert_spki(der: &[u8]) -> Result<Vec<u8>, String> {
     Ok(c.public_key().raw.to_vec())
 }
 
+/// A certificate's notAfter, in Unix seconds.
+pub fn not_after(der: &[u8]) -> Option<i64> {
+    use x509_parser::prelude::*;
+    let (_, c) = X509Certificate::from_der(der).ok()?;
+    Some(c.validity().not_after.timestamp())
+}
+
 /// A JWK for a P-256 public point.
 pub fn jwk(point: &[u8]) -> Jwk {
     Jwk {

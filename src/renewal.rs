@@ -133,6 +133,7 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         p.result = Err(RenewReason::Identity);
         return p;
     }
+    crate::metrics::get().skew(r.client_time - now);
     if (r.client_time - now).abs() > MAX_CLOCK_SKEW {
         p.result = Err(RenewReason::Clock);
         return p;
@@ -234,6 +235,7 @@ fn refuse(
     limits: &mut RateLimit,
 ) -> ApiResult<Outcome> {
     tracing::info!(reason = reason.as_str(), node = ?p.proven_node, "renewal refused");
+    crate::metrics::get().refused(reason.as_str());
     if let Some(suppressed) = limits.admit(reason.as_str(), now) {
         // To the node's owner once the caller proved the current key, else to the root tenant.
         let owner: Option<String> = match &p.proven_node {

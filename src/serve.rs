@@ -77,6 +77,35 @@ async fn bind_admin(path: &Path, group: Option<u32>) -> Result<tokio::net::UnixL
     Ok(l)
 }
 
+/// Retention at start and hourly; the clock checks at start and every ten minutes.
+async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+    let mut minutes: u64 = 0;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        let app2 = app.clone();
+        let m = minutes;
+        let _ = tokio::task::spawn_blocking(move || {
+            if m % 10 == 0 {
+                crate::health::log_clock(&app2);
+            }
+            if m % 60 == 0 {
+                crate::audit::apply(
+                    &app2.store,
+                    &app2.config.retention,
+                    &app2.root_tenant,
+                    crate::clock::now(),
+                );
+            }
+        })
+        .await;
+        minutes += 1;
+    }
+}
+
 async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<(), String> {
     let http_addr = opts
         .listen_http
@@ -137,6 +166,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         stop_rx.clone(),
     ));
     tasks.spawn(gw.serve(gateway, stop_rx.clone()));
+    tasks.spawn(housekeeping(app.clone(), stop_rx.clone()));
 
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),

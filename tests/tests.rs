@@ -13,6 +13,8 @@ mod discovery;
 mod foundation;
 #[path = "it/join.rs"]
 mod join;
+#[path = "it/operate.rs"]
+mod operate;
 #[path = "it/pxe.rs"]
 mod pxe;
 #[path = "it/renew.rs"]

@@ -141,9 +141,14 @@ async fn dhcp_loop(app: Arc<App>, sock: UdpSocket, port_4011: bool, http_base: S
         let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
             return;
         };
+        let m = crate::metrics::get();
+        m.dhcp_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let Some((out, req)) = answer(&app, &buf[..n], port_4011, &http_base).await else {
             continue;
         };
+        m.dhcp_answers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dest = if port_4011 {
             peer
         } else if !req.giaddr().is_unspecified() {

@@ -193,6 +193,9 @@ pub async fn serve(
         };
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             tracing::warn!(%peer, file = %req.filename, max_transfers, "tftp: too many transfers at once; refusing one");
+            crate::metrics::get()
+                .tftp_refused_busy
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let _ = socket
                 .send_to(&error_packet(0, "server busy; retry"), peer)
                 .await;
@@ -212,9 +215,18 @@ pub async fn serve(
             if sock.connect(peer).await.is_err() {
                 return;
             }
+            let m = crate::metrics::get();
             match transfer(&sock, &root, &req).await {
-                Ok(()) => on_transfer(peer, &req.filename),
+                Ok(size) => {
+                    m.tftp_transfers
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    m.tftp_bytes
+                        .fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+                    on_transfer(peer, &req.filename)
+                }
                 Err(e) => {
+                    m.tftp_failures
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::info!(%peer, file = %req.filename, error = %e, "tftp: transfer ended")
                 }
             }
@@ -222,7 +234,8 @@ pub async fn serve(
     }
 }
 
-async fn transfer(sock: &UdpSocket, root: &Path, req: &ReadRequest) -> Result<(), String> {
+/// Sends one file; the number of file bytes sent when the last block is acknowledged.
+async fn transfer(sock: &UdpSocket, root: &Path, req: &ReadRequest) -> Result<u64, String> {
     let Some(path) = confine(root, &req.filename) else {
         let _ = sock
             .send(&error_packet(
@@ -302,7 +315,7 @@ async fn transfer(sock: &UdpSocket, root: &Path, req: &ReadRequest) -> Result<()
             }
         }
     }
-    Ok(())
+    Ok(size)
 }
 
 async fn wait_ack(

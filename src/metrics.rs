@@ -1,0 +1,200 @@
+//! Process-wide counters for `GET /metrics` (Prometheus text format) and the health checks.
+//!
+//! The counters are plain atomics bumped where the work happens (the JoinService writer, the DHCP
+//! and TFTP loops); refusals are counted by their reason. Nothing here holds a secret: a reason is
+//! one of the fixed strings of `admission::Reason` or `renewal::RenewReason`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::{Mutex, OnceLock};
+
+#[derive(Default)]
+pub struct Metrics {
+    pub joins_issued: AtomicU64,
+    pub joins_deferred: AtomicU64,
+    pub joins_refused: AtomicU64,
+    pub joins_busy: AtomicU64,
+    pub renewals_issued: AtomicU64,
+    pub renewals_refused: AtomicU64,
+    pub dhcp_requests: AtomicU64,
+    pub dhcp_answers: AtomicU64,
+    pub tftp_transfers: AtomicU64,
+    pub tftp_failures: AtomicU64,
+    pub tftp_refused_busy: AtomicU64,
+    pub tftp_bytes: AtomicU64,
+    pub boot_http_requests: AtomicU64,
+    /// Jobs handed to the JoinService writer and not yet taken by it.
+    pub queue_depth: AtomicI64,
+    pub commits: AtomicU64,
+    pub commit_seconds_micros: AtomicU64,
+    pub commit_max_micros: AtomicU64,
+    refusals: Mutex<BTreeMap<&'static str, u64>>,
+    skews: Mutex<Skews>,
+}
+
+/// The last clock differences (peer minus appliance, seconds) that agents reported in signed
+/// requests: renewals' proof-of-possession time and joins' sealed `iat`.
+#[derive(Default)]
+struct Skews {
+    ring: Vec<i64>,
+    next: usize,
+}
+
+const SKEW_SAMPLES: usize = 64;
+
+pub fn get() -> &'static Metrics {
+    static M: OnceLock<Metrics> = OnceLock::new();
+    M.get_or_init(Metrics::default)
+}
+
+impl Metrics {
+    pub fn refused(&self, reason: &'static str) {
+        *self
+            .refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(reason)
+            .or_default() += 1;
+    }
+
+    pub fn commit(&self, micros: u64) {
+        self.commits.fetch_add(1, Relaxed);
+        self.commit_seconds_micros.fetch_add(micros, Relaxed);
+        self.commit_max_micros.fetch_max(micros, Relaxed);
+    }
+
+    /// Records how far a peer's signed clock is from ours.
+    pub fn skew(&self, peer_minus_ours: i64) {
+        let mut s = self.skews.lock().unwrap_or_else(|p| p.into_inner());
+        if s.ring.len() < SKEW_SAMPLES {
+            s.ring.push(peer_minus_ours);
+        } else {
+            let i = s.next;
+            s.ring[i] = peer_minus_ours;
+        }
+        s.next = (s.next + 1) % SKEW_SAMPLES;
+    }
+
+    /// The median of the recent samples and their number.
+    pub fn median_skew(&self) -> Option<(i64, usize)> {
+        let s = self.skews.lock().unwrap_or_else(|p| p.into_inner());
+        if s.ring.is_empty() {
+            return None;
+        }
+        let mut v = s.ring.clone();
+        v.sort_unstable();
+        Some((v[v.len() / 2], v.len()))
+    }
+
+    /// The Prometheus text exposition (format 0.0.4).
+    pub fn render(&self, sessions: usize) -> String {
+        let mut o = String::new();
+        // A summary's `_count` and `_sum` ride in the label slot as name suffixes.
+        let mut counter = |name: &str, help: &str, kind: &str, samples: &[(String, f64)]| {
+            let _ = writeln!(o, "# HELP bca_{name} {help}\n# TYPE bca_{name} {kind}");
+            for (labels, v) in samples {
+                let _ = writeln!(o, "bca_{name}{labels} {v}");
+            }
+        };
+        let l = |v: &AtomicU64| v.load(Relaxed) as f64;
+        counter(
+            "joins_total",
+            "Joins answered, by outcome.",
+            "counter",
+            &[
+                ("{outcome=\"issued\"}".into(), l(&self.joins_issued)),
+                ("{outcome=\"deferred\"}".into(), l(&self.joins_deferred)),
+                ("{outcome=\"refused\"}".into(), l(&self.joins_refused)),
+                ("{outcome=\"busy\"}".into(), l(&self.joins_busy)),
+            ],
+        );
+        let refusals: Vec<(String, f64)> = self
+            .refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(r, n)| (format!("{{reason=\"{r}\"}}"), *n as f64))
+            .collect();
+        counter(
+            "refusals_total",
+            "Refused joins and renewals, by reason.",
+            "counter",
+            &refusals,
+        );
+        counter(
+            "renewals_total",
+            "Renewals answered, by outcome.",
+            "counter",
+            &[
+                ("{outcome=\"issued\"}".into(), l(&self.renewals_issued)),
+                ("{outcome=\"refused\"}".into(), l(&self.renewals_refused)),
+            ],
+        );
+        counter(
+            "sessions",
+            "Live node sessions on the gateway.",
+            "gauge",
+            &[(String::new(), sessions as f64)],
+        );
+        counter(
+            "dhcp_requests_total",
+            "DHCP packets received.",
+            "counter",
+            &[(String::new(), l(&self.dhcp_requests))],
+        );
+        counter(
+            "dhcp_answers_total",
+            "DHCP answers sent.",
+            "counter",
+            &[(String::new(), l(&self.dhcp_answers))],
+        );
+        counter(
+            "tftp_transfers_total",
+            "TFTP transfers, by result.",
+            "counter",
+            &[
+                ("{result=\"complete\"}".into(), l(&self.tftp_transfers)),
+                ("{result=\"failed\"}".into(), l(&self.tftp_failures)),
+                ("{result=\"busy\"}".into(), l(&self.tftp_refused_busy)),
+            ],
+        );
+        counter(
+            "tftp_bytes_total",
+            "Bytes of file data sent over TFTP.",
+            "counter",
+            &[(String::new(), l(&self.tftp_bytes))],
+        );
+        counter(
+            "boot_http_requests_total",
+            "Boot scripts and files served over HTTP.",
+            "counter",
+            &[(String::new(), l(&self.boot_http_requests))],
+        );
+        counter(
+            "queue_depth",
+            "Work waiting for the JoinService writer.",
+            "gauge",
+            &[(String::new(), self.queue_depth.load(Relaxed).max(0) as f64)],
+        );
+        let commits = self.commits.load(Relaxed);
+        counter(
+            "commit_seconds",
+            "Durable commits of the JoinService writer: count, total and largest duration.",
+            "summary",
+            &[
+                ("_count".into(), commits as f64),
+                (
+                    "_sum".into(),
+                    self.commit_seconds_micros.load(Relaxed) as f64 / 1e6,
+                ),
+            ],
+        );
+        let _ = writeln!(
+            o,
+            "# HELP bca_commit_seconds_max The longest durable commit since start.\n# TYPE bca_commit_seconds_max gauge\nbca_commit_seconds_max {}",
+            self.commit_max_micros.load(Relaxed) as f64 / 1e6
+        );
+        o
+    }
+}

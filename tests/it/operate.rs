@@ -1,0 +1,325 @@
+//! Operating the appliance: health and metrics over HTTP, `bca doctor`, the audit trail and
+//! retention.
+
+use crate::common::*;
+use serde_json::{json, Value};
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+/// `curl` against the HTTP listener: (status, body).
+fn get(a: &Appliance, path: &str, method: &str) -> (u16, String) {
+    let o = Command::new("curl")
+        .args(["-s", "-X", method, "-w", "\n%{http_code}"])
+        .arg(format!("http://{}{path}", a.http))
+        .output()
+        .unwrap();
+    let text = String::from_utf8(o.stdout).unwrap();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (code.parse().unwrap(), body.to_string())
+}
+
+fn metric(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(line_start)
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no {line_start} in\n{text}"))
+}
+
+#[test]
+fn healthz_and_metrics_count_what_happened() {
+    let a = Appliance::start();
+    let (code, body) = get(&a, "/healthz", "GET");
+    assert_eq!(code, 200, "{body}");
+    let h: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(h["status"], "ok", "{h}");
+    assert_eq!(h["database"], true);
+    assert_eq!(h["joinService"], true);
+    assert_eq!(h["warnings"], json!([]));
+
+    // One admitted join, one refused.
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, json!({"maxUses": 1}));
+    let sim = Sim::new(&a);
+    sim.admitted(&token, &machine());
+    let (raw, _, _) = sim.join(&token, &machine());
+    assert_eq!(raw, refused_bytes());
+
+    let (code, text) = get(&a, "/metrics", "GET");
+    assert_eq!(code, 200);
+    assert_eq!(metric(&text, "bca_joins_total{outcome=\"issued\"}"), 1.0);
+    assert_eq!(metric(&text, "bca_joins_total{outcome=\"refused\"}"), 1.0);
+    assert_eq!(
+        metric(&text, "bca_refusals_total{reason=\"join-token:exhausted\"}"),
+        1.0,
+        "{text}"
+    );
+    assert!(metric(&text, "bca_commit_seconds_count") >= 2.0);
+    assert_eq!(metric(&text, "bca_queue_depth"), 0.0);
+    assert_eq!(metric(&text, "bca_sessions"), 0.0);
+    // Every sample line is `name{labels} number` under a TYPE line: what Prometheus parses.
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let (name, v) = l.rsplit_once(' ').unwrap();
+        assert!(name.starts_with("bca_"), "{l}");
+        v.parse::<f64>().unwrap_or_else(|_| panic!("{l}"));
+    }
+    // No token secret in the metrics.
+    assert!(!text.contains(token.split('.').next_back().unwrap()));
+
+    // Wrong method: a clear error, nothing else.
+    let (code, body) = get(&a, "/healthz", "POST");
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("use GET for /healthz"), "{body}");
+
+    // The same report on the admin socket, for `bca health`.
+    let v = a.cli_json(&["health"]);
+    assert_eq!(v["status"], "ok");
+}
+
+#[test]
+fn doctor_checks_modes_keys_database_and_the_clock() {
+    let a = Appliance::start();
+    let o = a.cli(&["doctor"]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for line in [
+        "ok   state directory",
+        "ok   file modes",
+        "WARN keys: loadable, and plain files",
+        "ok   gateway certificate: valid until",
+        "ok   database",
+        "ok   server: serving on",
+        "ok   tpm",
+        "ok   clock",
+    ] {
+        assert!(out.contains(line), "{line:?} not in\n{out}");
+    }
+
+    // A clock that went backwards (a row written a day ahead of now) is a warning, and /healthz
+    // says degraded (still 200: the appliance serves).
+    let tomorrow = bca::clock::now() + 86_400;
+    a.db()
+        .execute(
+            "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES ('x', 'test', 'test', 'x', '{}', ?1)",
+            [tomorrow],
+        )
+        .unwrap();
+    let o = a.cli(&["doctor"]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("WARN clock: the clock went backwards"),
+        "{out}"
+    );
+    let (code, body) = get(&a, "/healthz", "GET");
+    assert_eq!(code, 200);
+    assert!(
+        body.contains("\"degraded\"") && body.contains("went backwards"),
+        "{body}"
+    );
+
+    // A key file readable by others fails the check and names the file.
+    let key = a.state().join("keys");
+    let f = std::fs::read_dir(&key)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let o = a.cli(&["doctor"]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains(&format!("FAIL file modes: {} is 0644", f.display())),
+        "{out}"
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("INVALID_STATE"));
+}
+
+#[test]
+fn doctor_without_a_server_checks_the_ports() {
+    let mut a = Appliance::start();
+    a.stop();
+    // Ports that nobody holds: the config's listeners point at free loopback ports.
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let text = text
+        .lines()
+        .map(|l| {
+            if l.starts_with("listen_http") {
+                "listen_http = \"127.0.0.1:0\"".to_string()
+            } else if l.starts_with("listen_gateway") {
+                "listen_gateway = \"127.0.0.1:0\"".to_string()
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&cfg, text).unwrap();
+    let o = a.cli(&["doctor"]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("WARN server: not answering"), "{out}");
+    assert!(out.contains("ok   http: 127.0.0.1:0 is free"), "{out}");
+    // A port someone else holds is a failure.
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = holder.local_addr().unwrap().to_string();
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "listen_gateway = \"127.0.0.1:0\"",
+        &format!("listen_gateway = \"{port}\""),
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let o = a.cli(&["doctor"]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains(&format!("FAIL gateway: {port} cannot be bound")),
+        "{out}"
+    );
+}
+
+#[test]
+fn audit_list_filters_by_action_and_time() {
+    let a = Appliance::start();
+    let pool = a.pool("p1");
+    a.token(&pool, json!({}));
+    let v = a.cli_json(&["audit", "list", "--action", "pools."]);
+    let items = v["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{v}");
+    assert_eq!(items[0]["action"], "pools.create");
+    assert!(items[0]["actor"].as_str().unwrap().starts_with("uid:"));
+    let v = a.cli_json(&["audit", "list", "--since", "1h"]);
+    let actions: Vec<&str> = v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(actions, ["joinTokens.create", "pools.create", "site.init"]);
+    let v = a.cli_json(&["audit", "list", "--since", "2099-01-01T00:00:00Z"]);
+    assert_eq!(v["items"], json!([]));
+    // The table names the columns.
+    let o = a.cli(&["audit", "list"]);
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        table.starts_with("TIME") && table.contains("joinTokens.create"),
+        "{table}"
+    );
+
+    // Bad values: named, exit 1.
+    let (code, msg) = a.cli_err(&["audit", "list", "--since", "yesterday"]);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("since must be an RFC 3339 time"), "{msg}");
+    let (code, msg) = a.cli_err(&["audit", "list", "--action", "a b"]);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("action must be"), "{msg}");
+    let (code, msg) = a.cli_err(&["audit", "list", "--limit", "0"]);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("limit"), "{msg}");
+}
+
+fn old_rows(a: &Appliance, age_days: i64) {
+    let t = bca::clock::now() - age_days * 86_400;
+    let db = a.db();
+    db.execute(
+        "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES ('ev_old1', 'x', 'node.joined', '{}', ?1)",
+        [t],
+    )
+    .unwrap();
+    db.execute(
+        "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES ('ev_old2', 'x', 'security.join.refused', '{}', ?1)",
+        [t],
+    )
+    .unwrap();
+    db.execute(
+        "INSERT INTO boot_leases (mac, stage, created_at) VALUES ('52:54:00:00:00:01', 'dhcp', ?1)",
+        [t],
+    )
+    .unwrap();
+}
+
+#[test]
+fn retention_prunes_at_start_and_records_it() {
+    let mut a = Appliance::start_cfg("file", &[], |c| {
+        replace_table(
+            &c,
+            "retention",
+            "[retention]\nevents_days = 10\naudit_days = 100\nboot_leases_days = 10\n",
+        )
+    });
+    old_rows(&a, 20);
+    a.restart();
+    let pruned = wait_for("the retention row", 10, || {
+        let v = a.cli_json(&["audit", "list", "--action", "retention.pruned"]);
+        v["items"].as_array().unwrap().first().cloned()
+    });
+    assert_eq!(pruned["data"]["events"], 1, "{pruned}");
+    assert_eq!(pruned["data"]["bootLeases"], 1, "{pruned}");
+    assert_eq!(pruned["actor"], "bca");
+    // The ordinary event went; the security event stays for the audit period.
+    assert_eq!(
+        a.count("SELECT count(*) FROM events WHERE id = 'ev_old1'"),
+        0
+    );
+    assert_eq!(
+        a.count("SELECT count(*) FROM events WHERE id = 'ev_old2'"),
+        1
+    );
+    assert_eq!(a.count("SELECT count(*) FROM boot_leases"), 0);
+}
+
+#[test]
+fn retention_on_hold_prunes_nothing() {
+    let mut a = Appliance::start_cfg("file", &[], |c| {
+        replace_table(
+            &c,
+            "retention",
+            "[retention]\nevents_days = 1\nhold = true\n",
+        )
+    });
+    old_rows(&a, 20);
+    a.restart();
+    // Give the start-up pass time to run, then check nothing went.
+    wait_for("the server", 5, || a.api("health/get", json!({})).ok());
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        a.count("SELECT count(*) FROM events WHERE id LIKE 'ev_old%'"),
+        2
+    );
+    assert_eq!(a.count("SELECT count(*) FROM boot_leases"), 1);
+    assert_eq!(
+        a.count("SELECT count(*) FROM audit WHERE action = 'retention.pruned'"),
+        0
+    );
+}
+
+#[test]
+fn bad_retention_settings_are_named() {
+    let (dir, out) = init_dir("file", &[]);
+    assert!(out.status.success());
+    let cfg = dir.path().join("state/config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        replace_table(&text, "retention", "[retention]\nevents_days = 99999\n"),
+    )
+    .unwrap();
+    let o = Command::new(bin())
+        .args(["serve", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("retention.events_days must be 0 (keep) to 36500"),
+        "{err}"
+    );
+}
