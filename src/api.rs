@@ -85,6 +85,10 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> ApiRes
             let i = parse(body)?;
             store.write(|tx| join_tokens_create(tx, ctx, i))
         }
+        "joinTokens/createMany" => {
+            let i = parse(body)?;
+            store.write(|tx| join_tokens_create_many(tx, ctx, i))
+        }
         "joinTokens/list" => {
             let i = parse(body)?;
             store.read(|tx| join_tokens_list(tx, ctx, i))
@@ -899,6 +903,79 @@ fn join_tokens_create(
     let mut v = t.to_json();
     v["token"] = json!(bearer.render().as_str());
     Ok(v)
+}
+
+/// The most tokens one `createMany` mints.
+pub const MAX_BATCH_TOKENS: usize = 1000;
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct JoinTokensCreateManyInput {
+    tenant_id: String,
+    pool_id: String,
+    max_uses: Option<i64>,
+    ttl_seconds: i64,
+    #[serde(default)]
+    allow_reclaim: bool,
+    tokens: Vec<BatchToken>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct BatchToken {
+    idempotency_key: String,
+    expect: Expect,
+}
+
+/// Bulk intake: one pinned token per machine, all minted in one transaction or none. Each is
+/// audited and published on its own, as if created one by one. A key used before fails the whole
+/// batch (`ALREADY_EXISTS`): a bulk run must hand out a secret for every machine it names.
+fn join_tokens_create_many(
+    tx: &Transaction<'_>,
+    ctx: &Ctx<'_>,
+    i: JoinTokensCreateManyInput,
+) -> ApiResult<Value> {
+    if i.tokens.is_empty() || i.tokens.len() > MAX_BATCH_TOKENS {
+        return Err(ApiError::invalid_input(format!(
+            "tokens must list 1 to {MAX_BATCH_TOKENS} tokens, got {}",
+            i.tokens.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::with_capacity(i.tokens.len());
+    for (n, t) in i.tokens.into_iter().enumerate() {
+        let at = |e: ApiError| ApiError::new(e.code, format!("tokens[{n}]: {}", e.message));
+        if !seen.insert(t.idempotency_key.clone()) {
+            return Err(at(ApiError::invalid_input(format!(
+                "idempotencyKey {} appears twice",
+                t.idempotency_key
+            ))));
+        }
+        let v = join_tokens_create(
+            tx,
+            ctx,
+            JoinTokensCreateInput {
+                tenant_id: i.tenant_id.clone(),
+                pool_id: i.pool_id.clone(),
+                max_uses: i.max_uses,
+                ttl_seconds: i.ttl_seconds,
+                expect: Some(t.expect),
+                allow_reclaim: i.allow_reclaim,
+                hosted: None,
+                idempotency_key: t.idempotency_key.clone(),
+            },
+        )
+        .map_err(at)?;
+        if v.get("token").is_none() {
+            return Err(at(ApiError::already_exists(format!(
+                "idempotencyKey {} was used before ({}); its secret is not shown again: revoke it or use another key",
+                t.idempotency_key,
+                v["id"].as_str().unwrap_or_default()
+            ))));
+        }
+        out.push(v);
+    }
+    Ok(json!({ "items": out }))
 }
 
 #[derive(Deserialize)]

@@ -253,9 +253,17 @@ pub enum JoinTokensCmd {
         /// The idempotency key.
         #[arg(long)]
         key: String,
-        /// Write the token to this new 0600 file instead of printing it.
+        /// Write the token to this new 0600 file instead of printing it (with --from-csv: one
+        /// CSV of name,tokenId,token).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Bulk intake: one token per machine of this CSV (header: name,serial,mac,productUuid,
+        /// gpuUuid; each row names at least one identifier). --key is the prefix of each token's key.
+        #[arg(long, conflicts_with_all = ["expect_product_uuid", "expect_serial", "expect_mac", "expect_gpu_uuid", "hosted"])]
+        from_csv: Option<PathBuf>,
+        /// With --from-csv: write one 0600 file per machine, <name>.token, into this directory.
+        #[arg(long, requires = "from_csv", conflicts_with = "out")]
+        out_dir: Option<PathBuf>,
     },
     /// List a pool's tokens (never their secrets).
     List {
@@ -1144,8 +1152,45 @@ fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> {
             hosted,
             key,
             out,
+            from_csv,
+            out_dir,
         } => {
             let ttl = parse_duration(&ttl).map_err(ApiError::invalid_input)?;
+            if let Some(csv) = from_csv {
+                let output = match (out_dir, out) {
+                    (Some(d), _) => crate::intake::Output::Dir(d),
+                    (None, Some(f)) => crate::intake::Output::Csv(f),
+                    (None, None) => {
+                        return Err(ApiError::invalid_input(
+                            "--from-csv needs --out-dir DIR or --out FILE: bulk secrets are never printed",
+                        ))
+                    }
+                };
+                let c = conn.client();
+                let tenant = tenant_or_root(&c, tenant)?;
+                let mut base = json!({"tenantId": tenant, "poolId": pool, "ttlSeconds": ttl, "allowReclaim": allow_reclaim});
+                if let Some(m) = max_uses {
+                    base["maxUses"] = json!(m);
+                }
+                let v = crate::intake::create_from_csv(&c, &csv, output, base, &key)?;
+                print(conn, &v, |v| {
+                    print_table(
+                        &["NAME", "ID", "EXPECT", "EXPIRES"],
+                        items(v)
+                            .iter()
+                            .map(|t| {
+                                vec![
+                                    s(&t["name"]),
+                                    s(&t["id"]),
+                                    t["expect"].to_string(),
+                                    s(&t["expiresAt"]),
+                                ]
+                            })
+                            .collect(),
+                    )
+                });
+                return Ok(());
+            }
             if let Some(o) = &out {
                 if std::fs::symlink_metadata(o).is_ok() {
                     return Err(ApiError::already_exists(format!(

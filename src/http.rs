@@ -16,8 +16,8 @@ use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 
-/// The largest request body either listener reads.
-pub const MAX_BODY: usize = 64 * 1024;
+/// The largest request body the admin socket reads (a bulk intake of a thousand machines fits).
+pub const MAX_BODY: usize = 1024 * 1024;
 
 fn respond(status: u16, v: &Value) -> Response<Full<Bytes>> {
     let mut body = serde_json::to_vec_pretty(v).expect("serializes");

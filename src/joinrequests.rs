@@ -32,9 +32,26 @@ pub enum JoinRequestsCmd {
         #[arg(long)]
         cursor: Option<String>,
     },
-    /// Approve a request into a pool: it admits one join with the CSR it was made for.
+    /// Approve a request into a pool: it admits one join with the CSR it was made for. With
+    /// --all-matching, every pending request whose serial (or MAC) matches, each audited on its own.
     Approve {
-        id: String,
+        #[arg(
+            required_unless_present = "all_matching",
+            conflicts_with = "all_matching"
+        )]
+        id: Option<String>,
+        /// Approve every pending request matching --serial-prefix and/or --mac-prefix (needs --reason).
+        #[arg(long, requires = "reason")]
+        all_matching: bool,
+        /// With --all-matching: a product, board or chassis serial starting with this.
+        #[arg(long, requires = "all_matching")]
+        serial_prefix: Option<String>,
+        /// With --all-matching: a boot MAC starting with this (aa:bb:cc).
+        #[arg(long, requires = "all_matching")]
+        mac_prefix: Option<String>,
+        /// With --all-matching: list what would be approved, approve nothing.
+        #[arg(long, requires = "all_matching")]
+        dry_run: bool,
         #[arg(long)]
         pool: String,
         #[arg(long)]
@@ -339,11 +356,72 @@ pub fn run_cli(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
             out(&c.call("joinRequests/list", &json!({"tenantId": tenant, "poolId": pool, "state": state, "limit": limit, "cursor": cursor}))?);
         }
         JoinRequestsCmd::Approve {
-            id,
+            id: None,
             pool,
             tenant,
             ttl,
             reason,
+            serial_prefix,
+            mac_prefix,
+            dry_run,
+            ..
+        } => {
+            if serial_prefix.is_none() && mac_prefix.is_none() {
+                return Err(ApiError::invalid_input(
+                    "--all-matching needs --serial-prefix or --mac-prefix: it never approves every request",
+                ));
+            }
+            if serial_prefix.as_deref() == Some("") || mac_prefix.as_deref() == Some("") {
+                return Err(ApiError::invalid_input("a prefix must not be empty"));
+            }
+            let tenant = tenant_or_root(&c, tenant)?;
+            let found = crate::intake::matching_requests(
+                &c,
+                &tenant,
+                serial_prefix.as_deref(),
+                mac_prefix.as_deref(),
+            )?;
+            if found.is_empty() {
+                return Err(ApiError::not_found("no pending join request matches"));
+            }
+            if dry_run {
+                out(&json!({"items": found}));
+                return Ok(());
+            }
+            let mut progress = crate::progress::Progress::new("approving", found.len() as u64);
+            let mut approved = Vec::new();
+            let mut failed = Vec::new();
+            for r in &found {
+                let id = r["id"].as_str().unwrap_or_default();
+                match c.call(
+                    "joinRequests/approve",
+                    &json!({"tenantId": tenant, "poolId": pool, "requestId": id, "ttlSeconds": ttl, "reason": reason}),
+                ) {
+                    Ok(v) => approved.push(v),
+                    Err(e) => {
+                        eprintln!("{id}: {}: {}", e.code.as_str(), e.message);
+                        failed.push(id.to_string());
+                    }
+                }
+                progress.inc();
+            }
+            out(&json!({"items": approved}));
+            if !failed.is_empty() {
+                return Err(ApiError::invalid_state(format!(
+                    "{} of {} approvals failed: {}",
+                    failed.len(),
+                    found.len(),
+                    failed.join(", ")
+                )));
+            }
+        }
+        JoinRequestsCmd::Approve {
+            id: Some(id),
+            pool,
+            tenant,
+            ttl,
+            reason,
+            ..
         } => {
             let tenant = tenant_or_root(&c, tenant)?;
             out(&c.call(

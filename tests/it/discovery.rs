@@ -383,3 +383,126 @@ fn a_known_machine_is_admitted_at_once_under_unknown_machines() {
         "discovery:mac"
     );
 }
+
+#[test]
+fn a_rack_is_approved_at_once_by_serial_prefix_each_audited() {
+    let a = appliance("always");
+    let pool = a.pool("rack-b7");
+    let macs = [
+        "52:54:00:00:b7:01",
+        "52:54:00:00:b7:02",
+        "52:54:00:00:c1:01",
+    ];
+    let serials = ["SN-B7-01", "SN-B7-02", "SN-C1-01"];
+    let mut joins = Vec::new();
+    for (mac, serial) in macs.iter().zip(serials) {
+        let (_, d) = boot(&a, mac);
+        let claims = write_claims(
+            &a,
+            &json!({"productUuid": "00000000-0000-0000-0000-000000000000", "macs": [mac],
+                    "serials": {"product": serial}, "hostname": "pxe"}),
+        );
+        joins.push(discovery_join(&d, &claims, 60));
+    }
+    for mac in macs {
+        wait_for("the requests", 20, || pending(&a, mac));
+    }
+    // A dry run lists and approves nothing.
+    let v = a.cli_json(&[
+        "join-requests",
+        "approve",
+        "--all-matching",
+        "--serial-prefix",
+        "SN-B7-",
+        "--pool",
+        &pool,
+        "--reason",
+        "rack B7 delivered",
+        "--dry-run",
+    ]);
+    assert_eq!(v["items"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(
+        a.count("SELECT count(*) FROM join_requests WHERE state = 'pending'"),
+        3
+    );
+    // Refusals that name the problem.
+    let o = a.cli(&[
+        "join-requests",
+        "approve",
+        "--all-matching",
+        "--serial-prefix",
+        "SN-",
+        "--pool",
+        &pool,
+    ]);
+    assert_eq!(o.status.code(), Some(2), "a bulk approval needs --reason");
+    let (code, msg) = a.cli_err(&[
+        "join-requests",
+        "approve",
+        "--all-matching",
+        "--pool",
+        &pool,
+        "--reason",
+        "x",
+    ]);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("never approves every request"), "{msg}");
+    let (code, _) = a.cli_err(&[
+        "join-requests",
+        "approve",
+        "--all-matching",
+        "--serial-prefix",
+        "SN-Z9-",
+        "--pool",
+        &pool,
+        "--reason",
+        "x",
+    ]);
+    assert_eq!(code, "NOT_FOUND");
+
+    let o = a.cli(&[
+        "--json",
+        "join-requests",
+        "approve",
+        "--all-matching",
+        "--serial-prefix",
+        "SN-B7-",
+        "--pool",
+        &pool,
+        "--reason",
+        "rack B7 delivered",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("approving: 2/2 (100%)"));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["state"] == "approved"),
+        "{v}"
+    );
+    // One audit row per approval, with the reason.
+    let rows = a.cli_json(&["audit", "list", "--action", "joinRequests.approve"]);
+    let rows = rows["items"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(
+        rows.iter()
+            .all(|r| r["data"]["reason"] == "rack B7 delivered"),
+        "{rows:?}"
+    );
+    // The two B7 machines join; the C1 machine still waits.
+    for j in joins.drain(..2) {
+        let out = j.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(pending(&a, macs[2]).is_some());
+    let mut last = joins.pop().unwrap();
+    let _ = last.kill();
+    let _ = last.wait();
+}

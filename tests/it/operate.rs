@@ -323,3 +323,176 @@ fn bad_retention_settings_are_named() {
         "{err}"
     );
 }
+
+fn claims_with(serial: &str, mac: &str) -> Value {
+    let mut m = machine();
+    m["serials"]["product"] = json!(serial);
+    m["macs"] = json!([mac]);
+    m
+}
+
+#[test]
+fn bulk_intake_mints_one_pinned_token_per_machine() {
+    let a = Appliance::start();
+    let pool = a.pool("rack-b7");
+    let csv = a.dir.path().join("rack.csv");
+    std::fs::write(
+        &csv,
+        "# rack B7, delivered today\nname,serial,mac\nu01,SN-B7-01,\nu02,SN-B7-02,00:1b:21:00:00:02\n,SN-B7-03,\n",
+    )
+    .unwrap();
+    let out = a.dir.path().join("tokens");
+    let o = a.cli(&[
+        "--json",
+        "join-tokens",
+        "create",
+        "--pool",
+        &pool,
+        "--ttl",
+        "24h",
+        "--key",
+        "rack-b7",
+        "--from-csv",
+        csv.to_str().unwrap(),
+        "--out-dir",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let items = v["items"].as_array().unwrap();
+    assert_eq!(items.len(), 3);
+    assert!(items.iter().all(|t| t.get("token").is_none()), "{v}");
+    assert_eq!(items[2]["name"], "SN-B7-03");
+    assert_eq!(
+        items[1]["expect"],
+        json!({"serial": "SN-B7-02", "mac": "00:1b:21:00:00:02"})
+    );
+    // Progress went to stderr as plain lines (not a terminal).
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("writing token files: 3/3 (100%)"), "{err}");
+    assert_eq!(
+        std::fs::metadata(&out).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    assert_eq!(files, ["SN-B7-03.token", "u01.token", "u02.token"]);
+    for f in &files {
+        let m = std::fs::metadata(out.join(f)).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o600, "{f}");
+    }
+    // Each audited on its own.
+    assert_eq!(
+        a.count("SELECT count(*) FROM audit WHERE action = 'joinTokens.create'"),
+        3
+    );
+    // A token joins its machine only.
+    let t2 = std::fs::read_to_string(out.join("u02.token")).unwrap();
+    let sim = Sim::new(&a);
+    let (raw, _, _) = sim.join(t2.trim(), &claims_with("SN-B7-01", "00:1b:21:00:00:02"));
+    assert_eq!(raw, refused_bytes());
+    sim.admitted(t2.trim(), &claims_with("SN-B7-02", "00:1b:21:00:00:02"));
+
+    // One CSV of secrets instead (0600).
+    std::fs::write(&csv, "serial\nSN-B7-09\n").unwrap();
+    let secrets = a.dir.path().join("secrets.csv");
+    let o = a.cli(&[
+        "join-tokens",
+        "create",
+        "--pool",
+        &pool,
+        "--ttl",
+        "1h",
+        "--key",
+        "rack-b7",
+        "--from-csv",
+        csv.to_str().unwrap(),
+        "--out",
+        secrets.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(&secrets).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("name,tokenId,token"));
+    let row: Vec<&str> = lines.next().unwrap().split(',').collect();
+    assert_eq!(row[0], "SN-B7-09");
+    assert!(
+        row[1].starts_with("jt_") && row[2].starts_with("bcjt_"),
+        "{row:?}"
+    );
+    assert_eq!(
+        std::fs::metadata(&secrets).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // The table does not print secrets either.
+    assert!(!String::from_utf8_lossy(&o.stdout).contains(row[2]));
+}
+
+#[test]
+fn bad_bulk_intake_mints_nothing() {
+    let a = Appliance::start();
+    let pool = a.pool("rack-b7");
+    let csv = a.dir.path().join("rack.csv");
+    let out = a.dir.path().join("tokens");
+    let run = |text: &str, extra: &[&str]| {
+        std::fs::write(&csv, text).unwrap();
+        let mut args = vec![
+            "join-tokens",
+            "create",
+            "--pool",
+            &pool,
+            "--ttl",
+            "24h",
+            "--key",
+            "k",
+            "--from-csv",
+            csv.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        a.cli_err(&args)
+    };
+    let dir = ["--out-dir", out.to_str().unwrap()];
+    let before = a.snapshot();
+    // The server's check (a MAC) comes back as the CSV's line, and nothing was minted.
+    let (code, msg) = run("serial,mac\nSN-1,\nSN-2,not-a-mac\n", &dir);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("rack.csv line 3 (SN-2): expect.mac"), "{msg}");
+    assert!(msg.contains("nothing was minted"), "{msg}");
+    let (code, msg) = run("serial,colour\n", &dir);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("unknown column \"colour\""), "{msg}");
+    let (code, msg) = run("name,serial\nx,SN-1\nx,SN-2\n", &dir);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("line 3: name x is also on line 2"), "{msg}");
+    let (code, msg) = run("serial\nSN-1\n", &[]);
+    assert_eq!(code, "INVALID_INPUT");
+    assert!(msg.contains("--out-dir DIR or --out FILE"), "{msg}");
+    // An output file that exists: refused before minting.
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("SN-1.token"), "keep me").unwrap();
+    let (code, msg) = run("serial\nSN-1\n", &dir);
+    assert_eq!(code, "ALREADY_EXISTS");
+    assert!(msg.contains("nothing was minted"), "{msg}");
+    assert_eq!(
+        std::fs::read_to_string(out.join("SN-1.token")).unwrap(),
+        "keep me"
+    );
+    // A key used before fails the whole batch.
+    assert_eq!(a.snapshot(), before);
+    a.token(
+        &pool,
+        json!({"idempotencyKey": "k-SN-5", "expect": {"serial": "SN-5"}}),
+    );
+    let mid = a.snapshot();
+    let (code, msg) = run(
+        "serial\nSN-4\nSN-5\n",
+        &["--out-dir", a.dir.path().join("t2").to_str().unwrap()],
+    );
+    assert_eq!(code, "ALREADY_EXISTS");
+    assert!(msg.contains("line 3 (SN-5)"), "{msg}");
+    assert_eq!(a.snapshot(), mid);
+    assert_ne!(before, mid);
+}
