@@ -225,6 +225,7 @@ pub enum PoolsCmd {
 }
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
 pub enum JoinTokensCmd {
     /// Mint a join token for a pool; shown once.
     Create {
