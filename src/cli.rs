@@ -99,6 +99,13 @@ pub enum Command {
     /// Agent binaries served to install scripts.
     #[command(subcommand)]
     Downloads(DownloadsCmd),
+    /// A consistent backup of the state directory, taken while serving (keys stay sealed).
+    Backup {
+        /// The new backup file (0600; never written over).
+        file: PathBuf,
+    },
+    /// Restore a backup into a new or empty state directory (--state-dir).
+    Restore { file: PathBuf },
     /// The audit trail: who did what, when.
     #[command(subcommand)]
     Audit(AuditCmd),
@@ -757,6 +764,43 @@ fn run(cli: Cli) -> ApiResult<()> {
                 );
                 print_cursor(v);
             });
+            Ok(())
+        }
+        Command::Backup { file } => {
+            let m = crate::backup::backup(&conn.state_dir(), &file)?;
+            eprintln!(
+                "backup of site {} ({}) written to {} (keys {}; {} files)",
+                m.site_name,
+                m.site_id,
+                file.display(),
+                serde_json::to_value(m.key_protection)
+                    .unwrap_or_default()
+                    .as_str()
+                    .unwrap_or_default(),
+                m.files.len()
+            );
+            print(
+                conn,
+                &serde_json::to_value(&m).unwrap_or_default(),
+                print_record,
+            );
+            Ok(())
+        }
+        Command::Restore { file } => {
+            let dir = conn.state_dir();
+            let m = crate::backup::restore(&file, &dir)?;
+            eprintln!(
+                "restored site {} ({}) from {} into {}; check config.toml (listeners, gateway_url) for this box, then run bca serve",
+                m.site_name,
+                m.site_id,
+                m.created_at,
+                dir.display()
+            );
+            print(
+                conn,
+                &serde_json::to_value(&m).unwrap_or_default(),
+                print_record,
+            );
             Ok(())
         }
         Command::Doctor => {

@@ -8,6 +8,7 @@ pub mod agent_run;
 pub mod api;
 pub mod app;
 pub mod audit;
+pub mod backup;
 pub mod boot;
 pub mod claims;
 pub mod cli;

@@ -496,3 +496,186 @@ fn bad_bulk_intake_mints_nothing() {
     assert_eq!(a.snapshot(), mid);
     assert_ne!(before, mid);
 }
+
+/// An appliance restored from `backup` into a new directory (not started).
+fn restored(backup: &std::path::Path) -> (Appliance, std::process::Output) {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(bin())
+        .args(["restore"])
+        .arg(backup)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .output()
+        .unwrap();
+    let b = Appliance {
+        dir,
+        child: None,
+        http: String::new(),
+        gateway: String::new(),
+        socket: Default::default(),
+        init_stdout: String::new(),
+    };
+    (b, o)
+}
+
+#[test]
+fn a_backup_taken_while_serving_restores_and_admits() {
+    let mut a = Appliance::start_with("passphrase", &[]);
+    let pool = a.pool("p1");
+    let (t, token) = a.token(&pool, json!({"maxUses": 2}));
+    let sim = Sim::new(&a);
+    let first = sim.admitted(&token, &machine());
+    let file = a.dir.path().join("site.bcab");
+    let o = a.cli(&["backup", file.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("copying the database (pages):"));
+    assert_eq!(
+        std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // GNU cpio reads it.
+    let o = Command::new("cpio")
+        .args(["-it", "--quiet", "-F"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&o.stdout);
+    for m in [
+        "manifest.json",
+        "bca.db",
+        "config.toml",
+        "keys/keys.sealed",
+        "pki/node-ca.pem",
+    ] {
+        assert!(listing.lines().any(|l| l == m), "{m} not in\n{listing}");
+    }
+    // Never a key in clear, never the passphrase or a token secret.
+    let raw = std::fs::read(&file).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(!text.contains("PRIVATE KEY") && !text.contains("pkcs8"));
+    assert!(!text.contains(PASSPHRASE));
+    assert!(!text.contains(token.rsplit('.').next().unwrap()));
+    // A backup never writes over a file.
+    let (code, _) = a.cli_err(&["backup", file.to_str().unwrap()]);
+    assert_eq!(code, "ALREADY_EXISTS");
+    a.stop();
+
+    let (mut b, o) = restored(&file);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::metadata(b.state()).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    // The restored box needs the same passphrase.
+    let out = Command::new(bin())
+        .args([
+            "serve",
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
+        .env("BCA_STATE_DIR", b.state())
+        .env("BCA_SECRET", "not the passphrase at all")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("wrong passphrase"));
+    b.serve(PASSPHRASE);
+    let nodes = b.cli_json(&["nodes", "list", "--pool", &pool]);
+    assert_eq!(nodes["items"][0]["id"], first.node_id.as_str(), "{nodes}");
+    assert_eq!(b.uses_left(t["id"].as_str().unwrap()), 1);
+    // The token minted before the backup admits its second machine on the new box.
+    Sim::new(&b).admitted(&token, &machine());
+    assert_eq!(b.uses_left(t["id"].as_str().unwrap()), 0);
+}
+
+#[test]
+fn a_backup_of_file_keys_seals_them() {
+    let a = Appliance::start();
+    let file = a.dir.path().join("site.bcab");
+    let o = Command::new(bin())
+        .args(["backup"])
+        .arg(&file)
+        .env("BCA_STATE_DIR", a.state())
+        .env("BCA_SECRET", PASSPHRASE)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let raw = String::from_utf8_lossy(&std::fs::read(&file).unwrap()).to_string();
+    let clear = std::fs::read_to_string(a.state().join("keys/keys.json")).unwrap();
+    let clear: Value = serde_json::from_str(&clear).unwrap();
+    // No value of the clear key file is in the backup.
+    for (_, v) in clear.as_object().unwrap() {
+        if let Some(s) = v.as_str().filter(|s| s.len() > 20) {
+            assert!(!raw.contains(s), "a clear key is in the backup");
+        }
+    }
+    let (mut b, o) = restored(&file);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cfg = std::fs::read_to_string(b.state().join("config.toml")).unwrap();
+    assert!(cfg.contains("key_protection = \"passphrase\""), "{cfg}");
+    b.serve(PASSPHRASE);
+    assert_eq!(b.cli_json(&["health"])["status"], "ok");
+    // Without a passphrase the file-key backup refuses (no prompt without a terminal).
+    let o = Command::new(bin())
+        .args(["backup"])
+        .arg(a.dir.path().join("other.bcab"))
+        .env("BCA_STATE_DIR", a.state())
+        .env_remove("BCA_SECRET")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(!a.dir.path().join("other.bcab").exists());
+}
+
+#[test]
+fn a_damaged_backup_restores_nothing() {
+    let a = Appliance::start();
+    let file = a.dir.path().join("site.bcab");
+    let o = Command::new(bin())
+        .args(["backup"])
+        .arg(&file)
+        .env("BCA_STATE_DIR", a.state())
+        .env("BCA_SECRET", PASSPHRASE)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let good = std::fs::read(&file).unwrap();
+    // One flipped byte inside the database member.
+    let at = good
+        .windows(15)
+        .position(|w| w == b"SQLite format 3")
+        .unwrap()
+        + 200;
+    let mut bad = good.clone();
+    bad[at] ^= 0x55;
+    let damaged = a.dir.path().join("damaged.bcab");
+    std::fs::write(&damaged, &bad).unwrap();
+    let (b, o) = restored(&damaged);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("bca.db does not match its SHA-256"), "{err}");
+    assert!(!b.state().exists());
+    // Truncated, and not a backup at all.
+    std::fs::write(&damaged, &good[..good.len() / 2]).unwrap();
+    let (b, o) = restored(&damaged);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a usable bca backup"));
+    assert!(!b.state().exists());
+    std::fs::write(&damaged, b"hello").unwrap();
+    let (_, o) = restored(&damaged);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a usable bca backup"));
+    // A state directory that is not empty is left alone.
+    let o = Command::new(bin())
+        .args(["restore"])
+        .arg(&file)
+        .arg("--state-dir")
+        .arg(a.state())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("ALREADY_EXISTS"));
+    assert_eq!(a.cli_json(&["health"])["status"], "ok");
+}
