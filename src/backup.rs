@@ -160,6 +160,7 @@ pub fn backup(state_dir: &Path, out: &Path) -> ApiResult<Manifest> {
     let mut progress = crate::progress::Progress::new("copying the database (pages)", pages);
     let db_bytes = copy_db(&db, &mut progress).map_err(ApiError::invalid_state)?;
     progress.set(pages);
+    crate::fsutil::align_db_sidecars(&db);
     members.push(("bca.db".into(), db_bytes));
 
     let manifest = Manifest {

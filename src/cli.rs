@@ -1000,13 +1000,21 @@ fn run(cli: Cli) -> ApiResult<()> {
             );
             Ok(())
         }
+        // Rendered into memory, then written: a closed pipe (`| head`) ends quietly.
         Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut Cli::command(), "bca", &mut std::io::stdout());
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "bca", &mut out);
+            let _ = std::io::Write::write_all(&mut std::io::stdout(), &out);
             Ok(())
         }
-        Command::Man => clap_mangen::Man::new(Cli::command())
-            .render(&mut std::io::stdout())
-            .map_err(|e| ApiError::new(Code::Internal, e.to_string())),
+        Command::Man => {
+            let mut out = Vec::new();
+            clap_mangen::Man::new(Cli::command())
+                .render(&mut out)
+                .map_err(|e| ApiError::new(Code::Internal, e.to_string()))?;
+            let _ = std::io::Write::write_all(&mut std::io::stdout(), &out);
+            Ok(())
+        }
     }
 }
 

@@ -62,3 +62,24 @@ pub fn own_uid() -> u32 {
         .map(|m| m.uid())
         .unwrap_or(u32::MAX)
 }
+
+/// After root opened a database owned by the service user (`bca doctor`, `bca backup` on a
+/// stopped appliance), SQLite may have created `-wal` and `-shm` files owned by root, which the
+/// service could then not open. Gives them the database's owner.
+pub fn align_db_sidecars(db: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    if own_uid() != 0 {
+        return;
+    }
+    let Ok(m) = fs::metadata(db) else {
+        return;
+    };
+    for ext in ["-wal", "-shm"] {
+        let mut p = db.as_os_str().to_owned();
+        p.push(ext);
+        let p = Path::new(&p);
+        if fs::metadata(p).is_ok_and(|s| s.uid() != m.uid() || s.gid() != m.gid()) {
+            let _ = std::os::unix::fs::chown(p, Some(m.uid()), Some(m.gid()));
+        }
+    }
+}

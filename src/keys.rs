@@ -23,6 +23,12 @@ pub struct KeyBundle {
     pub gateway: SigningKey,
     pub join_signing: SigningKey,
     pub join_encryption: SigningKey,
+    /// A rotation's staged next join-signing key (see `rotation`).
+    pub join_signing_next: Option<SigningKey>,
+    /// A rotation's staged next join-encryption key.
+    pub join_encryption_next: Option<SigningKey>,
+    /// The join-encryption key a promotion replaced, still accepted until its overlap ends.
+    pub join_encryption_previous: Option<SigningKey>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -34,6 +40,12 @@ struct BundleFile {
     gateway: String,
     join_signing: String,
     join_encryption: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    join_signing_next: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    join_encryption_next: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    join_encryption_previous: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -61,6 +73,9 @@ impl KeyBundle {
             gateway: SigningKey::generate(),
             join_signing: SigningKey::generate(),
             join_encryption: SigningKey::generate(),
+            join_signing_next: None,
+            join_encryption_next: None,
+            join_encryption_previous: None,
         }
     }
 
@@ -72,19 +87,21 @@ impl KeyBundle {
             gateway: crypto::b64(self.gateway.pkcs8()),
             join_signing: crypto::b64(self.join_signing.pkcs8()),
             join_encryption: crypto::b64(self.join_encryption.pkcs8()),
+            join_signing_next: self
+                .join_signing_next
+                .as_ref()
+                .map(|k| crypto::b64(k.pkcs8())),
+            join_encryption_next: self
+                .join_encryption_next
+                .as_ref()
+                .map(|k| crypto::b64(k.pkcs8())),
+            join_encryption_previous: self
+                .join_encryption_previous
+                .as_ref()
+                .map(|k| crypto::b64(k.pkcs8())),
         };
         let out = Zeroizing::new(serde_json::to_vec_pretty(&f).expect("serializes"));
-        let BundleFile {
-            node_ca,
-            serving_ca,
-            gateway,
-            join_signing,
-            join_encryption,
-            ..
-        } = f;
-        for s in [node_ca, serving_ca, gateway, join_signing, join_encryption] {
-            drop(Zeroizing::new(s));
-        }
+        f.zeroize_strings();
         out
     }
 
@@ -109,19 +126,49 @@ impl KeyBundle {
             gateway: one("gateway", &f.gateway)?,
             join_signing: one("join-signing", &f.join_signing)?,
             join_encryption: one("join-encryption", &f.join_encryption)?,
+            join_signing_next: f
+                .join_signing_next
+                .as_deref()
+                .map(|s| one("next join-signing", s))
+                .transpose()?,
+            join_encryption_next: f
+                .join_encryption_next
+                .as_deref()
+                .map(|s| one("next join-encryption", s))
+                .transpose()?,
+            join_encryption_previous: f
+                .join_encryption_previous
+                .as_deref()
+                .map(|s| one("previous join-encryption", s))
+                .transpose()?,
         };
+        f.zeroize_strings();
+        Ok(k)
+    }
+}
+
+impl BundleFile {
+    /// Wipes the base64 copies of the keys.
+    fn zeroize_strings(self) {
         let BundleFile {
             node_ca,
             serving_ca,
             gateway,
             join_signing,
             join_encryption,
+            join_signing_next,
+            join_encryption_next,
+            join_encryption_previous,
             ..
-        } = f;
-        for s in [node_ca, serving_ca, gateway, join_signing, join_encryption] {
+        } = self;
+        for s in [node_ca, serving_ca, gateway, join_signing, join_encryption]
+            .into_iter()
+            .chain(join_signing_next)
+            .chain(join_encryption_next)
+            .chain(join_encryption_previous)
+        {
             drop(Zeroizing::new(s));
         }
-        Ok(k)
     }
 }
 
@@ -137,6 +184,111 @@ fn file_for(state_dir: &Path, p: KeyProtection) -> PathBuf {
     })
 }
 
+/// The key a passphrase derived, kept by the server so that it can seal the bundle again after a
+/// rotation without asking for the passphrase (zeroized on drop).
+struct Kek {
+    key: Zeroizing<[u8; 32]>,
+    salt: Vec<u8>,
+    m_kib: u32,
+    t: u32,
+    p: u32,
+}
+
+impl Kek {
+    fn new(pass: &[u8]) -> Result<Self, String> {
+        let mut salt = [0u8; 16];
+        crypto::fill_random(&mut salt);
+        Ok(Self {
+            key: derive(pass, &salt, ARGON_M_KIB, ARGON_T, 1)?,
+            salt: salt.to_vec(),
+            m_kib: ARGON_M_KIB,
+            t: ARGON_T,
+            p: 1,
+        })
+    }
+
+    fn seal(&self, bundle: &KeyBundle) -> Result<Zeroizing<Vec<u8>>, String> {
+        let mut nonce = [0u8; 12];
+        crypto::fill_random(&mut nonce);
+        let aead = LessSafeKey::new(
+            UnboundKey::new(&AES_256_GCM, self.key.as_slice()).map_err(|_| "AES key")?,
+        );
+        let mut buf = Zeroizing::new(bundle.to_json().to_vec());
+        aead.seal_in_place_append_tag(
+            Nonce::assume_unique_for_key(nonce),
+            Aad::from(AAD),
+            &mut *buf,
+        )
+        .map_err(|_| "sealing failed")?;
+        let f = SealedFile {
+            version: 1,
+            kdf: "argon2id".into(),
+            m_kib: self.m_kib,
+            t: self.t,
+            p: self.p,
+            salt: crypto::b64(&self.salt),
+            nonce: crypto::b64(&nonce),
+            ciphertext: crypto::b64(&buf),
+        };
+        Ok(Zeroizing::new(
+            serde_json::to_vec_pretty(&f).expect("serializes"),
+        ))
+    }
+}
+
+/// Where the bundle rests and how to read and write it again while serving.
+pub struct Vault {
+    state_dir: PathBuf,
+    protection: KeyProtection,
+    kek: Option<Kek>,
+}
+
+impl Vault {
+    /// Unseals the bundle and keeps what is needed to seal it again.
+    pub fn open(
+        state_dir: &Path,
+        p: KeyProtection,
+        passphrase: Option<&[u8]>,
+    ) -> Result<(Vault, KeyBundle), String> {
+        let (bundle, kek) = unseal_inner(state_dir, p, passphrase)?;
+        Ok((
+            Vault {
+                state_dir: state_dir.to_path_buf(),
+                protection: p,
+                kek,
+            },
+            bundle,
+        ))
+    }
+
+    /// Reads the bundle from disk again.
+    pub fn load(&self) -> Result<KeyBundle, String> {
+        let path = file_for(&self.state_dir, self.protection);
+        let raw = Zeroizing::new(
+            std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+        );
+        match (&self.kek, self.protection) {
+            (_, KeyProtection::File) => KeyBundle::from_json(&raw),
+            (Some(k), KeyProtection::Passphrase) => {
+                let f: SealedFile = serde_json::from_slice(&raw)
+                    .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+                open_sealed(&f, &k.key)
+            }
+            _ => Err("the key vault cannot read its protection".into()),
+        }
+    }
+
+    /// Replaces the bundle on disk, atomically (a crash leaves the old or the new file).
+    pub fn store(&self, bundle: &KeyBundle) -> Result<(), String> {
+        let bytes = match (&self.kek, self.protection) {
+            (_, KeyProtection::File) => bundle.to_json(),
+            (Some(k), KeyProtection::Passphrase) => k.seal(bundle)?,
+            _ => return Err("the key vault cannot write its protection".into()),
+        };
+        crate::fsutil::write_atomic(&file_for(&self.state_dir, self.protection), &bytes, 0o600)
+    }
+}
+
 /// Writes the bundle under the given protection. `passphrase` is required for `Passphrase`.
 pub fn seal(
     state_dir: &Path,
@@ -149,33 +301,7 @@ pub fn seal(
     let bytes: Zeroizing<Vec<u8>> = match p {
         KeyProtection::File => bundle.to_json(),
         KeyProtection::Passphrase => {
-            let pass = passphrase.ok_or("a passphrase is required")?;
-            let mut salt = [0u8; 16];
-            crypto::fill_random(&mut salt);
-            let mut nonce = [0u8; 12];
-            crypto::fill_random(&mut nonce);
-            let key = derive(pass, &salt, ARGON_M_KIB, ARGON_T, 1)?;
-            let aead = LessSafeKey::new(
-                UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?,
-            );
-            let mut buf = bundle.to_json().to_vec();
-            aead.seal_in_place_append_tag(
-                Nonce::assume_unique_for_key(nonce),
-                Aad::from(AAD),
-                &mut buf,
-            )
-            .map_err(|_| "sealing failed")?;
-            let f = SealedFile {
-                version: 1,
-                kdf: "argon2id".into(),
-                m_kib: ARGON_M_KIB,
-                t: ARGON_T,
-                p: 1,
-                salt: crypto::b64(&salt),
-                nonce: crypto::b64(&nonce),
-                ciphertext: crypto::b64(&buf),
-            };
-            Zeroizing::new(serde_json::to_vec_pretty(&f).expect("serializes"))
+            Kek::new(passphrase.ok_or("a passphrase is required")?)?.seal(bundle)?
         }
         KeyProtection::Tpm => return Err(tpm_not_available()),
     };
@@ -192,12 +318,36 @@ pub fn unseal(
     p: KeyProtection,
     passphrase: Option<&[u8]>,
 ) -> Result<KeyBundle, String> {
+    unseal_inner(state_dir, p, passphrase).map(|(b, _)| b)
+}
+
+fn open_sealed(f: &SealedFile, key: &[u8; 32]) -> Result<KeyBundle, String> {
+    let nonce: [u8; 12] = crypto::b64_decode(&f.nonce)
+        .and_then(|n| n.try_into().ok())
+        .ok_or("damaged nonce")?;
+    let mut ct = Zeroizing::new(crypto::b64_decode(&f.ciphertext).ok_or("damaged ciphertext")?);
+    let aead =
+        LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?);
+    let plain = aead
+        .open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut ct)
+        .map_err(|_| {
+            "wrong passphrase: the appliance's keys could not be unsealed (nothing was changed)"
+                .to_string()
+        })?;
+    KeyBundle::from_json(plain)
+}
+
+fn unseal_inner(
+    state_dir: &Path,
+    p: KeyProtection,
+    passphrase: Option<&[u8]>,
+) -> Result<(KeyBundle, Option<Kek>), String> {
     let path = file_for(state_dir, p);
     let raw = Zeroizing::new(
         std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?,
     );
     match p {
-        KeyProtection::File => KeyBundle::from_json(&raw),
+        KeyProtection::File => KeyBundle::from_json(&raw).map(|b| (b, None)),
         KeyProtection::Passphrase => {
             let pass = passphrase
                 .ok_or("a passphrase is required (set BCA_SECRET or run on a terminal)")?;
@@ -215,19 +365,18 @@ pub fn unseal(
                 ));
             }
             let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
-            let nonce: [u8; 12] = crypto::b64_decode(&f.nonce)
-                .and_then(|n| n.try_into().ok())
-                .ok_or("damaged nonce")?;
-            let mut ct =
-                Zeroizing::new(crypto::b64_decode(&f.ciphertext).ok_or("damaged ciphertext")?);
             let key = derive(pass, &salt, f.m_kib, f.t, f.p)?;
-            let aead = LessSafeKey::new(
-                UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?,
-            );
-            let plain = aead
-                .open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut ct)
-                .map_err(|_| "wrong passphrase: the appliance's keys could not be unsealed (nothing was changed)".to_string())?;
-            KeyBundle::from_json(plain)
+            let bundle = open_sealed(&f, &key)?;
+            Ok((
+                bundle,
+                Some(Kek {
+                    key,
+                    salt,
+                    m_kib: f.m_kib,
+                    t: f.t,
+                    p: f.p,
+                }),
+            ))
         }
         KeyProtection::Tpm => Err(tpm_not_available()),
     }

@@ -11,6 +11,8 @@ mod common;
 mod discovery;
 #[path = "it/foundation.rs"]
 mod foundation;
+#[path = "it/install.rs"]
+mod install;
 #[path = "it/join.rs"]
 mod join;
 #[path = "it/operate.rs"]
