@@ -29,6 +29,11 @@ pub struct AgentConfig {
     /// The name to verify on the gateway's certificate (default: the URL's host).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_name: Option<String>,
+    /// During a join-signing rotation: the next key's pin, accepted as well as the current one.
+    /// Written by `bca daemon agent-config` during the overlap, or learned from a renewal's
+    /// signed answer; becomes the current pin when the appliance signs with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_signing_next_key_pin: Option<String>,
 }
 
 impl AgentConfig {
@@ -39,10 +44,15 @@ impl AgentConfig {
         let c: AgentConfig = toml::from_str(&text)
             .map_err(|e| ApiError::invalid_config(format!("{}: {e}", path.display())))?;
         for (k, v) in [
-            ("serving_ca_spki_pin", &c.serving_ca_spki_pin),
-            ("join_signing_key_pin", &c.join_signing_key_pin),
-            ("join_encryption_key_pin", &c.join_encryption_key_pin),
+            ("serving_ca_spki_pin", Some(&c.serving_ca_spki_pin)),
+            ("join_signing_key_pin", Some(&c.join_signing_key_pin)),
+            ("join_encryption_key_pin", Some(&c.join_encryption_key_pin)),
+            (
+                "join_signing_next_key_pin",
+                c.join_signing_next_key_pin.as_ref(),
+            ),
         ] {
+            let Some(v) = v else { continue };
             let ok = v
                 .strip_prefix("sha256/")
                 .and_then(crypto::b64_decode)
@@ -131,7 +141,8 @@ fn signed_body(
 ) -> Result<Vec<u8>, &'static str> {
     let signer = crypto::b64_decode(&r.signer).ok_or("signer")?;
     let spki = pki::cert_spki(&signer).map_err(|_| "signer")?;
-    if crypto::spki_pin(&spki) != cfg.join_signing_key_pin {
+    let pin = crypto::spki_pin(&spki);
+    if pin != cfg.join_signing_key_pin && Some(&pin) != cfg.join_signing_next_key_pin.as_ref() {
         return Err("not signed by the pinned join-signing key");
     }
     let point = crypto::p256_point_from_spki(&spki).ok_or("signer key")?;
@@ -141,6 +152,39 @@ fn signed_body(
         return Err("bad signature");
     }
     Ok(body)
+}
+
+/// What a verified answer teaches about the join-signing pins: the appliance now signs with the
+/// next key (it becomes the current pin), or a next key is staged (its pin, inside the body the
+/// current key signed). `Some` when the configuration should change.
+pub fn pins_learned(
+    cfg: &AgentConfig,
+    r: &protocol::JoinResponse,
+    body: &JoinResponseBody,
+) -> Option<AgentConfig> {
+    let mut next = cfg.clone();
+    let signer_pin = crypto::b64_decode(&r.signer)
+        .and_then(|d| pki::cert_spki(&d).ok())
+        .map(|s| crypto::spki_pin(&s));
+    if signer_pin.is_some() && signer_pin == cfg.join_signing_next_key_pin {
+        next.join_signing_key_pin = signer_pin.expect("checked");
+        next.join_signing_next_key_pin = None;
+    }
+    if let Some(p) = &body.join_signing_next_key_pin {
+        if *p != next.join_signing_key_pin {
+            next.join_signing_next_key_pin = Some(p.clone());
+        }
+    }
+    (next != *cfg).then_some(next)
+}
+
+/// Rewrites the agent's `config.toml` (atomically, 0600).
+pub fn save_config(path: &Path, cfg: &AgentConfig) -> ApiResult<()> {
+    let text = format!(
+        "# bca agent configuration\n{}",
+        toml::to_string(cfg).expect("serializes")
+    );
+    crate::fsutil::write_atomic(path, text.as_bytes(), 0o600).map_err(ApiError::invalid_state)
 }
 
 /// A deferral is accepted only under the pinned join-signing key and for this CSR.
@@ -243,7 +287,13 @@ pub fn fetch_document(server: &str) -> ApiResult<serde_json::Value> {
 
 /// The join-encryption key from the document, only when it matches the pin.
 fn document_jwk(doc: &serde_json::Value, pin: &str) -> ApiResult<(Vec<u8>, String)> {
-    let jwk: Jwk = serde_json::from_value(doc["join"]["encryptionJwk"].clone()).map_err(|_| {
+    // During a rotation the pin may name the next key.
+    let field = if doc["join"]["nextEncryptionKeyPin"].as_str() == Some(pin) {
+        "nextEncryptionJwk"
+    } else {
+        "encryptionJwk"
+    };
+    let jwk: Jwk = serde_json::from_value(doc["join"][field].clone()).map_err(|_| {
         ApiError::invalid_config("the well-known document has no join.encryptionJwk")
     })?;
     let point = jwk
@@ -301,6 +351,7 @@ fn resolve_config(o: &JoinOptions) -> ApiResult<(AgentConfig, Vec<u8>, Option<St
         join_signing_key_pin: pins.join_signing.clone(),
         join_encryption_key_pin: pins.join_encryption.clone(),
         server_name: doc["gateway"]["serverName"].as_str().map(str::to_string),
+        join_signing_next_key_pin: None,
     };
     Ok((cfg, point, Some(jwk)))
 }
@@ -487,6 +538,14 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     };
     drop(token);
     let body = verify_response(&cfg, &resp, &csr, &key, &o.role)?;
+    if let Some(learned) = pins_learned(&cfg, &resp, &body) {
+        if bootstrap_jwk.is_none() {
+            if let Err(e) = save_config(&o.config, &learned) {
+                tracing::warn!(error = %e, "cannot save the learned join-signing pins");
+            }
+        }
+        cfg = learned;
+    }
     if let Some(jwk) = bootstrap_jwk {
         // Built from the document: the signed response named the site; keep the configuration.
         cfg.site = body.site_id.clone();
@@ -672,15 +731,22 @@ pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(Agent
             "--gateway-url {gateway_url:?} must be https://host[:port]"
         )));
     }
+    // During a join-encryption overlap the agent gets the next key: the appliance accepts it from
+    // the moment it is staged, and it stays good after the promotion.
+    let (enc_pin, enc_jwk) = match (&pins.join_encryption_next, &public.join_encryption_next) {
+        (Some(p), Some(j)) => (p.clone(), j),
+        _ => (pins.join_encryption, &public.join_encryption),
+    };
     let agent = AgentConfig {
         gateway_url: gateway_url.to_string(),
         site: cfg.site_id,
         serving_ca_spki_pin: pins.serving_ca,
         join_signing_key_pin: pins.join_signing,
-        join_encryption_key_pin: pins.join_encryption,
+        join_encryption_key_pin: enc_pin,
         server_name: None,
+        join_signing_next_key_pin: pins.join_signing_next,
     };
-    let jwk = serde_json::to_string_pretty(&public.join_encryption).expect("serializes") + "\n";
+    let jwk = serde_json::to_string_pretty(enc_jwk).expect("serializes") + "\n";
     Ok((agent, jwk))
 }
 

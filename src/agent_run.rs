@@ -86,7 +86,7 @@ pub async fn renew(
     data_dir: &Path,
     cur: &Loaded,
     s: &mut GatewayStream,
-) -> ApiResult<String> {
+) -> ApiResult<(String, Option<AgentConfig>)> {
     let key = SigningKey::generate();
     let csr = crate::csr::create(&key);
     let now = crate::clock::now();
@@ -114,6 +114,7 @@ pub async fn renew(
     if body.node_id != cur.identity.node_id {
         return Err(ApiError::access_denied("the renewal names another node"));
     }
+    let learned = agent::pins_learned(cfg, &resp, &body);
     let serial = body
         .certificate_chain
         .first()
@@ -129,7 +130,7 @@ pub async fn renew(
             ..cur.identity.clone()
         },
     )?;
-    Ok(serial)
+    Ok((serial, learned))
 }
 
 /// The three steps of the module's doc, each atomic.
@@ -168,13 +169,14 @@ pub struct RunOptions {
 }
 
 enum End {
-    Renewed,
+    /// With a configuration to save when the answer taught new join-signing pins.
+    Renewed(Option<AgentConfig>),
     Lost(String),
 }
 
 /// `bca agent run`: until SIGTERM or SIGINT.
 pub fn run(o: RunOptions) -> ApiResult<()> {
-    let cfg = AgentConfig::load(&o.config)?;
+    let mut cfg = AgentConfig::load(&o.config)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -195,7 +197,20 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
                 _ = int.recv() => return Ok(()),
             };
             match end {
-                End::Renewed => continue,
+                End::Renewed(None) => continue,
+                End::Renewed(Some(learned)) => {
+                    // Kept in memory even when the file cannot be written (a read-only /etc).
+                    if let Err(e) = agent::save_config(&o.config, &learned) {
+                        tracing::warn!(error = %e, "cannot save the learned join-signing pins");
+                    }
+                    tracing::info!(
+                        current = %learned.join_signing_key_pin,
+                        next = ?learned.join_signing_next_key_pin,
+                        "join-signing pins updated from a signed renewal"
+                    );
+                    cfg = learned;
+                    continue;
+                }
                 End::Lost(why) => {
                     let delay = backoff(attempt, o.backoff_base, o.backoff_cap);
                     tracing::warn!(node = %cur.identity.node_id, reason = %why, attempt, delay_ms = delay.as_millis() as u64, "session lost; reconnecting");
@@ -258,9 +273,9 @@ async fn session(cfg: &AgentConfig, data_dir: &Path, cur: &Loaded, attempt: &mut
         let now = crate::clock::now();
         if now >= next_renew {
             match renew(cfg, data_dir, cur, &mut s).await {
-                Ok(serial) => {
+                Ok((serial, learned)) => {
                     tracing::info!(node = %cur.identity.node_id, serial = %serial, "renewed");
-                    return End::Renewed;
+                    return End::Renewed(learned);
                 }
                 Err(e) if e.code == Code::AccessDenied => {
                     tracing::error!(node = %cur.identity.node_id, error = %e, "renewal refused; retrying later");

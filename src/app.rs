@@ -15,12 +15,16 @@ pub struct App {
     pub root_tenant: String,
     pub pki: PublicPki,
     /// The document served at `GET /api/compute/.well-known/better-compute`.
-    pub well_known: Value,
+    pub well_known: std::sync::RwLock<Value>,
     /// The gateway's live node sessions.
     pub sessions: crate::sessions::Registry,
     /// The message handle to the JoinService, once it runs (the boot server mints discovery
     /// tokens through it).
     pub join: std::sync::OnceLock<crate::joinservice::JoinHandle>,
+    /// The gateway's swappable certificate (set when the gateway starts).
+    pub gateway_cert: std::sync::OnceLock<Arc<crate::gateway::GatewayCert>>,
+    /// Key rotation while serving (set by `serve`).
+    pub rotator: std::sync::OnceLock<crate::rotation::Rotator>,
     /// Per-boot archives waiting to be fetched once, by nonce.
     #[allow(clippy::type_complexity)]
     pub boot_archives: std::sync::Mutex<std::collections::HashMap<String, (Vec<u8>, i64)>>,
@@ -59,9 +63,11 @@ impl App {
             store,
             root_tenant,
             pki,
-            well_known,
+            well_known: std::sync::RwLock::new(well_known),
             sessions: Default::default(),
             join: Default::default(),
+            gateway_cert: Default::default(),
+            rotator: Default::default(),
             boot_archives: Default::default(),
         })
     }
@@ -106,6 +112,15 @@ pub fn well_known(config: &Config, pki: &PublicPki) -> Result<Value, String> {
             "signingKeyPin": pins.join_signing,
         },
     });
+    // A rotation publishes the next keys and pins before they become current.
+    if let (Some(cert), Some(pin)) = (&pki.join_signing_next, &pins.join_signing_next) {
+        doc["join"]["nextSigningCertificate"] = json!(crate::crypto::b64(cert));
+        doc["join"]["nextSigningKeyPin"] = json!(pin);
+    }
+    if let (Some(jwk), Some(pin)) = (&pki.join_encryption_next, &pins.join_encryption_next) {
+        doc["join"]["nextEncryptionJwk"] = json!(jwk);
+        doc["join"]["nextEncryptionKeyPin"] = json!(pin);
+    }
     if let Some(url) = &config.gateway_url {
         doc["gateway"] = json!({
             "url": url,

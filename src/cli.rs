@@ -465,8 +465,23 @@ pub enum DaemonCmd {
 
 #[derive(Subcommand)]
 pub enum PkiCmd {
-    /// Print the pins and a summary of each certificate.
+    /// Print the pins (and a rotation's next pins) and a summary of each certificate.
     Show,
+    /// Rotate a key while serving: join-encryption or join-signing (stage the next key with an
+    /// overlap, then promote), or gateway (renew the TLS leaf now).
+    Rotate {
+        /// join-encryption, join-signing or gateway.
+        kind: String,
+        /// How long the next key is published before it becomes current (e.g. 7d, 24h; default 7d).
+        #[arg(long, conflicts_with_all = ["promote", "retire_previous"])]
+        overlap: Option<String>,
+        /// Make the staged next key current now.
+        #[arg(long, conflicts_with = "retire_previous")]
+        promote: bool,
+        /// join-encryption: stop accepting the key the last promotion replaced, now.
+        #[arg(long)]
+        retire_previous: bool,
+    },
 }
 
 /// The process's exit: prints the error as `CODE: message`.
@@ -844,6 +859,49 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Pki(PkiCmd::Show) => cmd_pki_show(&conn.state_dir(), conn.json),
+        Command::Pki(PkiCmd::Rotate {
+            kind,
+            overlap,
+            promote,
+            retire_previous,
+        }) => {
+            let overlap = overlap
+                .map(|o| {
+                    crate::audit::parse_age(&o).ok_or_else(|| {
+                        ApiError::invalid_input(format!(
+                            "--overlap {o:?} is not a duration such as 24h or 7d"
+                        ))
+                    })
+                })
+                .transpose()?;
+            let action = if promote {
+                Some("promote")
+            } else if retire_previous {
+                Some("retire-previous")
+            } else {
+                None
+            };
+            let v = conn.client().call(
+                "pki/rotate",
+                &json!({"kind": kind, "action": action, "overlapSeconds": overlap}),
+            )?;
+            print(conn, &v, |v| {
+                for (k, p) in v["pins"].as_object().into_iter().flatten() {
+                    println!("{k:<20} {}", s(p));
+                }
+                for (k, r) in v["rotation"].as_object().into_iter().flatten() {
+                    println!(
+                        "{k:<20} {}",
+                        if r.is_null() {
+                            "-".into()
+                        } else {
+                            r.to_string()
+                        }
+                    );
+                }
+            });
+            Ok(())
+        }
         Command::Agent(AgentCmd::Join {
             config,
             data_dir,
@@ -1373,8 +1431,10 @@ fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
             Err(e) => json!({"error": e.to_string()}),
         }
     };
+    let rotation = crate::rotation::status(state_dir)?["rotation"].clone();
     let v = json!({
         "pins": pins,
+        "rotation": rotation,
         "certificates": {
             "nodeCa": summary(&p.node_ca),
             "servingCa": summary(&p.serving_ca),
@@ -1388,6 +1448,24 @@ fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
         println!("serving_ca_spki_pin = \"{}\"", pins.serving_ca);
         println!("join_signing_key_pin = \"{}\"", pins.join_signing);
         println!("join_encryption_key_pin = \"{}\"", pins.join_encryption);
+        if let Some(p) = &pins.join_signing_next {
+            println!(
+                "join_signing_next_key_pin = \"{p}\"  # promoted at {}",
+                s(&rotation["joinSigning"]["promoteAt"])
+            );
+        }
+        if let Some(p) = &pins.join_encryption_next {
+            println!(
+                "join_encryption_next_key_pin = \"{p}\"  # promoted at {}",
+                s(&rotation["joinEncryption"]["promoteAt"])
+            );
+        }
+        if !rotation["previousEncryptionAcceptedUntil"].is_null() {
+            println!(
+                "# the previous join-encryption key is accepted until {}",
+                s(&rotation["previousEncryptionAcceptedUntil"])
+            );
+        }
         for (name, c) in v["certificates"].as_object().expect("object") {
             println!(
                 "{name}: {} (serial {}), valid {} to {}",

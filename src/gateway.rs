@@ -45,12 +45,71 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(p)
 }
 
+/// The gateway's certificate and key, swapped by a rotation while serving: new handshakes get the
+/// new leaf, established connections and sessions carry on untouched.
+#[derive(Debug)]
+pub struct GatewayCert(std::sync::RwLock<Arc<rustls::sign::CertifiedKey>>);
+
+fn certified(
+    leaf: &[u8],
+    ca: &[u8],
+    key_pkcs8: &[u8],
+) -> Result<rustls::sign::CertifiedKey, String> {
+    let key = provider()
+        .key_provider
+        .load_private_key(PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
+            key_pkcs8.to_vec(),
+        )))
+        .map_err(|e| format!("the gateway key: {e}"))?;
+    let ck = rustls::sign::CertifiedKey::new(
+        vec![
+            CertificateDer::from(leaf.to_vec()),
+            CertificateDer::from(ca.to_vec()),
+        ],
+        key,
+    );
+    ck.keys_match()
+        .map_err(|e| format!("the gateway certificate: {e}"))?;
+    Ok(ck)
+}
+
+impl GatewayCert {
+    pub fn new(leaf: &[u8], ca: &[u8], key_pkcs8: &[u8]) -> Result<Self, String> {
+        Ok(Self(std::sync::RwLock::new(Arc::new(certified(
+            leaf, ca, key_pkcs8,
+        )?))))
+    }
+
+    pub fn replace(&self, leaf: &[u8], ca: &[u8], key_pkcs8: &[u8]) -> Result<(), String> {
+        let ck = Arc::new(certified(leaf, ca, key_pkcs8)?);
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = ck;
+        Ok(())
+    }
+}
+
+impl rustls::server::ResolvesServerCert for GatewayCert {
+    fn resolve(
+        &self,
+        _: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.0.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+}
+
 /// TLS 1.3 only, the gateway leaf and the serving CA as its chain, ALPN `bca/1`, optional client
 /// certificates under the node CA.
 pub fn server_config(
     leaf: &[u8],
     ca: &[u8],
     key_pkcs8: &[u8],
+    node_ca: &[u8],
+) -> Result<rustls::ServerConfig, String> {
+    server_config_with(Arc::new(GatewayCert::new(leaf, ca, key_pkcs8)?), node_ca)
+}
+
+/// [`server_config`] around a swappable certificate.
+pub fn server_config_with(
+    cert: Arc<GatewayCert>,
     node_ca: &[u8],
 ) -> Result<rustls::ServerConfig, String> {
     let mut roots = rustls::RootCertStore::empty();
@@ -66,14 +125,7 @@ pub fn server_config(
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
         .with_client_cert_verifier(clients)
-        .with_single_cert(
-            vec![
-                CertificateDer::from(leaf.to_vec()),
-                CertificateDer::from(ca.to_vec()),
-            ],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pkcs8.to_vec())),
-        )
-        .map_err(|e| format!("the gateway certificate: {e}"))?;
+        .with_cert_resolver(cert);
     cfg.alpn_protocols = vec![protocol::ALPN.to_vec()];
     cfg.ignore_client_order = true;
     // Agents open a connection per join or session and never resume: no session tickets.
@@ -94,12 +146,13 @@ impl Gateway {
         gateway_key_pkcs8: &[u8],
         join: Option<JoinHandle>,
     ) -> Result<Self, String> {
-        let cfg = server_config(
+        let cert = Arc::new(GatewayCert::new(
             &app.pki.gateway,
             &app.pki.serving_ca,
             gateway_key_pkcs8,
-            &app.pki.node_ca,
-        )?;
+        )?);
+        let _ = app.gateway_cert.set(cert.clone());
+        let cfg = server_config_with(cert, &app.pki.node_ca)?;
         Ok(Self {
             app,
             tls: tokio_rustls::TlsAcceptor::from(Arc::new(cfg)),

@@ -136,7 +136,12 @@ async fn public(
                 "use GET for the well-known document",
             )));
         }
-        return Ok(respond(200, &app.well_known));
+        let doc = app
+            .well_known
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        return Ok(respond(200, &doc));
     }
     let downloads = format!("{BASE_PATH}/downloads/bcd/");
     if let Some(rest) = req
@@ -231,8 +236,32 @@ async fn admin(
             root_tenant: &app.root_tenant,
             sessions: Some(&app.sessions),
         };
-        if method == "health/get" {
-            return crate::health::report(&app);
+        match method.as_str() {
+            "health/get" => return crate::health::report(&app),
+            "pki/status" => return crate::rotation::status(&app.state_dir),
+            "pki/rotate" => {
+                #[derive(serde::Deserialize)]
+                #[serde(rename_all = "camelCase", deny_unknown_fields)]
+                struct Rotate {
+                    kind: String,
+                    action: Option<String>,
+                    overlap_seconds: Option<i64>,
+                }
+                let i: Rotate = api::parse(&body)?;
+                let kind = crate::rotation::Kind::parse(&i.kind)?;
+                let r = app.rotator.get().ok_or_else(|| {
+                    ApiError::new(crate::error::Code::Unavailable, "rotation is not ready")
+                })?;
+                return r.rotate(
+                    &app,
+                    kind,
+                    i.action.as_deref(),
+                    i.overlap_seconds,
+                    ctx.caller,
+                    ctx.now,
+                );
+            }
+            _ => {}
         }
         crate::downloads::dispatch(&app.store, &app.state_dir, &ctx, &method, &body)
             .unwrap_or_else(|| api::dispatch(&app.store, &ctx, &method, &body))

@@ -38,12 +38,69 @@ const EVENTS_PER_MINUTE: u32 = 60;
 pub(crate) struct Signer {
     pub(crate) node_ca: (rcgen::Certificate, rcgen::KeyPair),
     pub(crate) node_ca_pem: String,
-    pub(crate) join_signing: SigningKey,
-    pub(crate) signer_b64: String,
-    decrypt: aws_lc_rs::agreement::PrivateKey,
+    /// The keys a rotation replaces while serving (`rotation`).
+    keys: std::sync::RwLock<SignerKeys>,
+}
+
+/// The join-signing key and the join-encryption keys in use.
+pub(crate) struct SignerKeys {
+    join_signing: SigningKey,
+    signer_b64: String,
+    /// The staged next join-signing key's pin, told to renewing agents (signed by the current key).
+    next_pin: Option<String>,
+    /// Current first, then a staged next or a promoted-away previous key.
+    decrypt: Vec<aws_lc_rs::agreement::PrivateKey>,
+}
+
+impl SignerKeys {
+    pub(crate) fn new(pki: &crate::pki::PublicPki, keys: &KeyBundle) -> Result<Self, String> {
+        let mut decrypt = vec![crate::jwe::decryption_key(keys.join_encryption.pkcs8())?];
+        for k in [&keys.join_encryption_next, &keys.join_encryption_previous]
+            .into_iter()
+            .flatten()
+        {
+            decrypt.push(crate::jwe::decryption_key(k.pkcs8())?);
+        }
+        Ok(Self {
+            join_signing: SigningKey::from_pkcs8(keys.join_signing.pkcs8())?,
+            signer_b64: crypto::b64(&pki.join_signing),
+            next_pin: pki.pins()?.join_signing_next,
+            decrypt,
+        })
+    }
 }
 
 impl Signer {
+    fn keys(&self) -> std::sync::RwLockReadGuard<'_, SignerKeys> {
+        self.keys.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Swaps in the keys of a rotation step; answers in flight finish with the old ones.
+    pub(crate) fn replace_keys(&self, k: SignerKeys) {
+        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = k;
+    }
+
+    /// Opens a sealed token with the current join-encryption key, else a staged or previous one.
+    fn open_seal(
+        &self,
+        sealed: &str,
+        csr_sha256: &[u8; 32],
+        now: i64,
+        max_skew: i64,
+    ) -> Result<zeroize::Zeroizing<String>, crate::jwe::SealError> {
+        let keys = self.keys();
+        let mut first = None;
+        for k in &keys.decrypt {
+            match crate::jwe::open(sealed, k, csr_sha256, now, max_skew) {
+                Ok(t) => return Ok(t),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        Err(first.expect("at least one key"))
+    }
+
     /// Signs a response body: `JoinResponse{ body, sig, signer }`.
     pub(crate) fn respond(&self, body: &JoinResponseBody) -> JoinResponse {
         self.signed(JOIN_RESPONSE_PURPOSE, body)
@@ -52,11 +109,12 @@ impl Signer {
     /// `{ body, sig, signer }`: the JSON of `body`, signed under `purpose`.
     pub(crate) fn signed(&self, purpose: &str, body: &impl serde::Serialize) -> JoinResponse {
         let body = serde_json::to_vec(body).expect("serializes");
-        let sig = self.join_signing.sign(purpose, &body);
+        let keys = self.keys();
+        let sig = keys.join_signing.sign(purpose, &body);
         JoinResponse {
             body: crypto::b64(&body),
             sig: crypto::b64(&sig),
-            signer: self.signer_b64.clone(),
+            signer: keys.signer_b64.clone(),
         }
     }
 }
@@ -136,9 +194,7 @@ impl JoinService {
         let signer = Arc::new(Signer {
             node_ca,
             node_ca_pem: pki::pem("CERTIFICATE", &app.pki.node_ca),
-            signer_b64: crypto::b64(&app.pki.join_signing),
-            decrypt: crate::jwe::decryption_key(keys.join_encryption.pkcs8())?,
-            join_signing: SigningKey::from_pkcs8(keys.join_signing.pkcs8())?,
+            keys: std::sync::RwLock::new(SignerKeys::new(&app.pki, &keys)?),
         });
         drop(keys);
         // No session outlives a restart of the appliance.
@@ -211,6 +267,11 @@ impl Drop for InFlight<'_> {
 }
 
 impl JoinHandle {
+    /// Swaps the join-signing and join-encryption keys (a rotation step).
+    pub(crate) fn replace_keys(&self, k: SignerKeys) {
+        self.inner.signer.replace_keys(k);
+    }
+
     /// Whether the writer thread still takes work.
     pub fn is_running(&self) -> bool {
         self.inner.alive.load(std::sync::atomic::Ordering::SeqCst)
@@ -360,8 +421,7 @@ fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64
             return refuse(Reason::Csr, Some(crypto::sha256(&der)), hk);
         }
     };
-    let token = match crate::jwe::open(&r.sealed_token, &signer.decrypt, &csr.sha256, now, max_skew)
-    {
+    let token = match signer.open_seal(&r.sealed_token, &csr.sha256, now, max_skew) {
         Ok(t) => t,
         Err(e) => {
             tracing::debug!(%peer, error = ?e, "join: the seal did not open");
@@ -800,6 +860,7 @@ pub(crate) fn certify(
         trust_domain: cfg.trust_domain.clone(),
         site_id: cfg.site_id.clone(),
         role: who.role.to_string(),
+        join_signing_next_key_pin: signer.keys().next_pin.clone(),
     };
     Ok((signer.respond(&body), serial))
 }

@@ -40,6 +40,7 @@ pub mod pki;
 pub mod progress;
 pub mod protocol;
 pub mod renewal;
+pub mod rotation;
 pub mod serve;
 pub mod sessions;
 pub mod store;

@@ -100,6 +100,17 @@ pub fn create(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -> Resu
 
     let gateway = gateway_leaf(cfg, keys, sans, now)?;
 
+    Ok(Issued {
+        node_ca: node_ca.der().to_vec(),
+        serving_ca: serving_ca.der().to_vec(),
+        gateway,
+        join_signing: join_signing_cert(cfg, &keys.join_signing, now)?,
+    })
+}
+
+/// The self-signed certificate that carries the join-signing key (its SPKI is what agents pin).
+pub fn join_signing_cert(cfg: &Config, key: &SigningKey, now: i64) -> Result<Vec<u8>, String> {
+    let years = cfg.pki.ca_validity_years as i64;
     let mut js = CertificateParams::default();
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, cfg.trust_domain.clone());
@@ -113,16 +124,32 @@ pub fn create(cfg: &Config, keys: &KeyBundle, sans: &[String], now: i64) -> Resu
     js.not_before = ts(now - 3600);
     js.not_after = ts(now + years * 365 * 86_400);
     js.serial_number = Some(random_serial());
-    let join_signing = js
-        .self_signed(&keys.join_signing.rcgen())
-        .map_err(|e| e.to_string())?;
+    let c = js.self_signed(&key.rcgen()).map_err(|e| e.to_string())?;
+    Ok(c.der().to_vec())
+}
 
-    Ok(Issued {
-        node_ca: node_ca.der().to_vec(),
-        serving_ca: serving_ca.der().to_vec(),
-        gateway,
-        join_signing: join_signing.der().to_vec(),
-    })
+/// The DNS names and IP addresses of a certificate's subjectAltName (to renew the gateway leaf
+/// for the same names).
+pub fn cert_sans(der: &[u8]) -> Result<Vec<String>, String> {
+    use x509_parser::extensions::GeneralName;
+    use x509_parser::prelude::*;
+    let (_, c) = X509Certificate::from_der(der).map_err(|e| format!("not a certificate: {e}"))?;
+    let mut out = Vec::new();
+    if let Ok(Some(san)) = c.subject_alternative_name() {
+        for n in &san.value.general_names {
+            match n {
+                GeneralName::DNSName(d) => out.push(d.to_string()),
+                GeneralName::IPAddress(b) if b.len() == 4 => out.push(
+                    std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*b).expect("4")).to_string(),
+                ),
+                GeneralName::IPAddress(b) if b.len() == 16 => out.push(
+                    std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*b).expect("16")).to_string(),
+                ),
+                _ => {}
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// A gateway leaf for `sans` (DNS names or IP addresses), signed by the serving CA.
@@ -263,6 +290,16 @@ pub fn cert_spki(der: &[u8]) -> Result<Vec<u8>, String> {
     Ok(c.public_key().raw.to_vec())
 }
 
+/// A certificate's (notBefore, notAfter), in Unix seconds.
+pub fn validity(der: &[u8]) -> Option<(i64, i64)> {
+    use x509_parser::prelude::*;
+    let (_, c) = X509Certificate::from_der(der).ok()?;
+    Some((
+        c.validity().not_before.timestamp(),
+        c.validity().not_after.timestamp(),
+    ))
+}
+
 /// A certificate's notAfter, in Unix seconds.
 pub fn not_after(der: &[u8]) -> Option<i64> {
     use x509_parser::prelude::*;
@@ -314,6 +351,18 @@ pub struct Pins {
     pub serving_ca: String,
     pub join_signing: String,
     pub join_encryption: String,
+    /// During a rotation: the staged next join-signing key's pin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_signing_next: Option<String>,
+    /// During a rotation: the staged next join-encryption key's pin.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join_encryption_next: Option<String>,
+}
+
+/// The pin of a JWK's P-256 key.
+pub fn jwk_pin(j: &Jwk) -> Result<String, String> {
+    let point = j.point().ok_or("the JWK is not a P-256 key")?;
+    Ok(crypto::spki_pin(&crypto::p256_spki_from_point(&point)))
 }
 
 /// The public half of the PKI as it lies in `<state>/pki/`.
@@ -323,6 +372,12 @@ pub struct PublicPki {
     pub gateway: Vec<u8>,
     pub join_signing: Vec<u8>,
     pub join_encryption: Jwk,
+    /// `join-signing.next.pem`: a rotation's staged certificate.
+    pub join_signing_next: Option<Vec<u8>>,
+    /// `join-encryption.next.jwk`: a rotation's staged key.
+    pub join_encryption_next: Option<Jwk>,
+    /// `join-encryption.previous.jwk`: the key a promotion replaced, accepted until its overlap ends.
+    pub join_encryption_previous: Option<Jwk>,
 }
 
 impl PublicPki {
@@ -355,28 +410,47 @@ impl PublicPki {
                 .next()
                 .ok_or_else(|| format!("{} holds no certificate", p.display()))
         };
-        let jp = dir.join("join-encryption.jwk");
-        let jt = std::fs::read_to_string(&jp)
-            .map_err(|e| format!("cannot read {}: {e}", jp.display()))?;
+        let jwk_file = |name: &str| -> Result<Jwk, String> {
+            let jp = dir.join(name);
+            let jt = std::fs::read_to_string(&jp)
+                .map_err(|e| format!("cannot read {}: {e}", jp.display()))?;
+            serde_json::from_str(&jt).map_err(|e| format!("{}: {e}", jp.display()))
+        };
+        let optional = |name: &str| dir.join(name).exists();
         Ok(Self {
             node_ca: one("node-ca.pem")?,
             serving_ca: one("serving-ca.pem")?,
             gateway: one("gateway.pem")?,
             join_signing: one("join-signing.pem")?,
-            join_encryption: serde_json::from_str(&jt)
-                .map_err(|e| format!("{}: {e}", jp.display()))?,
+            join_encryption: jwk_file("join-encryption.jwk")?,
+            join_signing_next: optional("join-signing.next.pem")
+                .then(|| one("join-signing.next.pem"))
+                .transpose()?,
+            join_encryption_next: optional("join-encryption.next.jwk")
+                .then(|| jwk_file("join-encryption.next.jwk"))
+                .transpose()?,
+            join_encryption_previous: optional("join-encryption.previous.jwk")
+                .then(|| jwk_file("join-encryption.previous.jwk"))
+                .transpose()?,
         })
     }
 
     pub fn pins(&self) -> Result<Pins, String> {
-        let point = self
-            .join_encryption
-            .point()
-            .ok_or("join-encryption.jwk is not a P-256 key")?;
         Ok(Pins {
             serving_ca: crypto::spki_pin(&cert_spki(&self.serving_ca)?),
             join_signing: crypto::spki_pin(&cert_spki(&self.join_signing)?),
-            join_encryption: crypto::spki_pin(&crypto::p256_spki_from_point(&point)),
+            join_encryption: jwk_pin(&self.join_encryption)
+                .map_err(|e| format!("join-encryption.jwk: {e}"))?,
+            join_signing_next: self
+                .join_signing_next
+                .as_ref()
+                .map(|c| cert_spki(c).map(|s| crypto::spki_pin(&s)))
+                .transpose()?,
+            join_encryption_next: self
+                .join_encryption_next
+                .as_ref()
+                .map(jwk_pin)
+                .transpose()?,
         })
     }
 }

@@ -219,6 +219,10 @@ pub struct JoinResponseBody {
     pub trust_domain: String,
     pub site_id: String,
     pub role: String,
+    /// During a join-signing rotation: the next key's pin, vouched for by the current key's
+    /// signature over this body. Agents add it to the pins they accept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_signing_next_key_pin: Option<String>,
 }
 
 /// The gateway's calls into the JoinService: serializable messages, no shared state.

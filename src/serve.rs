@@ -18,6 +18,11 @@ pub struct ServeOptions {
 
 /// Loads everything `serve` needs; every failure here is a clear message and changes nothing.
 pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
+    prepare_vault(state_dir).map(|(app, keys, _)| (app, keys))
+}
+
+/// [`prepare`], keeping the vault (what can seal the keys again) for rotation.
+pub fn prepare_vault(state_dir: &Path) -> Result<(App, keys::KeyBundle, keys::Vault), String> {
     // The keys first: a wrong passphrase must not even open the database.
     let config = crate::config::Config::load(state_dir)?;
     let passphrase = match config.key_protection {
@@ -30,18 +35,24 @@ pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
         }
         KeyProtection::Tpm => return Err(keys::tpm_not_available()),
     };
-    let bundle = keys::unseal(
+    let (vault, bundle) = keys::Vault::open(
         state_dir,
         config.key_protection,
         passphrase.as_ref().map(|p| p.as_bytes()),
     )?;
+    // A rotation interrupted by a crash is finished here: the public files follow the keys.
+    let fixed = crate::rotation::reconcile(state_dir, &config, &bundle, crate::clock::now())?;
+    if !fixed.is_empty() {
+        tracing::warn!(files = ?fixed, "pki: finished an interrupted rotation");
+    }
     let app = App::load(state_dir)?;
     app.check_keys(&bundle)?;
-    Ok((app, bundle))
+    Ok((app, bundle, vault))
 }
 
 pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
-    let (app, keys) = prepare(state_dir)?;
+    let (app, keys, vault) = prepare_vault(state_dir)?;
+    let _ = app.rotator.set(crate::rotation::Rotator::new(vault));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -93,6 +104,9 @@ async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
                 crate::health::log_clock(&app2);
             }
             if m % 60 == 0 {
+                if let Some(r) = app2.rotator.get() {
+                    r.tick(&app2, crate::clock::now());
+                }
                 crate::audit::apply(
                     &app2.store,
                     &app2.config.retention,
