@@ -166,8 +166,8 @@ pub fn pins_learned(
     let signer_pin = crypto::b64_decode(&r.signer)
         .and_then(|d| pki::cert_spki(&d).ok())
         .map(|s| crypto::spki_pin(&s));
-    if signer_pin.is_some() && signer_pin == cfg.join_signing_next_key_pin {
-        next.join_signing_key_pin = signer_pin.expect("checked");
+    if let Some(p) = signer_pin.filter(|p| Some(p) == cfg.join_signing_next_key_pin.as_ref()) {
+        next.join_signing_key_pin = p;
         next.join_signing_next_key_pin = None;
     }
     if let Some(p) = &body.join_signing_next_key_pin {
