@@ -21,3 +21,5 @@ mod operate;
 mod pxe;
 #[path = "it/renew.rs"]
 mod renew;
+#[path = "it/rotate.rs"]
+mod rotate;

@@ -469,3 +469,36 @@ pub fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// `bca agent run` as a child process with JSON logs.
+pub fn agent_run(dir: &Path) -> Child {
+    Command::new(bin())
+        .args(["agent", "run", "--config"])
+        .arg(dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args(["--backoff-base-ms", "400", "--backoff-cap-ms", "3000"])
+        .env("BCA_LOG_FORMAT", "json")
+        .env("BCA_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+pub fn joined_agent_dir(a: &Appliance, token: &str) -> PathBuf {
+    let dir = a.agent_dir();
+    let claims = write_claims(a, &machine());
+    let o = agent_join(&dir, "data", &claims, token, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    dir
+}
+
+pub fn connected(a: &Appliance) -> usize {
+    a.cli_json(&["nodes", "list"])["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["connected"] == true)
+        .count()
+}

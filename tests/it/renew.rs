@@ -8,7 +8,7 @@ use bca::protocol::{
 };
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 fn rt() -> tokio::runtime::Runtime {
@@ -283,39 +283,6 @@ fn sessions_show_connected_and_revocation_closes_them() {
         bca::agent::roundtrip(&sim.cfg, &mut s, &serde_json::to_vec(&req).unwrap()).await
     });
     assert!(e.is_err(), "a foreign certificate opened a session");
-}
-
-/// `bca agent run` as a child process with JSON logs.
-fn agent_run(dir: &Path) -> Child {
-    Command::new(bin())
-        .args(["agent", "run", "--config"])
-        .arg(dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .args(["--backoff-base-ms", "400", "--backoff-cap-ms", "3000"])
-        .env("BCA_LOG_FORMAT", "json")
-        .env("BCA_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn joined_agent_dir(a: &Appliance, token: &str) -> PathBuf {
-    let dir = a.agent_dir();
-    let claims = write_claims(a, &machine());
-    let o = agent_join(&dir, "data", &claims, token, &[]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    dir
-}
-
-fn connected(a: &Appliance) -> usize {
-    a.cli_json(&["nodes", "list"])["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|n| n["connected"] == true)
-        .count()
 }
 
 #[test]
