@@ -9,15 +9,19 @@ BCA=${BCA_BIN:-target/x86_64-unknown-linux-musl/release/bca}
 [ -x "$BCA" ] || { echo "image: $BCA is missing: run make build first" >&2; exit 1; }
 file "$BCA" | grep -q 'static' || { echo "image: $BCA is not a static binary" >&2; exit 1; }
 mkdir -p "$OUT"
+# Progress: one line per step on stderr ("image: [2/5] ..."), the same on a terminal or in a log.
+step() { echo "image: [$1/5] $2" >&2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 # The iPXE binaries, from Debian's ipxe package, checked.
+step 1 "iPXE binaries (checked against firmware/SHA256SUMS)"
 for f in undionly.kpxe ipxe.efi snponly.efi; do cp "/usr/lib/ipxe/$f" "$OUT/$f"; done
 (cd "$OUT" && sha256sum -c --quiet ../../firmware/SHA256SUMS) || {
   echo "image: the iPXE binaries do not match firmware/SHA256SUMS (see firmware/README.md)" >&2; exit 1; }
 
 # The kernel: the package linux-image-amd64 points at.
+step 2 "the kernel package"
 pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
 [ -n "$pkg" ] || { echo "image: no kernel package found (apt-get update?)" >&2; exit 1; }
 (cd "$work" && apt-get download "$pkg" >/dev/null 2>&1)
@@ -25,11 +29,13 @@ dpkg -x "$work"/linux-image-*.deb "$work/k"
 kver=$(ls "$work/k/lib/modules")
 depmod -b "$work/k" "$kver"
 
+step 3 "busybox and bca"
 root="$work/root"
 mkdir -p "$root"/{bin,sbin,etc/bca-agent,proc,sys,dev,tmp,run,var/lib/bca-agent,lib/modules}
 cp /bin/busybox "$root/bin/busybox"
 for a in $("$root/bin/busybox" --list); do [ -e "$root/bin/$a" ] || ln -s busybox "$root/bin/$a"; done
 cp "$BCA" "$root/bin/bca"
+step 4 "NIC drivers"
 # The NIC drivers a server needs, with their dependencies, in load order.
 python3 image/modules.py "$work/k/lib/modules/$kver" \
   virtio_pci virtio_net e1000 e1000e igb ixgbe i40e ice mlx5_core bnxt_en > "$work/order"
@@ -38,6 +44,7 @@ while read -r m; do
   cp "$work/k/lib/modules/$kver/$m" "$root/lib/modules/"
   basename "$m" >> "$root/etc/modules.order"
 done < "$work/order"
+step 5 "initrd.img (newc cpio, gzip)"
 install -m 0755 image/init "$root/init"
 install -m 0755 image/udhcpc.script "$root/etc/udhcpc.script"
 (cd "$root" && find . | cpio -o -H newc --quiet | gzip -6) > "$OUT/initrd.img"
