@@ -8,7 +8,7 @@
 //! never enters a backup: with `key_protection = "file"` the keys are sealed under a passphrase
 //! (`BCA_SECRET` or a prompt) for the backup, and the restored box uses `passphrase`. Keys sealed
 //! to a TPM are useless on another box: such a backup carries the escrow copy when one was made
-//! at init, and says so otherwise (see docs/backup.md). Boot files (`boot/`) are rebuilt by
+//! at init, and says so otherwise (README: operations). Boot files (`boot/`) are rebuilt by
 //! `make image` and are not in the backup.
 //!
 //! Restore unpacks into a state directory that does not exist or is empty, checking every
