@@ -16,21 +16,28 @@ use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 
+/// Every answer's body: in memory, or a boot file streamed from disk.
+pub type Body = http_body_util::Either<Full<Bytes>, crate::boot::http::FileBody>;
+
+fn full(b: Bytes) -> Body {
+    http_body_util::Either::Left(Full::new(b))
+}
+
 /// The largest request body the admin socket reads (a bulk intake of a thousand machines fits).
 pub const MAX_BODY: usize = 1024 * 1024;
 
-fn respond(status: u16, v: &Value) -> Response<Full<Bytes>> {
+fn respond(status: u16, v: &Value) -> Response<Body> {
     let mut body = serde_json::to_vec_pretty(v).expect("serializes");
     body.push(b'\n');
     Response::builder()
         .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
         .header("content-type", "application/json")
         .header("cache-control", "no-store")
-        .body(Full::new(Bytes::from(body)))
+        .body(full(Bytes::from(body)))
         .expect("a valid response")
 }
 
-fn error(e: &ApiError) -> Response<Full<Bytes>> {
+fn error(e: &ApiError) -> Response<Body> {
     respond(e.code.http_status(), &api::error_body(e))
 }
 
@@ -46,7 +53,7 @@ async fn public(
     app: Arc<App>,
     addrs: Addrs,
     req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<Body>, Infallible> {
     if let (Some(rest), Some((peer, local))) = (
         req.uri().path().strip_prefix(&format!("{BASE_PATH}/boot/")),
         addrs,
@@ -62,7 +69,7 @@ async fn public(
             Response::builder()
                 .status(status)
                 .header("content-type", "text/plain")
-                .body(Full::new(Bytes::from(body)))
+                .body(full(Bytes::from(body)))
                 .expect("a valid response")
         };
         return Ok(
@@ -71,7 +78,13 @@ async fn public(
                 crate::boot::http::BootAnswer::Bytes(b) => Response::builder()
                     .status(200)
                     .header("content-type", "application/octet-stream")
-                    .body(Full::new(Bytes::from(b)))
+                    .body(full(Bytes::from(b)))
+                    .expect("a valid response"),
+                crate::boot::http::BootAnswer::Stream(f) => Response::builder()
+                    .status(200)
+                    .header("content-type", "application/octet-stream")
+                    .header("content-length", f.len())
+                    .body(http_body_util::Either::Right(f))
                     .expect("a valid response"),
                 crate::boot::http::BootAnswer::NotFound => {
                     error(&ApiError::not_found(format!("no boot resource {rest}")))
@@ -123,7 +136,7 @@ async fn public(
                         },
                     )
                     .header("cache-control", "no-store")
-                    .body(Full::new(Bytes::from(body)))
+                    .body(full(Bytes::from(body)))
                     .expect("a valid response")
             }
             Ok(Err(e)) => error(&e),
@@ -164,7 +177,7 @@ async fn public(
             return Ok(Response::builder()
                 .status(StatusCode::OK)
                 .header("content-type", "application/octet-stream")
-                .body(Full::new(Bytes::from(bytes)))
+                .body(full(Bytes::from(bytes)))
                 .expect("a valid response"));
         }
     }
@@ -190,7 +203,7 @@ async fn admin(
     app: Arc<App>,
     peer: Peer,
     req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<Body>, Infallible> {
     if !admin_allowed(peer, crate::fsutil::own_uid(), app.config.admin_group) {
         tracing::warn!(
             uid = peer.uid,

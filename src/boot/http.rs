@@ -25,8 +25,96 @@ const ARCHIVE_TTL: i64 = 600;
 pub enum BootAnswer {
     Text(String),
     Bytes(Vec<u8>),
+    /// A boot file streamed from disk, then `suffix` (a per-boot archive): never read whole into
+    /// memory, so a thousand machines fetching a ramdisk cost a chunk buffer each.
+    Stream(FileBody),
     NotFound,
     Unavailable(String),
+}
+
+/// The chunk a streamed boot file is read in.
+const CHUNK: usize = 64 * 1024;
+
+/// A response body that reads a file in [`CHUNK`]s and then sends a suffix.
+pub struct FileBody {
+    file: Option<tokio::fs::File>,
+    remaining: u64,
+    suffix: Option<bytes::Bytes>,
+    buf: Vec<u8>,
+}
+
+impl FileBody {
+    /// Opens a regular file; `suffix` follows its bytes.
+    pub async fn open(path: &std::path::Path, suffix: Vec<u8>) -> Option<Self> {
+        let file = tokio::fs::File::open(path).await.ok()?;
+        let m = file.metadata().await.ok()?;
+        if !m.is_file() {
+            return None;
+        }
+        Some(Self {
+            file: Some(file),
+            remaining: m.len(),
+            suffix: (!suffix.is_empty()).then(|| bytes::Bytes::from(suffix)),
+            buf: Vec::new(),
+        })
+    }
+
+    /// The whole body's length (the Content-Length).
+    pub fn len(&self) -> u64 {
+        self.remaining + self.suffix.as_ref().map_or(0, |s| s.len() as u64)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl hyper::body::Body for FileBody {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>> {
+        use std::task::Poll;
+        use tokio::io::AsyncRead;
+        let this = &mut *self;
+        if this.remaining > 0 {
+            if let Some(file) = this.file.as_mut() {
+                let want = CHUNK.min(this.remaining as usize);
+                this.buf.resize(want, 0);
+                let mut rb = tokio::io::ReadBuf::new(&mut this.buf);
+                match std::pin::Pin::new(file).poll_read(cx, &mut rb) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
+                    Poll::Ready(Ok(())) => {
+                        let n = rb.filled().len();
+                        if n == 0 {
+                            // The file shrank under us: end with an error, never a short body.
+                            return Poll::Ready(Some(Err(std::io::Error::new(
+                                std::io::ErrorKind::UnexpectedEof,
+                                "the boot file shrank while being served",
+                            ))));
+                        }
+                        this.remaining -= n as u64;
+                        let chunk = bytes::Bytes::copy_from_slice(&this.buf[..n]);
+                        return Poll::Ready(Some(Ok(hyper::body::Frame::data(chunk))));
+                    }
+                }
+            }
+        }
+        this.file = None;
+        Poll::Ready(this.suffix.take().map(|s| Ok(hyper::body::Frame::data(s))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.remaining == 0 && self.suffix.is_none()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.len())
+    }
 }
 
 pub fn boot_root(app: &App) -> PathBuf {
@@ -132,24 +220,26 @@ pub async fn handle(
         if !combined {
             return BootAnswer::Bytes(archive);
         }
-        let Ok(mut bytes) = tokio::fs::read(boot_root(app).join("initrd.img")).await else {
+        let path = boot_root(app).join("initrd.img");
+        let Ok(len) = tokio::fs::metadata(&path).await.map(|m| m.len()) else {
             return BootAnswer::NotFound;
         };
         // The kernel skips zero padding between concatenated archives.
-        while bytes.len() % 4 != 0 {
-            bytes.push(0);
-        }
-        bytes.extend_from_slice(&archive);
-        return BootAnswer::Bytes(bytes);
+        let mut suffix = vec![0u8; ((4 - len % 4) % 4) as usize];
+        suffix.extend_from_slice(&archive);
+        return match FileBody::open(&path, suffix).await {
+            Some(b) => BootAnswer::Stream(b),
+            None => BootAnswer::NotFound,
+        };
     }
     if let Some(name) = rest.strip_prefix("files/") {
         if !valid_file_name(name) {
             return BootAnswer::NotFound;
         }
         let path = boot_root(app).join(name);
-        return match tokio::fs::read(&path).await {
-            Ok(b) => BootAnswer::Bytes(b),
-            Err(_) => BootAnswer::NotFound,
+        return match FileBody::open(&path, Vec::new()).await {
+            Some(b) => BootAnswer::Stream(b),
+            None => BootAnswer::NotFound,
         };
     }
     BootAnswer::NotFound

@@ -506,3 +506,49 @@ fn a_rack_is_approved_at_once_by_serial_prefix_each_audited() {
     let _ = last.kill();
     let _ = last.wait();
 }
+
+#[test]
+fn boot_files_stream_from_disk_and_the_combined_initrd_is_padded() {
+    let a = appliance("always");
+    let root = a.state().join("boot");
+    std::fs::create_dir_all(&root).unwrap();
+    // Sizes that are not multiples of the 64 KiB chunk or of 4.
+    let kernel: Vec<u8> = (0..300_001u32).map(|i| (i * 7 % 251) as u8).collect();
+    let initrd: Vec<u8> = (0..200_003u32).map(|i| (i * 13 % 253) as u8).collect();
+    std::fs::write(root.join("vmlinuz"), &kernel).unwrap();
+    std::fs::write(root.join("initrd.img"), &initrd).unwrap();
+    let (code, got) = get(&a, "/api/compute/boot/files/vmlinuz");
+    assert_eq!(code, 200);
+    assert!(got == kernel, "vmlinuz differs ({} bytes)", got.len());
+    let (code, _) = get(&a, "/api/compute/boot/files/..%2Fbca.db");
+    assert_eq!(code, 404);
+    let (code, _) = get(&a, "/api/compute/boot/files/missing");
+    assert_eq!(code, 404);
+
+    let (code, script) = get(&a, "/api/compute/boot/boot.ipxe?mac=52:54:00:00:00:aa");
+    assert_eq!(code, 200);
+    let script = String::from_utf8(script).unwrap();
+    let url = script
+        .lines()
+        .find_map(|l| l.strip_prefix("initrd --name initrd.img "))
+        .unwrap();
+    let path = format!("/api/{}", url.split_once("/api/").unwrap().1);
+    let o = Command::new("curl")
+        .args(["-s", "-D", "-", "-o"])
+        .arg(a.dir.path().join("combined"))
+        .arg(format!("http://{}{path}", a.http))
+        .output()
+        .unwrap();
+    let headers = String::from_utf8_lossy(&o.stdout).to_lowercase();
+    let combined = std::fs::read(a.dir.path().join("combined")).unwrap();
+    assert!(
+        headers.contains(&format!("content-length: {}", combined.len())),
+        "{headers}"
+    );
+    assert_eq!(&combined[..initrd.len()], &initrd[..]);
+    // Zero padding to a multiple of four, then the newc archive.
+    assert_eq!(&combined[initrd.len()..200_004], &[0u8]);
+    assert!(combined[200_004..].starts_with(b"070701"));
+    // Served once.
+    assert_eq!(get(&a, &path).0, 404);
+}
