@@ -2,8 +2,10 @@
 //! sockets, each printed beside a reference measured in the same run. `bca serve` is pinned to
 //! core 0 and this load generator to core 1 (`taskset`), so figures are per appliance core.
 //!
-//! Output: one line per figure, `name: value unit`. Sizes: `BENCH_JOINS` (default 4000),
-//! `BENCH_CONCURRENCY` (200), `BENCH_SESSIONS` (2000).
+//! Output: one line per figure, `name: value unit`. Sizes: `BENCH_JOINS` (default 20000),
+//! `BENCH_CONCURRENCY` (200), `BENCH_SESSIONS` (20000). After the join storm, every session
+//! opens (resident memory per session), renews at once (the renewal storm), and the appliance is
+//! restarted under them (the reconnect storm: time until all are back, attempts spent).
 
 use bca::agent::{self, AgentConfig};
 use bca::crypto::{self, SigningKey};
@@ -47,6 +49,7 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 struct Appliance {
     dir: PathBuf,
     child: Child,
+    http: String,
     gateway: String,
     socket: PathBuf,
 }
@@ -59,27 +62,40 @@ impl Drop for Appliance {
     }
 }
 
+/// `prlimit` (the open-file limit raised to the hard limit: room for the sessions) and `taskset`
+/// on `core`, when present.
 fn taskset(core: &str) -> Command {
+    let mut c = Command::new("prlimit");
+    let n = nofile_hard();
+    c.arg(format!("--nofile={n}:{n}")).arg("--");
     if Command::new("taskset").arg("--version").output().is_ok() {
-        let mut c = Command::new("taskset");
-        c.args(["-c", core]);
-        c
-    } else {
-        Command::new("env")
+        c.args(["taskset", "-c", core]);
     }
+    c
+}
+
+/// This process's hard limit on open files (/proc/self/limits).
+fn nofile_hard() -> u64 {
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(4).map(str::to_string))
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024)
 }
 
 fn start_serve(state: &Path) -> (Child, Value, Duration) {
+    start_serve_at(state, "127.0.0.1:0", "127.0.0.1:0")
+}
+
+fn start_serve_at(state: &Path, http: &str, gateway: &str) -> (Child, Value, Duration) {
     let t = Instant::now();
     let mut child = taskset("0")
         .arg(bin())
-        .args([
-            "serve",
-            "--listen-http",
-            "127.0.0.1:0",
-            "--listen-gateway",
-            "127.0.0.1:0",
-        ])
+        .args(["serve", "--listen-http", http, "--listen-gateway", gateway])
         .env("BCA_STATE_DIR", state)
         .env("BCA_LOG", "error")
         .stdout(Stdio::piped())
@@ -121,6 +137,7 @@ fn appliance() -> Appliance {
     Appliance {
         dir,
         child,
+        http: ready["http"].as_str().unwrap().into(),
         gateway: ready["gateway"].as_str().unwrap().into(),
         socket: PathBuf::from(ready["admin"].as_str().unwrap()),
     }
@@ -284,6 +301,47 @@ fn ceiling(n: usize) -> f64 {
     1.0 / per
 }
 
+/// The agent's reconnect backoff (`bca agent run`'s defaults): full jitter, 1 s base, 60 s cap.
+const BACKOFF_BASE_MS: u64 = 1000;
+const BACKOFF_CAP_MS: u64 = 60_000;
+
+/// A live session and the identity it renewed into.
+struct Live {
+    stream: agent::GatewayStream,
+    chain: Vec<Vec<u8>>,
+    key: Vec<u8>,
+}
+
+fn chain_der(pems: &[String]) -> Vec<Vec<u8>> {
+    pems.iter()
+        .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .collect()
+}
+
+/// An mTLS session: connect with the node's identity, Hello, Welcome.
+async fn open_session(
+    cfg: &AgentConfig,
+    chain: Vec<Vec<u8>>,
+    key: &[u8],
+) -> Result<agent::GatewayStream, String> {
+    let mut s = agent::connect(cfg, Some((chain, key)))
+        .await
+        .map_err(|e| e.message)?;
+    let hello = Request {
+        v: 1,
+        hello: Some(Hello::default()),
+        ..Default::default()
+    };
+    let raw = agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&hello).unwrap())
+        .await
+        .map_err(|e| e.message)?;
+    serde_json::from_slice::<Reply>(&raw)
+        .ok()
+        .and_then(|r| r.welcome)
+        .ok_or("no welcome")?;
+    Ok(s)
+}
+
 async fn one_join(
     cfg: Arc<AgentConfig>,
     m: Arc<Machine>,
@@ -306,8 +364,7 @@ fn main() {
         && Command::new("taskset").arg("--version").output().is_ok()
     {
         // Re-run this load generator on core 1, leaving core 0 to the appliance.
-        let status = Command::new("taskset")
-            .args(["-c", "1"])
+        let status = taskset("1")
             .arg(std::env::current_exe().unwrap())
             .args(std::env::args().skip(1))
             .env("BCA_BENCH_PINNED", "1")
@@ -315,15 +372,19 @@ fn main() {
             .unwrap();
         std::process::exit(status.code().unwrap_or(1));
     }
-    let joins = env("BENCH_JOINS", 4000);
+    let joins = env("BENCH_JOINS", 20_000);
     let conc = env("BENCH_CONCURRENCY", 200);
-    let sessions = env("BENCH_SESSIONS", 2000).min(joins);
+    // Each session is a file descriptor on both sides: the hard limit (20,000 on these machines,
+    // not raisable without CAP_SYS_RESOURCE) bounds how many fit, less a margin for the rest.
+    let sessions = env("BENCH_SESSIONS", 20_000)
+        .min(joins)
+        .min(nofile_hard().saturating_sub(200) as usize);
     println!("# bca storm bench: {joins} joins, {conc} concurrent, {sessions} sessions; bca serve on core 0, load on core 1");
 
     let ceil = ceiling(500);
     line("join_ceiling", ceil, "joins/s/core");
 
-    let a = appliance();
+    let mut a = appliance();
     let root = api(&a, "tenants/list", json!({}))["items"][0]["id"]
         .as_str()
         .unwrap()
@@ -418,30 +479,17 @@ fn main() {
             Some((m.clone(), body))
         })
         .collect();
+    drop(machines);
+    let t = Instant::now();
     let streams = rt.block_on(async {
         let mut hs = Vec::new();
         for (m, body) in &nodes {
-            let (cfg, m, body, sem) = (cfg.clone(), m.clone(), body.clone(), sem.clone());
+            let (cfg, sem) = (cfg.clone(), sem.clone());
+            let chain = chain_der(&body.certificate_chain);
+            let key = m.key.pkcs8().to_vec();
             hs.push(tokio::spawn(async move {
                 let _p = sem.acquire_owned().await.unwrap();
-                let chain: Vec<Vec<u8>> = body
-                    .certificate_chain
-                    .iter()
-                    .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
-                    .collect();
-                let mut s = agent::connect(&cfg, Some((chain, m.key.pkcs8())))
-                    .await
-                    .ok()?;
-                let hello = Request {
-                    v: 1,
-                    hello: Some(Hello::default()),
-                    ..Default::default()
-                };
-                let raw = agent::roundtrip(&cfg, &mut s, &serde_json::to_vec(&hello).unwrap())
-                    .await
-                    .ok()?;
-                serde_json::from_slice::<Reply>(&raw).ok()?.welcome?;
-                Some(s)
+                open_session(&cfg, chain, &key).await.ok()
             }));
         }
         let mut out = Vec::new();
@@ -451,23 +499,28 @@ fn main() {
         out
     });
     let open = streams.iter().filter(|s| s.is_some()).count();
+    line("sessions_open", open as f64, "");
+    line("sessions_open_s", t.elapsed().as_secs_f64(), "s");
     std::thread::sleep(Duration::from_millis(500));
     let rss1 = rss_kib(a.child.id());
-    line("sessions_open", open as f64, "");
+    line("sessions_rss", rss1 as f64 / 1024.0, "MiB");
     line(
         "session_rss",
         (rss1.saturating_sub(rss0)) as f64 / open.max(1) as f64,
         "KiB/session",
     );
 
+    // Renewal storm: every session renews at once; the sessions stay open with the new identity.
     let cpu0 = cpu_seconds(a.child.id());
     let t = Instant::now();
-    let renewed: Vec<Option<Duration>> = rt.block_on(async {
+    let renewed: Vec<(Option<Duration>, Option<Live>)> = rt.block_on(async {
         let mut hs = Vec::new();
         for (s, (m, body)) in streams.into_iter().zip(nodes.iter()) {
             let (cfg, m, body) = (cfg.clone(), m.clone(), body.clone());
             hs.push(tokio::spawn(async move {
-                let mut s = s?;
+                let Some(mut s) = s else {
+                    return (None, None);
+                };
                 let key = SigningKey::generate();
                 let csr = bca::csr::create(&key);
                 let now = bca::clock::now();
@@ -484,9 +537,24 @@ fn main() {
                 };
                 let bytes = serde_json::to_vec(&req).unwrap();
                 let t = Instant::now();
-                let raw = agent::roundtrip(&cfg, &mut s, &bytes).await.ok()?;
-                serde_json::from_slice::<Reply>(&raw).ok()?.renew_response?;
-                Some(t.elapsed())
+                let Ok(raw) = agent::roundtrip(&cfg, &mut s, &bytes).await else {
+                    return (None, None);
+                };
+                let Some(r) = serde_json::from_slice::<Reply>(&raw)
+                    .ok()
+                    .and_then(|r| r.renew_response)
+                else {
+                    return (None, None);
+                };
+                let took = t.elapsed();
+                let live = agent::verify_response(&cfg, &r, &csr, &key, "node")
+                    .ok()
+                    .map(|b| Live {
+                        stream: s,
+                        chain: chain_der(&b.certificate_chain),
+                        key: key.pkcs8().to_vec(),
+                    });
+                (Some(took), live)
             }));
         }
         let mut out = Vec::new();
@@ -497,7 +565,7 @@ fn main() {
     });
     let wall = t.elapsed();
     let renew_cpu = cpu_seconds(a.child.id()) - cpu0;
-    let mut rl: Vec<Duration> = renewed.iter().flatten().copied().collect();
+    let mut rl: Vec<Duration> = renewed.iter().filter_map(|r| r.0).collect();
     rl.sort();
     line(
         "renewal_storm",
@@ -517,11 +585,100 @@ fn main() {
     line("renewal_p50", pct(&rl, 0.5), "ms");
     line("renewal_p99", pct(&rl, 0.99), "ms");
     line("renewal_failures", (renewed.len() - rl.len()) as f64, "");
+
+    // Reconnect storm: the appliance restarts under every live session. Each client notices the
+    // close at once (as `bca agent run` does), then reconnects with the agent's backoff.
+    let lives: Vec<Live> = renewed.into_iter().filter_map(|r| r.1).collect();
+    let n_live = lives.len();
+    let back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let attempts = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let given_up = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let restarted = Arc::new(tokio::sync::Notify::new());
+    let keepers: Vec<_> = lives
+        .into_iter()
+        .map(|mut l| {
+            let (cfg, back, attempts, given_up) = (
+                cfg.clone(),
+                back.clone(),
+                attempts.clone(),
+                given_up.clone(),
+            );
+            rt.spawn(async move {
+                let mut probe = [0u8; 1];
+                let _ = tokio::io::AsyncReadExt::read(&mut l.stream, &mut probe).await;
+                drop(l.stream);
+                let t = Instant::now();
+                for attempt in 0u32.. {
+                    tokio::time::sleep(bca::agent_run::backoff(
+                        attempt,
+                        Duration::from_millis(BACKOFF_BASE_MS),
+                        Duration::from_millis(BACKOFF_CAP_MS),
+                    ))
+                    .await;
+                    attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if let Ok(s) = open_session(&cfg, l.chain.clone(), &l.key).await {
+                        back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        return Some((t, s));
+                    }
+                    if t.elapsed() > Duration::from_secs(120) {
+                        given_up.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        return None;
+                    }
+                }
+                None
+            })
+        })
+        .collect();
+    drop(restarted);
+    std::thread::sleep(Duration::from_millis(300));
+    let (http_addr, gw_addr) = (a.http.clone(), a.gateway.clone());
+    let kill_at = Instant::now();
+    let _ = Command::new("kill")
+        .args(["-TERM", &a.child.id().to_string()])
+        .status();
+    let _ = a.child.wait();
+    let (c, _, _) = start_serve_at(&a.dir.join("state"), &http_addr, &gw_addr);
+    let ready_after = kill_at.elapsed();
+    a.child = c;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    while back.load(std::sync::atomic::Ordering::Relaxed)
+        + given_up.load(std::sync::atomic::Ordering::Relaxed)
+        < n_live
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let all_back = kill_at.elapsed();
+    let reconnected = back.load(std::sync::atomic::Ordering::Relaxed);
+    line("reconnect_sessions", n_live as f64, "");
+    line("reconnect_restart_s", ready_after.as_secs_f64(), "s");
+    line("reconnect_all_back_s", all_back.as_secs_f64(), "s");
+    line(
+        "reconnect_attempts_per_session",
+        attempts.load(std::sync::atomic::Ordering::Relaxed) as f64 / n_live.max(1) as f64,
+        "",
+    );
+    line("reconnect_given_up", (n_live - reconnected) as f64, "");
+    let sessions_back = rt.block_on(async {
+        let mut live = Vec::new();
+        for k in keepers {
+            if let Ok(Some((_, s))) = k.await {
+                live.push(s);
+            }
+        }
+        live
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    line(
+        "sessions_rss_after_reconnect",
+        rss_kib(a.child.id()) as f64 / 1024.0,
+        "MiB",
+    );
+    drop(sessions_back);
     drop(rt);
 
     // Cold start: exec to the readiness line, file keys.
     let state = a.dir.join("state");
-    let mut a = a;
     let _ = a.child.kill();
     let _ = a.child.wait();
     let mut starts = Vec::new();

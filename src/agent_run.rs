@@ -285,7 +285,20 @@ async fn session(cfg: &AgentConfig, data_dir: &Path, cur: &Loaded, attempt: &mut
             }
         }
         let until_renew = Duration::from_secs((next_renew - crate::clock::now()).max(0) as u64);
-        tokio::time::sleep(hb.min(until_renew.max(Duration::from_millis(10)))).await;
+        // Between heartbeats, watch the connection: the appliance sends nothing unasked, so any
+        // read that completes is its close (a restart, a revocation): reconnect at once instead
+        // of finding out at the next heartbeat.
+        let mut probe = [0u8; 1];
+        tokio::select! {
+            _ = tokio::time::sleep(hb.min(until_renew.max(Duration::from_millis(10)))) => {}
+            r = tokio::io::AsyncReadExt::read(&mut s, &mut probe) => {
+                return End::Lost(match r {
+                    Ok(0) => "the appliance closed the session".into(),
+                    Ok(_) => "the appliance sent an unexpected frame".into(),
+                    Err(e) => e.to_string(),
+                });
+            }
+        }
         if crate::clock::now() >= next_renew {
             continue;
         }

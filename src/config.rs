@@ -118,6 +118,14 @@ pub struct SessionsConfig {
     /// How often agents send a heartbeat; a session silent for three of these is closed.
     #[serde(default = "default_heartbeat")]
     pub heartbeat_seconds: u32,
+    /// Gateway connections at once (joins and sessions); each needs a file descriptor, so the
+    /// process's open-file limit must be higher (the unit sets 65536).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
+}
+
+fn default_max_connections() -> u32 {
+    32_768
 }
 
 fn default_heartbeat() -> u32 {
@@ -128,6 +136,7 @@ impl Default for SessionsConfig {
     fn default() -> Self {
         Self {
             heartbeat_seconds: default_heartbeat(),
+            max_connections: default_max_connections(),
         }
     }
 }
@@ -227,6 +236,9 @@ impl Config {
         }
         if !(1..=600).contains(&self.discovery.retry_after_seconds) {
             return Err("discovery.retry_after_seconds must be 1 to 600".into());
+        }
+        if !(16..=1_000_000).contains(&self.sessions.max_connections) {
+            return Err("sessions.max_connections must be 16 to 1000000".into());
         }
         if !(1..=300).contains(&self.sessions.heartbeat_seconds) {
             return Err("sessions.heartbeat_seconds must be 1 to 300".into());

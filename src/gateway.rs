@@ -6,7 +6,7 @@
 //! chain to the node CA and be valid now (webpki); `renew` and `hello` require one, and the
 //! JoinService then checks it against `node_certs`.
 //!
-//! Limits: at most [`MAX_CONNECTIONS`] connections at once; a connection must finish its TLS
+//! Limits: at most `[sessions] max_connections` connections at once; a connection must finish its TLS
 //! handshake and send its first request within [`REQUEST_DEADLINE`]; frames are at most
 //! [`protocol::MAX_FRAME`] bytes; a session silent for three heartbeats is closed.
 
@@ -20,7 +20,6 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::server::TlsStream;
 
-pub const MAX_CONNECTIONS: usize = 4096;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
 
 pub struct Gateway {
@@ -161,7 +160,9 @@ impl Gateway {
     }
 
     pub async fn serve(self, listener: TcpListener, mut stop: watch::Receiver<bool>) {
-        let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let limit = Arc::new(Semaphore::new(
+            self.app.config.sessions.max_connections as usize,
+        ));
         let this = Arc::new(self);
         loop {
             tokio::select! {
