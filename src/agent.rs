@@ -178,13 +178,60 @@ pub fn pins_learned(
     (next != *cfg).then_some(next)
 }
 
-/// Rewrites the agent's `config.toml` (atomically, 0600).
-pub fn save_config(path: &Path, cfg: &AgentConfig) -> ApiResult<()> {
-    let text = format!(
-        "# bca agent configuration\n{}",
-        toml::to_string(cfg).expect("serializes")
-    );
-    crate::fsutil::write_atomic(path, text.as_bytes(), 0o600).map_err(ApiError::invalid_state)
+/// The join-signing pins an agent learned from signed answers, kept in its data directory
+/// (`pins.json`, 0600): the config directory is read-only under the agent's unit.
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct LearnedPins {
+    join_signing_key_pin: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    join_signing_next_key_pin: Option<String>,
+}
+
+/// Writes what `cfg` knows of the join-signing pins to `<data_dir>/pins.json`.
+pub fn save_learned(data_dir: &Path, cfg: &AgentConfig) -> ApiResult<()> {
+    let p = LearnedPins {
+        join_signing_key_pin: cfg.join_signing_key_pin.clone(),
+        join_signing_next_key_pin: cfg.join_signing_next_key_pin.clone(),
+    };
+    crate::fsutil::write_atomic(
+        &data_dir.join("pins.json"),
+        &serde_json::to_vec_pretty(&p).expect("serializes"),
+        0o600,
+    )
+    .map_err(ApiError::invalid_state)
+}
+
+/// Applies `<data_dir>/pins.json` to a loaded config: a learned promotion (the learned current pin
+/// is the config's next) or a learned next pin (same current pin). Learned pins from before the
+/// operator replaced the config with other pins are ignored.
+pub fn apply_learned(cfg: &mut AgentConfig, data_dir: &Path) {
+    let Some(l) = std::fs::read(data_dir.join("pins.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<LearnedPins>(&b).ok())
+    else {
+        return;
+    };
+    let valid = |p: &str| {
+        p.strip_prefix("sha256/")
+            .and_then(crypto::b64_decode)
+            .is_some_and(|h| h.len() == 32)
+    };
+    if !valid(&l.join_signing_key_pin)
+        || l.join_signing_next_key_pin
+            .as_deref()
+            .is_some_and(|p| !valid(p))
+    {
+        return;
+    }
+    if Some(&l.join_signing_key_pin) == cfg.join_signing_next_key_pin.as_ref() {
+        cfg.join_signing_key_pin = l.join_signing_key_pin;
+        cfg.join_signing_next_key_pin = l.join_signing_next_key_pin;
+    } else if l.join_signing_key_pin == cfg.join_signing_key_pin
+        && l.join_signing_next_key_pin.is_some()
+    {
+        cfg.join_signing_next_key_pin = l.join_signing_next_key_pin;
+    }
 }
 
 /// A deferral is accepted only under the pinned join-signing key and for this CSR.
@@ -538,13 +585,10 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     };
     drop(token);
     let body = verify_response(&cfg, &resp, &csr, &key, &o.role)?;
-    if let Some(learned) = pins_learned(&cfg, &resp, &body) {
-        if bootstrap_jwk.is_none() {
-            if let Err(e) = save_config(&o.config, &learned) {
-                tracing::warn!(error = %e, "cannot save the learned join-signing pins");
-            }
-        }
-        cfg = learned;
+    let learned = pins_learned(&cfg, &resp, &body);
+    let pins_changed = learned.is_some();
+    if let Some(l) = learned {
+        cfg = l;
     }
     if let Some(jwk) = bootstrap_jwk {
         // Built from the document: the signed response named the site; keep the configuration.
@@ -576,6 +620,9 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
         0o600,
     )
     .map_err(ApiError::invalid_state)?;
+    if pins_changed {
+        save_learned(&o.data_dir, &cfg)?;
+    }
     Ok(body.node_id)
 }
 

@@ -177,6 +177,7 @@ enum End {
 /// `bca agent run`: until SIGTERM or SIGINT.
 pub fn run(o: RunOptions) -> ApiResult<()> {
     let mut cfg = AgentConfig::load(&o.config)?;
+    agent::apply_learned(&mut cfg, &o.data_dir);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -199,8 +200,9 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
             match end {
                 End::Renewed(None) => continue,
                 End::Renewed(Some(learned)) => {
-                    // Kept in memory even when the file cannot be written (a read-only /etc).
-                    if let Err(e) = agent::save_config(&o.config, &learned) {
+                    // In the data directory (the config's is read-only under the agent's unit);
+                    // kept in memory even if that write fails.
+                    if let Err(e) = agent::save_learned(&o.data_dir, &learned) {
                         tracing::warn!(error = %e, "cannot save the learned join-signing pins");
                     }
                     tracing::info!(

@@ -2,8 +2,8 @@
 //! swapped under live sessions, and agents that joined (or were configured) before and after.
 
 use crate::common::*;
-use bca::agent::AgentConfig;
 use serde_json::{json, Value};
+use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
 fn well_known(a: &Appliance) -> Value {
@@ -71,12 +71,25 @@ fn join_signing_rotates_with_an_overlap_and_agents_follow() {
         body.join_signing_next_key_pin.as_deref(),
         Some(next_pin.as_str())
     );
-    // The running agent learns the next pin from a signed renewal.
+    // The running agent learns the next pin from a signed renewal and keeps it in its data
+    // directory (its config directory is read-only under its unit): the config is unchanged.
     let live_cfg = live.join("config.toml");
+    let cfg_before = std::fs::read(&live_cfg).unwrap();
+    let pins = live.join("data/pins.json");
+    let learned = |p: &std::path::Path| -> Option<Value> {
+        serde_json::from_slice(&std::fs::read(p).ok()?).ok()
+    };
     wait_for("the live agent to learn the next pin", 20, || {
-        let c = AgentConfig::load(&live_cfg).unwrap();
-        (c.join_signing_next_key_pin.as_deref() == Some(next_pin.as_str())).then_some(())
+        (learned(&pins)?["joinSigningNextKeyPin"] == next_pin.as_str()).then_some(())
     });
+    assert_eq!(std::fs::read(&live_cfg).unwrap(), cfg_before);
+    assert_eq!(
+        std::fs::metadata(&pins).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // It restarts across the promotion: what it learned survives.
+    let _ = agent.kill();
+    let _ = agent.wait();
 
     let v = rotate(&a, &["join-signing", "--promote"]);
     assert_eq!(v["pins"]["joinSigning"], next_pin.as_str());
@@ -90,12 +103,15 @@ fn join_signing_rotates_with_an_overlap_and_agents_follow() {
     let after = Sim::new(&a);
     assert_eq!(after.cfg.join_signing_key_pin, next_pin);
     after.admitted(&token, &machine());
-    // The running agent renews under the new key and makes it its current pin.
-    wait_for("the live agent to promote its pin", 20, || {
-        let c = AgentConfig::load(&live_cfg).unwrap();
-        (c.join_signing_key_pin == next_pin && c.join_signing_next_key_pin.is_none()).then_some(())
-    });
+    // The agent, started again after the promotion, renews under the new key and makes it its
+    // current pin.
     let renewed = a.count("SELECT count(*) FROM node_certs");
+    let mut agent = agent_run(&live);
+    wait_for("the live agent to promote its pin", 20, || {
+        let l = learned(&pins)?;
+        (l["joinSigningKeyPin"] == next_pin.as_str() && l.get("joinSigningNextKeyPin").is_none())
+            .then_some(())
+    });
     wait_for("another renewal under the new key", 20, || {
         (a.count("SELECT count(*) FROM node_certs") > renewed).then_some(())
     });
