@@ -67,6 +67,18 @@ pub struct Config {
     pub boot: crate::boot::BootConfig,
     #[serde(default)]
     pub retention: crate::audit::RetentionConfig,
+    #[serde(default)]
+    pub health: HealthConfig,
+}
+
+/// Who may read `/metrics` and the full `/healthz` report on the HTTP listener.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// Serve them to every peer (a Prometheus scraper on the network). Off: loopback only; others
+    /// get `/healthz`'s status alone and no `/metrics`.
+    #[serde(default)]
+    pub metrics_public: bool,
 }
 
 /// The `discovery` attestor: machines that PXE-boot the discovery ramdisk.

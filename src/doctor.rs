@@ -219,12 +219,9 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
                 ),
                 Err(e) => r.line(Level::Fail, "database", format!("{}: {e}", db.display())),
             }
-            c.query_row(
-                "SELECT max(coalesce((SELECT max(created_at) FROM events), 0),
-                            coalesce((SELECT max(created_at) FROM audit), 0))",
-                [],
-                |row| row.get::<_, i64>(0),
-            )
+            c.query_row(crate::health::NEWEST_ROW_SQL, [], |row| {
+                row.get::<_, i64>(0)
+            })
             .ok()
             .filter(|t| *t > 0)
         }

@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,6 +96,11 @@ async fn public(
         );
     }
     if matches!(req.uri().path(), "/healthz" | "/metrics") && addrs.is_some() {
+        // The counters and the full report are for the box itself (and a scraper the operator
+        // names with `[health] metrics_public = true`); anyone else gets the status alone.
+        let trusted = addrs.is_some_and(|(peer, _)| {
+            metrics_allowed(app.config.health.metrics_public, peer.ip())
+        });
         if req.method() != Method::GET {
             return Ok(error(&ApiError::invalid_input(format!(
                 "use GET for {}",
@@ -103,6 +108,11 @@ async fn public(
             ))));
         }
         let metrics = req.uri().path() == "/metrics";
+        if metrics && !trusted {
+            return Ok(error(&ApiError::not_found(
+                "no resource at /metrics (served to loopback, or set [health] metrics_public)",
+            )));
+        }
         let app2 = app.clone();
         let res = tokio::task::spawn_blocking(move || {
             if metrics {
@@ -111,6 +121,7 @@ async fn public(
                     .into_bytes())
             } else {
                 crate::health::report(&app2).map(|v| {
+                    let v = if trusted { v } else { json!({"status": v["status"]}) };
                     let mut b = serde_json::to_vec_pretty(&v).expect("serializes");
                     b.push(b'\n');
                     b
@@ -185,6 +196,15 @@ async fn public(
         "no resource at {}",
         req.uri().path()
     ))))
+}
+
+/// Whether a peer of the HTTP listener may read `/metrics` and the full `/healthz` report.
+pub fn metrics_allowed(public: bool, peer: std::net::IpAddr) -> bool {
+    let v4_mapped_loopback = match peer {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
+        _ => false,
+    };
+    public || peer.is_loopback() || v4_mapped_loopback
 }
 
 /// Who is on the other end of the admin socket.
@@ -333,6 +353,17 @@ pub async fn serve_admin(listener: UnixListener, app: Arc<App>, mut stop: watch:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn who_may_read_metrics() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert!(metrics_allowed(false, ip("127.0.0.1")));
+        assert!(metrics_allowed(false, ip("::1")));
+        assert!(metrics_allowed(false, ip("::ffff:127.0.0.1")));
+        assert!(!metrics_allowed(false, ip("10.0.0.7")));
+        assert!(!metrics_allowed(false, ip("fe80::1")));
+        assert!(metrics_allowed(true, ip("10.0.0.7")));
+    }
 
     #[test]
     fn who_may_administer() {

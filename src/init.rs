@@ -132,6 +132,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         discovery: Default::default(),
         boot: Default::default(),
         retention: Default::default(),
+        health: Default::default(),
     };
     config.gateway_server_name = None;
     let keys = KeyBundle::generate();

@@ -33,15 +33,16 @@ pub struct Metrics {
     skews: Mutex<Skews>,
 }
 
-/// The last clock differences (peer minus appliance, seconds) that agents reported in signed
-/// requests: renewals' proof-of-possession time and joins' sealed `iat`.
+/// The clock differences (peer minus appliance, seconds) that agents reported in signed renewals:
+/// the latest per node, for the most recent [`SKEW_NODES`] nodes. One sample per node, so that
+/// one node (even a revoked one, whose certificate still passes TLS) cannot move the median.
 #[derive(Default)]
 struct Skews {
-    ring: Vec<i64>,
-    next: usize,
+    by_node: std::collections::HashMap<String, (i64, u64)>,
+    seq: u64,
 }
 
-const SKEW_SAMPLES: usize = 64;
+const SKEW_NODES: usize = 256;
 
 pub fn get() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
@@ -64,25 +65,31 @@ impl Metrics {
         self.commit_max_micros.fetch_max(micros, Relaxed);
     }
 
-    /// Records how far a peer's signed clock is from ours.
-    pub fn skew(&self, peer_minus_ours: i64) {
+    /// Records how far a node's signed clock is from ours.
+    pub fn skew(&self, node: &str, peer_minus_ours: i64) {
         let mut s = self.skews.lock().unwrap_or_else(|p| p.into_inner());
-        if s.ring.len() < SKEW_SAMPLES {
-            s.ring.push(peer_minus_ours);
-        } else {
-            let i = s.next;
-            s.ring[i] = peer_minus_ours;
+        s.seq += 1;
+        let seq = s.seq;
+        s.by_node.insert(node.to_string(), (peer_minus_ours, seq));
+        if s.by_node.len() > SKEW_NODES {
+            if let Some(oldest) = s
+                .by_node
+                .iter()
+                .min_by_key(|(_, (_, q))| *q)
+                .map(|(k, _)| k.clone())
+            {
+                s.by_node.remove(&oldest);
+            }
         }
-        s.next = (s.next + 1) % SKEW_SAMPLES;
     }
 
-    /// The median of the recent samples and their number.
+    /// The median over nodes and how many nodes it covers.
     pub fn median_skew(&self) -> Option<(i64, usize)> {
         let s = self.skews.lock().unwrap_or_else(|p| p.into_inner());
-        if s.ring.is_empty() {
+        if s.by_node.is_empty() {
             return None;
         }
-        let mut v = s.ring.clone();
+        let mut v: Vec<i64> = s.by_node.values().map(|(k, _)| *k).collect();
         v.sort_unstable();
         Some((v[v.len() / 2], v.len()))
     }
@@ -196,5 +203,26 @@ impl Metrics {
             self.commit_max_micros.load(Relaxed) as f64 / 1e6
         );
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_node_cannot_move_the_clock_median() {
+        let m = Metrics::default();
+        for i in 0..9 {
+            m.skew(&format!("node_{i}"), 1);
+        }
+        for _ in 0..1000 {
+            m.skew("node_liar", -3600);
+        }
+        assert_eq!(m.median_skew(), Some((1, 10)));
+        for i in 0..(SKEW_NODES + 50) {
+            m.skew(&format!("n{i}"), 2);
+        }
+        assert_eq!(m.median_skew().unwrap().1, SKEW_NODES);
     }
 }

@@ -133,7 +133,7 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         p.result = Err(RenewReason::Identity);
         return p;
     }
-    crate::metrics::get().skew(r.client_time - now);
+    crate::metrics::get().skew(&leaf.node_id, r.client_time - now);
     if (r.client_time - now).abs() > MAX_CLOCK_SKEW {
         p.result = Err(RenewReason::Clock);
         return p;
