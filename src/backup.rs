@@ -61,11 +61,24 @@ fn collect(dir: &Path, prefix: &str, out: &mut Vec<(String, Vec<u8>)>) -> Result
 }
 
 /// A consistent copy of the live database, taken page by page while the server writes.
-fn copy_db(db: &Path, progress: &mut crate::progress::Progress) -> Result<Vec<u8>, String> {
+/// The temporary copy lives beside the backup file (never in the state directory, where an
+/// interrupted run would leave a stale copy of the database), 0600, removed on every exit.
+fn copy_db(
+    db: &Path,
+    scratch: &Path,
+    progress: &mut crate::progress::Progress,
+) -> Result<Vec<u8>, String> {
     let src = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
         .map_err(|e| format!("cannot open {}: {e}", db.display()))?;
-    let tmp = tempfile::NamedTempFile::new_in(db.parent().unwrap_or(Path::new(".")))
-        .map_err(|e| format!("cannot create a temporary file: {e}"))?;
+    let tmp = tempfile::Builder::new()
+        .prefix(".bca-backup-")
+        .tempfile_in(scratch)
+        .map_err(|e| {
+            format!(
+                "cannot create a temporary file in {}: {e}",
+                scratch.display()
+            )
+        })?;
     std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o600))
         .map_err(|e| e.to_string())?;
     {
@@ -158,7 +171,11 @@ pub fn backup(state_dir: &Path, out: &Path) -> ApiResult<Manifest> {
             .map(|n| n as u64)
             .map_err(|e| ApiError::invalid_state(format!("cannot open {}: {e}", db.display())))?;
     let mut progress = crate::progress::Progress::new("copying the database (pages)", pages);
-    let db_bytes = copy_db(&db, &mut progress).map_err(ApiError::invalid_state)?;
+    let scratch = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let db_bytes = copy_db(&db, scratch, &mut progress).map_err(ApiError::invalid_state)?;
     progress.set(pages);
     crate::fsutil::align_db_sidecars(&db);
     members.push(("bca.db".into(), db_bytes));
@@ -222,6 +239,9 @@ pub fn open(file: &Path) -> ApiResult<(Manifest, Vec<cpio::Entry>)> {
                 "member name {:?} leaves the state directory",
                 e.name
             )));
+        }
+        if names.contains(&e.name.as_str()) {
+            return Err(bad(format!("{} appears twice", e.name)));
         }
         match m.files.get(&e.name) {
             Some(h) if *h == crypto::hex(&crypto::sha256(&e.data)) => {}
@@ -333,4 +353,83 @@ pub fn restore(file: &Path, state_dir: &Path) -> ApiResult<Manifest> {
         ))
     })?;
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn archive(members: &[(&str, &[u8])], manifest_names: &[&str]) -> Vec<u8> {
+        let m = Manifest {
+            format: FORMAT,
+            bca_version: "0".into(),
+            site_id: "site_x".into(),
+            site_name: "x".into(),
+            created_at: "2026-12-03T00:00:00Z".into(),
+            key_protection: KeyProtection::Passphrase,
+            files: manifest_names
+                .iter()
+                .map(|n| {
+                    let d = members
+                        .iter()
+                        .find(|(m, _)| m == n)
+                        .map(|(_, d)| *d)
+                        .unwrap_or(b"");
+                    (n.to_string(), crypto::hex(&crypto::sha256(d)))
+                })
+                .collect(),
+        };
+        let mut c = Cpio::new();
+        c.file("manifest.json", 0o600, &serde_json::to_vec(&m).unwrap());
+        for (n, d) in members {
+            c.file(n, 0o600, d);
+        }
+        c.finish()
+    }
+
+    #[test]
+    fn member_names_stay_inside_and_appear_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let base: [(&str, &[u8]); 3] = [
+            ("bca.db", b"db"),
+            ("config.toml", b"c"),
+            ("keys/keys.sealed", b"k"),
+        ];
+        let f = dir.path().join("b");
+        for bad in ["../evil", "/etc/passwd", "pki/./x", "pki//x", "pki/../../x"] {
+            let mut members = base.to_vec();
+            members.push((bad, b"x"));
+            let names: Vec<&str> = members.iter().map(|(n, _)| *n).collect();
+            std::fs::write(&f, archive(&members, &names)).unwrap();
+            let e = open(&f).err().expect(bad);
+            assert!(
+                e.message.contains("leaves the state directory"),
+                "{bad}: {e}"
+            );
+        }
+        let names: Vec<&str> = base.iter().map(|(n, _)| *n).collect();
+        let mut members = base.to_vec();
+        members.push(("config.toml", b"c"));
+        std::fs::write(&f, archive(&members, &names)).unwrap();
+        assert!(open(&f).err().unwrap().message.contains("appears twice"));
+        // A member the manifest does not list, and a listed member that is missing.
+        let mut members = base.to_vec();
+        members.push(("extra", b"x"));
+        std::fs::write(&f, archive(&members, &names)).unwrap();
+        assert!(open(&f)
+            .err()
+            .unwrap()
+            .message
+            .contains("extra is not in the manifest"));
+        let mut names2 = names.clone();
+        names2.push("pki/node-ca.pem");
+        std::fs::write(&f, archive(&base, &names2)).unwrap();
+        assert!(open(&f)
+            .err()
+            .unwrap()
+            .message
+            .contains("pki/node-ca.pem is missing"));
+        std::fs::write(&f, archive(&base, &names)).unwrap();
+        assert!(open(&f).is_ok());
+    }
 }

@@ -98,9 +98,8 @@ async fn public(
     if matches!(req.uri().path(), "/healthz" | "/metrics") && addrs.is_some() {
         // The counters and the full report are for the box itself (and a scraper the operator
         // names with `[health] metrics_public = true`); anyone else gets the status alone.
-        let trusted = addrs.is_some_and(|(peer, _)| {
-            metrics_allowed(app.config.health.metrics_public, peer.ip())
-        });
+        let trusted = addrs
+            .is_some_and(|(peer, _)| metrics_allowed(app.config.health.metrics_public, peer.ip()));
         if req.method() != Method::GET {
             return Ok(error(&ApiError::invalid_input(format!(
                 "use GET for {}",
@@ -121,7 +120,11 @@ async fn public(
                     .into_bytes())
             } else {
                 crate::health::report(&app2).map(|v| {
-                    let v = if trusted { v } else { json!({"status": v["status"]}) };
+                    let v = if trusted {
+                        v
+                    } else {
+                        json!({"status": v["status"]})
+                    };
                     let mut b = serde_json::to_vec_pretty(&v).expect("serializes");
                     b.push(b'\n');
                     b

@@ -187,6 +187,17 @@ pub fn create_from_csv(
         if !d.exists() {
             crate::fsutil::create_private_dir(d).map_err(ApiError::invalid_input)?;
         }
+        // Secrets go only into a directory that is ours and closed to everyone else.
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let m = std::fs::symlink_metadata(d)
+            .map_err(|e| ApiError::invalid_input(format!("{}: {e}", d.display())))?;
+        if !m.is_dir() || m.uid() != crate::fsutil::own_uid() || m.permissions().mode() & 0o077 != 0
+        {
+            return Err(ApiError::invalid_input(format!(
+                "--out-dir {} must be a directory of ours that only we can open (0700); nothing was minted",
+                d.display()
+            )));
+        }
     }
     let mut body = base;
     body["tokens"] = machines
@@ -215,7 +226,9 @@ pub fn create_from_csv(
     let items = answer["items"].as_array().cloned().unwrap_or_default();
     let mut progress = crate::progress::Progress::new("writing token files", items.len() as u64);
     let mut records = Vec::new();
-    let mut csv_out = zeroize::Zeroizing::new(String::from("name,tokenId,token\n"));
+    // Sized up front (a token line is under 200 bytes): growing would free unwiped copies.
+    let mut csv_out = zeroize::Zeroizing::new(String::with_capacity(64 + 256 * machines.len()));
+    csv_out.push_str("name,tokenId,token\n");
     for (m, mut item) in machines.iter().zip(items) {
         let token = zeroize::Zeroizing::new(item["token"].as_str().unwrap_or_default().to_string());
         if let Some(o) = item.as_object_mut() {
@@ -225,20 +238,21 @@ pub fn create_from_csv(
         match &out {
             Output::Dir(d) => {
                 let p = d.join(format!("{}.token", m.name));
-                crate::fsutil::write_new_private(&p, format!("{}\n", token.as_str()).as_bytes())
-                    .map_err(|e| {
-                        ApiError::already_exists(format!(
-                            "{e}; the tokens were minted: revoke them (bca join-tokens list --pool …)"
-                        ))
-                    })?;
+                let line = zeroize::Zeroizing::new(format!("{}\n", token.as_str()));
+                crate::fsutil::write_new_private(&p, line.as_bytes()).map_err(|e| {
+                    ApiError::already_exists(format!(
+                        "{e}; the tokens were minted: revoke them (bca join-tokens list --pool …)"
+                    ))
+                })?;
             }
             Output::Csv(_) => {
-                csv_out.push_str(&format!(
+                let row = zeroize::Zeroizing::new(format!(
                     "{},{},{}\n",
                     m.name,
                     item["id"].as_str().unwrap_or_default(),
                     token.as_str()
                 ));
+                csv_out.push_str(&row);
             }
         }
         records.push(item);

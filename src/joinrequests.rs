@@ -96,6 +96,9 @@ struct DecideInput {
     request_id: String,
     ttl_seconds: Option<i64>,
     reason: Option<String>,
+    /// The CSR the caller saw when it chose this request (bulk approval): if the machine has
+    /// since asked again with another CSR, the decision is refused (`CONFLICT`).
+    csr_sha256: Option<String>,
 }
 
 const COLS: &str = "id, site_id, pool_id, attestor, hardware_key, claims_json, mac, ip, vouched_by, boot_lease_epoch, csr_sha256,
@@ -212,6 +215,14 @@ fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) ->
             "join request {} not found in pool {}",
             i.request_id, pool.id
         )));
+    }
+    if let Some(seen) = &i.csr_sha256 {
+        if r["csrSha256"].as_str() != Some(seen.as_str()) {
+            return Err(ApiError::conflict(format!(
+                "join request {} changed since it was listed (the machine asked again with another key); list it again",
+                i.request_id
+            )));
+        }
     }
     let data = json!({"requestId": i.request_id, "poolId": pool.id, "reason": i.reason});
     if approve {
@@ -393,9 +404,12 @@ pub fn run_cli(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
             let mut failed = Vec::new();
             for r in &found {
                 let id = r["id"].as_str().unwrap_or_default();
+                // Approves the request as it was matched: a machine that asked again since (new
+                // key, new claims) is refused and reported, not approved blind.
                 match c.call(
                     "joinRequests/approve",
-                    &json!({"tenantId": tenant, "poolId": pool, "requestId": id, "ttlSeconds": ttl, "reason": reason}),
+                    &json!({"tenantId": tenant, "poolId": pool, "requestId": id, "ttlSeconds": ttl,
+                        "reason": reason, "csrSha256": r["csrSha256"]}),
                 ) {
                     Ok(v) => approved.push(v),
                     Err(e) => {

@@ -100,7 +100,10 @@ impl KeyBundle {
                 .as_ref()
                 .map(|k| crypto::b64(k.pkcs8())),
         };
-        let out = Zeroizing::new(serde_json::to_vec_pretty(&f).expect("serializes"));
+        // Serialized into a buffer large enough up front: a growing Vec would free copies of the
+        // keys without wiping them.
+        let mut out = Zeroizing::new(Vec::with_capacity(16 * 1024));
+        serde_json::to_writer_pretty(&mut *out, &f).expect("serializes");
         f.zeroize_strings();
         out
     }
@@ -213,7 +216,11 @@ impl Kek {
         let aead = LessSafeKey::new(
             UnboundKey::new(&AES_256_GCM, self.key.as_slice()).map_err(|_| "AES key")?,
         );
-        let mut buf = Zeroizing::new(bundle.to_json().to_vec());
+        // Room for the tag up front: sealing must not reallocate (and free unwiped) the clear JSON.
+        let clear = bundle.to_json();
+        let mut buf = Zeroizing::new(Vec::with_capacity(clear.len() + AES_256_GCM.tag_len()));
+        buf.extend_from_slice(&clear);
+        drop(clear);
         aead.seal_in_place_append_tag(
             Nonce::assume_unique_for_key(nonce),
             Aad::from(AAD),
@@ -398,9 +405,27 @@ fn derive(
     Ok(out)
 }
 
-/// The passphrase from `BCA_SECRET`, else a prompt on the terminal (twice when `confirm`).
+/// The passphrase from a systemd credential (`$CREDENTIALS_DIRECTORY/bca-passphrase`, as
+/// `LoadCredential=bca-passphrase:…` provides), else `BCA_SECRET` (removed from the environment
+/// once read, so that it is not inherited or left in `/proc/<pid>/environ`), else a prompt on the
+/// terminal (twice when `confirm`).
 pub fn passphrase_from_env_or_prompt(confirm: bool) -> Result<Zeroizing<String>, String> {
+    if let Some(dir) = std::env::var_os("CREDENTIALS_DIRECTORY") {
+        let p = Path::new(&dir).join("bca-passphrase");
+        if p.exists() {
+            let s = Zeroizing::new(
+                std::fs::read_to_string(&p)
+                    .map_err(|e| format!("cannot read the credential {}: {e}", p.display()))?,
+            );
+            let s = Zeroizing::new(s.trim_end_matches(['\n', '\r']).to_string());
+            if s.is_empty() {
+                return Err(format!("the credential {} is empty", p.display()));
+            }
+            return Ok(s);
+        }
+    }
     if let Ok(s) = std::env::var("BCA_SECRET") {
+        std::env::remove_var("BCA_SECRET");
         if s.is_empty() {
             return Err("BCA_SECRET is empty".into());
         }

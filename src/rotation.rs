@@ -375,11 +375,12 @@ impl Rotator {
                 )))
             }
         }
-        // The commit point: the bundle. Then the public files, the schedule, the live keys.
-        self.vault.store(&keys).map_err(ApiError::internal)?;
+        // The schedule first (reconcile corrects it against the bundle whichever way a crash
+        // falls, and keeps the chosen overlap), then the commit point: the bundle. Then the
+        // public files, the audit row, and the live keys.
         save_schedule(&app.state_dir, &s).map_err(ApiError::internal)?;
+        self.vault.store(&keys).map_err(ApiError::internal)?;
         reconcile(&app.state_dir, &app.config, &keys, now).map_err(ApiError::internal)?;
-        self.go_live(app, &keys)?;
         let data = json!({"kind": kind.as_str(), "action": action, "schedule": s});
         app.store.write(|tx| {
             crate::api::audit(
@@ -392,6 +393,7 @@ impl Rotator {
                 data.clone(),
             )
         })?;
+        self.go_live(app, &keys)?;
         tracing::info!(kind = kind.as_str(), action, "pki: rotated");
         status(&app.state_dir)
     }
@@ -403,11 +405,11 @@ impl Rotator {
             .ok()
             .and_then(|t| pki::pem_decode_all(&t, "CERTIFICATE").into_iter().next())
             .and_then(|c| pki::validity(&c));
-        let Some(gw) = gw else {
-            tracing::error!("pki: cannot read gateway.pem; no automatic rotation");
-            return;
-        };
-        for d in due(&s, gw, now) {
+        if gw.is_none() {
+            tracing::error!("pki: cannot read gateway.pem; its renewal is not scheduled");
+        }
+        // Unreadable: treated as fresh, so the promotions and retirements still happen.
+        for d in due(&s, gw.unwrap_or((now, now + 3)), now) {
             let (kind, action) = match d {
                 Due::Promote(k) => (k, "promote"),
                 Due::RetirePrevious => (Kind::JoinEncryption, "retire-previous"),

@@ -107,9 +107,16 @@ async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
                 if let Some(r) = app2.rotator.get() {
                     r.tick(&app2, crate::clock::now());
                 }
+                // Re-read: an operator sets `hold` during an investigation without a restart.
+                let retention = crate::config::Config::load(&app2.state_dir)
+                    .map(|c| c.retention)
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "retention: config.toml unreadable; using the settings from the start");
+                        app2.config.retention.clone()
+                    });
                 crate::audit::apply(
                     &app2.store,
-                    &app2.config.retention,
+                    &retention,
                     &app2.root_tenant,
                     crate::clock::now(),
                 );

@@ -221,16 +221,15 @@ pub async fn handle(
             return BootAnswer::Bytes(archive);
         }
         let path = boot_root(app).join("initrd.img");
-        let Ok(len) = tokio::fs::metadata(&path).await.map(|m| m.len()) else {
+        let Some(mut body) = FileBody::open(&path, Vec::new()).await else {
             return BootAnswer::NotFound;
         };
-        // The kernel skips zero padding between concatenated archives.
-        let mut suffix = vec![0u8; ((4 - len % 4) % 4) as usize];
+        // The kernel skips zero padding between concatenated archives; the padding is computed
+        // from the length of the file as opened.
+        let mut suffix = vec![0u8; ((4 - body.remaining % 4) % 4) as usize];
         suffix.extend_from_slice(&archive);
-        return match FileBody::open(&path, suffix).await {
-            Some(b) => BootAnswer::Stream(b),
-            None => BootAnswer::NotFound,
-        };
+        body.suffix = Some(bytes::Bytes::from(suffix));
+        return BootAnswer::Stream(body);
     }
     if let Some(name) = rest.strip_prefix("files/") {
         if !valid_file_name(name) {

@@ -501,6 +501,16 @@ fn a_rack_is_approved_at_once_by_serial_prefix_each_audited() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    // A decision on a request that changed since it was listed is refused.
+    let r = pending(&a, macs[2]).unwrap();
+    let e = a
+        .api(
+            "joinRequests/approve",
+            json!({"tenantId": a.root_tenant(), "poolId": pool, "requestId": r["id"],
+                   "csrSha256": "00".repeat(32)}),
+        )
+        .unwrap_err();
+    assert_eq!(e.code, bca::error::Code::Conflict, "{e}");
     assert!(pending(&a, macs[2]).is_some());
     let mut last = joins.pop().unwrap();
     let _ = last.kill();

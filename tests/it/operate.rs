@@ -255,11 +255,54 @@ fn retention_prunes_at_start_and_records_it() {
         )
     });
     old_rows(&a, 20);
+    // Two nodes: A with a second, long-expired certificate (pruned), B whose only certificate is
+    // long expired (kept: a node's newest is never pruned).
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, json!({"maxUses": 2}));
+    let sim = Sim::new(&a);
+    let na = sim.admitted(&token, &machine()).node_id;
+    let nb = sim.admitted(&token, &machine()).node_id;
+    let old = bca::clock::now() - 60 * 86_400;
+    let db = a.db();
+    db.execute(
+        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
+         SELECT 'aa' || serial, node_id, identity_generation, role, spki_sha256, der, ?2, ?2, ?2 FROM node_certs WHERE node_id = ?1",
+        rusqlite::params![na, old],
+    )
+    .unwrap();
+    db.execute(
+        "UPDATE node_certs SET not_after = ?2, created_at = ?2 WHERE node_id = ?1",
+        rusqlite::params![nb, old],
+    )
+    .unwrap();
+    // A join request decided long ago (pruned) and one still pending from long ago (kept).
+    for (id, state, decided) in [
+        ("jreq_old", "rejected", Some(old)),
+        ("jreq_wait", "pending", None),
+    ] {
+        db.execute(
+            "INSERT INTO join_requests (id, site_id, attestor, machine_key, claims_json, csr_sha256, state, created_at, updated_at, expires_at, decided_at)
+             VALUES (?1, 'site_x', 'discovery', 'mac:x', '{}', '00', ?2, ?3, ?3, ?4, ?5)",
+            rusqlite::params![id, state, old, bca::clock::now() + 3600, decided],
+        )
+        .unwrap();
+    }
+    drop(db);
     a.restart();
-    let pruned = wait_for("the retention row", 10, || {
+    // The pass at start: the first server may already have pruned what was old when it started
+    // (its first pass races this test's inserts), so count over every pruning row.
+    let rows = wait_for("the retention rows", 10, || {
         let v = a.cli_json(&["audit", "list", "--action", "retention.pruned"]);
-        v["items"].as_array().unwrap().first().cloned()
+        let items = v["items"].as_array().unwrap().clone();
+        let certs: i64 = items
+            .iter()
+            .map(|r| r["data"]["nodeCerts"].as_i64().unwrap())
+            .sum();
+        (certs > 0).then_some(items)
     });
+    let sum = |k: &str| -> i64 { rows.iter().map(|r| r["data"][k].as_i64().unwrap()).sum() };
+    let pruned = json!({"actor": rows[0]["actor"], "data": {"events": sum("events"),
+        "bootLeases": sum("bootLeases"), "nodeCerts": sum("nodeCerts"), "joinRequests": sum("joinRequests")}});
     assert_eq!(pruned["data"]["events"], 1, "{pruned}");
     assert_eq!(pruned["data"]["bootLeases"], 1, "{pruned}");
     assert_eq!(pruned["actor"], "bca");
@@ -273,6 +316,28 @@ fn retention_prunes_at_start_and_records_it() {
         1
     );
     assert_eq!(a.count("SELECT count(*) FROM boot_leases"), 0);
+    assert_eq!(pruned["data"]["nodeCerts"], 1, "{pruned}");
+    assert_eq!(pruned["data"]["joinRequests"], 1, "{pruned}");
+    assert_eq!(
+        a.count(&format!(
+            "SELECT count(*) FROM node_certs WHERE node_id = '{na}'"
+        )),
+        1
+    );
+    assert_eq!(
+        a.count(&format!(
+            "SELECT count(*) FROM node_certs WHERE node_id = '{nb}'"
+        )),
+        1
+    );
+    assert_eq!(
+        a.count("SELECT count(*) FROM join_requests WHERE id = 'jreq_wait'"),
+        1
+    );
+    assert_eq!(
+        a.count("SELECT count(*) FROM join_requests WHERE id = 'jreq_old'"),
+        0
+    );
 }
 
 #[test]
@@ -549,10 +614,33 @@ fn a_backup_taken_while_serving_restores_and_admits() {
     ] {
         assert!(listing.lines().any(|l| l == m), "{m} not in\n{listing}");
     }
-    // Never a key in clear, never the passphrase or a token secret.
+    // Never a key in clear, never the passphrase or a token secret: the unsealed keys' bytes
+    // (PKCS#8 DER, and its base64 as the clear bundle holds it) are nowhere in the file.
     let raw = std::fs::read(&file).unwrap();
     let text = String::from_utf8_lossy(&raw);
-    assert!(!text.contains("PRIVATE KEY") && !text.contains("pkcs8"));
+    let keys = bca::keys::unseal(
+        &a.state(),
+        bca::config::KeyProtection::Passphrase,
+        Some(PASSPHRASE.as_bytes()),
+    )
+    .unwrap();
+    for k in [
+        &keys.node_ca,
+        &keys.serving_ca,
+        &keys.gateway,
+        &keys.join_signing,
+        &keys.join_encryption,
+    ] {
+        let der = k.pkcs8();
+        assert!(
+            !raw.windows(der.len()).any(|w| w == der),
+            "a key's DER is in the backup"
+        );
+        assert!(
+            !text.contains(&bca::crypto::b64(der)),
+            "a key's base64 is in the backup"
+        );
+    }
     assert!(!text.contains(PASSPHRASE));
     assert!(!text.contains(token.rsplit('.').next().unwrap()));
     // A backup never writes over a file.
