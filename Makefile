@@ -52,6 +52,7 @@ test: deps image
 bench:
 	cargo build --release --locked
 	cargo bench --locked --bench storm
+	cargo bench --locked --bench boot
 
 ## Install the static binary, the hardened unit, the sysusers.d entry, completions, the man page
 ## and /var/lib/bca (0700). Without DESTDIR it also creates the bca user and tells systemd; it never

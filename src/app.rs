@@ -25,6 +25,8 @@ pub struct App {
     pub gateway_cert: std::sync::OnceLock<Arc<crate::gateway::GatewayCert>>,
     /// Key rotation while serving (set by `serve`).
     pub rotator: std::sync::OnceLock<crate::rotation::Rotator>,
+    /// Full DHCP mode: the leases and the pending offers, in memory (loaded on first use).
+    pub dhcp: std::sync::Mutex<Option<crate::boot::server::DhcpState>>,
     /// Per-boot archives waiting to be fetched once, by nonce.
     #[allow(clippy::type_complexity)]
     pub boot_archives: std::sync::Mutex<std::collections::HashMap<String, (Vec<u8>, i64)>>,
@@ -68,6 +70,7 @@ impl App {
             join: Default::default(),
             gateway_cert: Default::default(),
             rotator: Default::default(),
+            dhcp: Default::default(),
             boot_archives: Default::default(),
         })
     }

@@ -5,6 +5,7 @@ use crate::app::App;
 use crate::boot::dhcp::{self, Files, ReplyCtx};
 use dhcproto::{Decodable, Decoder, Encodable, Encoder};
 use socket2::{Domain, Protocol, Socket, Type};
+use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use tokio::net::UdpSocket;
@@ -23,6 +24,8 @@ fn udp(addr: &str, interface: Option<&str>, broadcast: bool) -> Result<UdpSocket
             .map_err(|e| format!("cannot bind to interface {i}: {e}"))?;
     }
     s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // Room for a rack's burst (the kernel caps it at net.core.rmem_max).
+    let _ = s.set_recv_buffer_size(4 << 20);
     s.bind(&addr.into())
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     UdpSocket::from_std(s.into()).map_err(|e| e.to_string())
@@ -39,45 +42,152 @@ fn files(app: &App) -> Files {
 }
 
 /// The address leased to `mac` (extended), or the first free one of the range.
+/// How long an offered address stays reserved for its MAC without a REQUEST.
+const OFFER_SECONDS: i64 = 60;
+
+/// Full DHCP mode's view of the leases, in memory: the durable leases (loaded from SQLite once,
+/// kept in step by every commit, which only [`allocate`] makes) and the offers not yet requested.
+/// A DISCOVER is answered from here without touching the database.
+#[derive(Default)]
+pub struct DhcpState {
+    leases: HashMap<String, (Ipv4Addr, i64)>,
+    offers: HashMap<String, (Ipv4Addr, i64)>,
+}
+
+impl DhcpState {
+    fn load(app: &App) -> Result<Self, String> {
+        let leases = app
+            .store
+            .read(|tx| {
+                Ok(tx
+                    .prepare("SELECT mac, ip, expires_at FROM dhcp_leases")?
+                    .query_map([], |r| {
+                        Ok((
+                            r.get::<_, String>(0)?,
+                            r.get::<_, String>(1)?,
+                            r.get::<_, i64>(2)?,
+                        ))
+                    })?
+                    .collect::<Result<Vec<_>, _>>()?)
+            })
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .filter_map(|(m, ip, t)| Some((m, (ip.parse().ok()?, t))))
+            .collect();
+        Ok(Self {
+            leases,
+            offers: HashMap::new(),
+        })
+    }
+
+    /// A free address: in the range, not the server's, not leased (unexpired) or offered to
+    /// another MAC; `prefer` first.
+    fn free(
+        &self,
+        b: &crate::boot::BootConfig,
+        mac: &str,
+        prefer: Option<Ipv4Addr>,
+        now: i64,
+    ) -> Option<Ipv4Addr> {
+        let (start, end) = (u32::from(b.range_start?), u32::from(b.range_end?));
+        let used: HashSet<Ipv4Addr> = self
+            .leases
+            .iter()
+            .filter(|(m, (_, t))| *m != mac && *t > now)
+            .map(|(_, (ip, _))| *ip)
+            .chain(
+                self.offers
+                    .iter()
+                    .filter(|(m, _)| *m != mac)
+                    .map(|(_, (ip, _))| *ip),
+            )
+            .collect();
+        prefer
+            .into_iter()
+            .chain((start..=end).map(Ipv4Addr::from))
+            .find(|ip| {
+                (start..=end).contains(&u32::from(*ip))
+                    && Some(*ip) != b.server_ip
+                    && !used.contains(ip)
+            })
+    }
+}
+
+fn dhcp_state(app: &App) -> std::sync::MutexGuard<'_, Option<DhcpState>> {
+    let mut g = app.dhcp.lock().unwrap_or_else(|p| p.into_inner());
+    if g.is_none() {
+        match DhcpState::load(app) {
+            Ok(s) => *g = Some(s),
+            Err(e) => tracing::error!(error = %e, "dhcp: cannot load the leases"),
+        }
+    }
+    g
+}
+
+/// An OFFER: the MAC's lease if it has one, else a free address reserved in memory for
+/// [`OFFER_SECONDS`]. Nothing is written: a rack's DISCOVER burst is answered at memory speed, and
+/// a machine that never asks again costs no disk write. The REQUEST makes it durable.
+fn offer(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
+    let b = &app.config.boot;
+    let mut g = dhcp_state(app);
+    let st = g.as_mut()?;
+    st.offers.retain(|_, (_, t)| now - *t <= OFFER_SECONDS);
+    if let Some((ip, _)) = st.leases.get(mac) {
+        return Some(*ip);
+    }
+    let prefer = st.offers.get(mac).map(|(ip, _)| *ip);
+    match st.free(b, mac, prefer, now) {
+        Some(ip) => {
+            st.offers.insert(mac.to_string(), (ip, now));
+            Some(ip)
+        }
+        None => {
+            tracing::warn!(%mac, "dhcp: the range is exhausted");
+            None
+        }
+    }
+}
+
+/// A REQUEST: the durable lease, committed before the ACK goes out, on the address offered to
+/// this MAC when it is still free.
 fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
     let b = &app.config.boot;
-    let (start, end) = (u32::from(b.range_start?), u32::from(b.range_end?));
     let until = now + b.lease_seconds as i64;
-    app.store
-        .write(|tx| {
-            let mine: Option<String> = rusqlite::OptionalExtension::optional(tx.query_row(
-                "SELECT ip FROM dhcp_leases WHERE mac = ?1",
-                [mac],
-                |r| r.get(0),
-            ))?;
-            if let Some(ip) = mine.and_then(|s| s.parse::<Ipv4Addr>().ok()) {
-                tx.execute(
-                    "UPDATE dhcp_leases SET expires_at = ?2 WHERE mac = ?1",
-                    rusqlite::params![mac, until],
-                )?;
-                return Ok(Some(ip));
-            }
-            let taken: std::collections::HashSet<String> = tx
-                .prepare("SELECT ip FROM dhcp_leases WHERE expires_at > ?1")?
-                .query_map([now], |r| r.get(0))?
-                .collect::<Result<_, _>>()?;
-            for n in start..=end {
-                let ip = Ipv4Addr::from(n);
-                if Some(ip) == b.server_ip || taken.contains(&ip.to_string()) {
-                    continue;
-                }
-                tx.execute("DELETE FROM dhcp_leases WHERE ip = ?1", [ip.to_string()])?;
-                tx.execute(
-                    "INSERT INTO dhcp_leases (mac, ip, expires_at) VALUES (?1, ?2, ?3)",
-                    rusqlite::params![mac, ip.to_string(), until],
-                )?;
-                return Ok(Some(ip));
-            }
-            tracing::warn!(%mac, "dhcp: the range is exhausted");
-            Ok(None)
-        })
-        .ok()
-        .flatten()
+    // The state's lock is held across the commit: two REQUESTs never take one address.
+    let mut g = dhcp_state(app);
+    let st = g.as_mut()?;
+    let ip = match st.leases.get(mac) {
+        Some((ip, _)) => *ip,
+        None => {
+            let prefer = st.offers.get(mac).map(|(ip, _)| *ip);
+            let Some(ip) = st.free(b, mac, prefer, now) else {
+                tracing::warn!(%mac, "dhcp: the range is exhausted");
+                return None;
+            };
+            ip
+        }
+    };
+    let committed = app.store.write(|tx| {
+        // An expired lease of another MAC on this address gives way.
+        tx.execute(
+            "DELETE FROM dhcp_leases WHERE ip = ?1 AND mac != ?2",
+            rusqlite::params![ip.to_string(), mac],
+        )?;
+        tx.execute(
+            "INSERT INTO dhcp_leases (mac, ip, expires_at) VALUES (?1, ?2, ?3)
+             ON CONFLICT (mac) DO UPDATE SET ip = excluded.ip, expires_at = excluded.expires_at",
+            rusqlite::params![mac, ip.to_string(), until],
+        )?;
+        Ok(())
+    });
+    if let Err(e) = committed {
+        tracing::error!(%mac, error = %e, "dhcp: the lease could not be committed; no ACK");
+        return None;
+    }
+    st.leases.retain(|m, (l, _)| m == mac || *l != ip);
+    st.leases.insert(mac.to_string(), (ip, until));
+    st.offers.remove(mac);
+    Some(ip)
 }
 
 async fn answer(
@@ -90,15 +200,28 @@ async fn answer(
     let b = &app.config.boot;
     let proxy = b.mode == "proxy";
     let mac = dhcp::mac_of(&req)?;
+    let discover = matches!(
+        req.opts().get(dhcproto::v4::OptionCode::MessageType),
+        Some(dhcproto::v4::DhcpOption::MessageType(
+            dhcproto::v4::MessageType::Discover
+        ))
+    );
     let lease = if proxy {
         None
     } else {
         let app2 = app.clone();
         let mac2 = mac.clone();
-        tokio::task::spawn_blocking(move || allocate(&app2, &mac2, crate::clock::now()))
-            .await
-            .ok()
-            .flatten()
+        tokio::task::spawn_blocking(move || {
+            let now = crate::clock::now();
+            if discover {
+                offer(&app2, &mac2, now)
+            } else {
+                allocate(&app2, &mac2, now)
+            }
+        })
+        .await
+        .ok()
+        .flatten()
     };
     let files = files(app);
     let ctx = ReplyCtx {
@@ -114,7 +237,9 @@ async fn answer(
     let reply = dhcp::reply(&req, proxy, port_4011, &ctx)?;
     let mut out = Vec::new();
     reply.encode(&mut Encoder::new(&mut out)).ok()?;
-    if let Some(c) = dhcp::classify(&req) {
+    // Who booted what: on the REQUEST in full DHCP mode (a DISCOVER burst writes nothing), on
+    // every answer in proxy mode (the site's DHCP server sees the REQUEST).
+    if let Some(c) = dhcp::classify(&req).filter(|_| proxy || !discover) {
         let file = reply
             .fname_str()
             .and_then(|r| r.ok())
@@ -135,17 +260,46 @@ async fn answer(
     Some((out, req))
 }
 
+/// DHCP packets answered at once; the socket keeps being drained while REQUESTs wait for their
+/// lease's commit, so a burst is not lost to a full receive buffer.
+const DHCP_IN_FLIGHT: usize = 512;
+
 async fn dhcp_loop(app: Arc<App>, sock: UdpSocket, port_4011: bool, http_base: String) {
+    let sock = Arc::new(sock);
+    let http_base: Arc<str> = http_base.into();
+    let limit = Arc::new(tokio::sync::Semaphore::new(DHCP_IN_FLIGHT));
     let mut buf = vec![0u8; 1500];
     loop {
         let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
             return;
         };
-        let m = crate::metrics::get();
-        m.dhcp_requests
+        crate::metrics::get()
+            .dhcp_requests
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Some((out, req)) = answer(&app, &buf[..n], port_4011, &http_base).await else {
-            continue;
+        let Ok(permit) = limit.clone().acquire_owned().await else {
+            return;
+        };
+        let packet = buf[..n].to_vec();
+        let (app, sock, http_base) = (app.clone(), sock.clone(), http_base.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            answer_one(&app, &sock, &packet, peer, port_4011, &http_base).await;
+        });
+    }
+}
+
+async fn answer_one(
+    app: &Arc<App>,
+    sock: &UdpSocket,
+    packet: &[u8],
+    peer: SocketAddr,
+    port_4011: bool,
+    http_base: &str,
+) {
+    let m = crate::metrics::get();
+    {
+        let Some((out, req)) = answer(app, packet, port_4011, http_base).await else {
+            return;
         };
         m.dhcp_answers
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -6,7 +6,6 @@
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::net::UdpSocket;
 use tokio::sync::Semaphore;
 
@@ -245,15 +244,19 @@ async fn transfer(sock: &UdpSocket, root: &Path, req: &ReadRequest) -> Result<u6
             .await;
         return Err("path refused".into());
     };
-    let mut file = match tokio::fs::File::open(&path).await {
+    // Blocks are read with positional reads of one window at a time: boot files sit in the page
+    // cache, where a `pread` costs microseconds (tokio's async file would hop to a blocking thread
+    // for every block).
+    let file = match std::fs::File::open(&path) {
         Ok(f) => f,
         Err(_) => {
             let _ = sock.send(&error_packet(1, "file not found")).await;
             return Err("not found".into());
         }
     };
-    let size = file.metadata().await.map_err(|e| e.to_string())?.len();
-    if !file.metadata().await.map(|m| m.is_file()).unwrap_or(false) {
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    let size = meta.len();
+    if !meta.is_file() {
         let _ = sock.send(&error_packet(1, "file not found")).await;
         return Err("not a file".into());
     }
@@ -269,28 +272,31 @@ async fn transfer(sock: &UdpSocket, root: &Path, req: &ReadRequest) -> Result<u6
     let blocks = size / bs as u64 + 1; // the last block is short (possibly empty)
     let mut next: u64 = 1; // first block not yet acknowledged
     let mut data = vec![0u8; 4 + bs];
+    // One window of the file, read with one positional read.
+    let mut window_buf = vec![0u8; bs * win as usize];
     let mut retries = 0;
     while next <= blocks {
         let last = (next + win - 1).min(blocks);
-        for b in next..=last {
-            let off = (b - 1) * bs as u64;
-            file.seek(std::io::SeekFrom::Start(off))
-                .await
+        let start = (next - 1) * bs as u64;
+        let want = (((last - next + 1) * bs as u64).min(size.saturating_sub(start))) as usize;
+        let mut got = 0;
+        while got < want {
+            use std::os::unix::fs::FileExt;
+            let n = file
+                .read_at(&mut window_buf[got..want], start + got as u64)
                 .map_err(|e| e.to_string())?;
-            let mut got = 0;
-            while got < bs {
-                let n = file
-                    .read(&mut data[4 + got..4 + bs])
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if n == 0 {
-                    break;
-                }
-                got += n;
+            if n == 0 {
+                return Err("the file shrank while being sent".into());
             }
+            got += n;
+        }
+        for b in next..=last {
+            let off = ((b - next) * bs as u64) as usize;
+            let len = bs.min(want.saturating_sub(off));
             data[0..2].copy_from_slice(&3u16.to_be_bytes());
             data[2..4].copy_from_slice(&((b & 0xffff) as u16).to_be_bytes());
-            sock.send(&data[..4 + got])
+            data[4..4 + len].copy_from_slice(&window_buf[off..off + len]);
+            sock.send(&data[..4 + len])
                 .await
                 .map_err(|e| e.to_string())?;
         }
