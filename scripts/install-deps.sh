@@ -10,6 +10,7 @@ command -v sqlite3 >/dev/null || need+=(sqlite3)
 command -v curl >/dev/null || need+=(curl)
 command -v cpio >/dev/null || need+=(cpio)
 command -v systemd-analyze >/dev/null || need+=(systemd)   # verifies the packaged unit
+command -v sslscan >/dev/null || need+=(sslscan)           # scans the gateway's TLS
 command -v dpkg-deb >/dev/null || need+=(dpkg)
 dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)   # josekit, the JWE oracle in tests
 if [ ${#need[@]} -gt 0 ]; then

@@ -7,10 +7,14 @@ mod adopt;
 mod boot;
 #[path = "it/common.rs"]
 mod common;
+#[path = "it/crash.rs"]
+mod crash;
 #[path = "it/discovery.rs"]
 mod discovery;
 #[path = "it/foundation.rs"]
 mod foundation;
+#[path = "it/hygiene.rs"]
+mod hygiene;
 #[path = "it/install.rs"]
 mod install;
 #[path = "it/join.rs"]
@@ -23,3 +27,7 @@ mod pxe;
 mod renew;
 #[path = "it/rotate.rs"]
 mod rotate;
+#[path = "it/timing.rs"]
+mod timing;
+#[path = "it/tls.rs"]
+mod tls;

@@ -100,13 +100,25 @@ impl Appliance {
     }
 
     pub fn serve_at(&mut self, passphrase: &str, http: &str, gateway: &str) {
+        self.serve_logging(passphrase, http, gateway, "warn", Stdio::inherit());
+    }
+
+    /// Starts `bca serve` with its log (at `level`) going to `stderr`.
+    pub fn serve_logging(
+        &mut self,
+        passphrase: &str,
+        http: &str,
+        gateway: &str,
+        level: &str,
+        stderr: Stdio,
+    ) {
         let mut child = Command::new(bin())
             .args(["serve", "--listen-http", http, "--listen-gateway", gateway])
             .env("BCA_STATE_DIR", self.state())
             .env("BCA_SECRET", passphrase)
-            .env("BCA_LOG", "warn")
+            .env("BCA_LOG", level)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         let mut line = String::new();
@@ -366,6 +378,27 @@ impl Sim {
         seal_csr: Option<&[u8]>,
         iat: i64,
     ) -> (Vec<u8>, Vec<u8>, SigningKey) {
+        self.try_join_with(token, claims, role, seal_csr, iat)
+            .unwrap_or_else(|e| panic!("the join did not get an answer: {e}"))
+    }
+
+    /// A join whose connection may fail (the appliance killed under it).
+    pub fn try_join(
+        &self,
+        token: &str,
+        claims: &Value,
+    ) -> Result<(Vec<u8>, Vec<u8>, SigningKey), ApiError> {
+        self.try_join_with(token, claims, "node", None, bca::clock::now())
+    }
+
+    fn try_join_with(
+        &self,
+        token: &str,
+        claims: &Value,
+        role: &str,
+        seal_csr: Option<&[u8]>,
+        iat: i64,
+    ) -> Result<(Vec<u8>, Vec<u8>, SigningKey), ApiError> {
         let key = SigningKey::generate();
         let csr = bca::csr::create(&key);
         let sealed = bca::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
@@ -380,8 +413,8 @@ impl Sim {
             }),
             ..Default::default()
         };
-        let raw = bca::agent::exchange_raw(&self.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
-        (raw, csr, key)
+        let raw = bca::agent::exchange_raw(&self.cfg, &serde_json::to_vec(&req).unwrap())?;
+        Ok((raw, csr, key))
     }
 
     pub fn join(&self, token: &str, claims: &Value) -> (Vec<u8>, Vec<u8>, SigningKey) {
