@@ -134,10 +134,30 @@ pub struct SessionsConfig {
     /// process's open-file limit must be higher (the unit sets 65536).
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
+    /// Gateway connections at once from one source address (a rack's machines each have their
+    /// own; a NAT in front of many needs more).
+    #[serde(default = "default_per_source")]
+    pub max_connections_per_source: u32,
+    /// Joins per minute from one source address; more are answered `UNAVAILABLE` (retry later),
+    /// the same answer as a full queue. 0: no limit.
+    #[serde(default = "default_joins_per_source")]
+    pub joins_per_source_per_minute: u32,
+    /// A new connection must finish its TLS handshake and send its first request within this.
+    #[serde(default = "default_request_deadline")]
+    pub request_deadline_seconds: u32,
 }
 
 fn default_max_connections() -> u32 {
     32_768
+}
+fn default_per_source() -> u32 {
+    256
+}
+fn default_joins_per_source() -> u32 {
+    600
+}
+fn default_request_deadline() -> u32 {
+    10
 }
 
 fn default_heartbeat() -> u32 {
@@ -149,6 +169,9 @@ impl Default for SessionsConfig {
         Self {
             heartbeat_seconds: default_heartbeat(),
             max_connections: default_max_connections(),
+            max_connections_per_source: default_per_source(),
+            joins_per_source_per_minute: default_joins_per_source(),
+            request_deadline_seconds: default_request_deadline(),
         }
     }
 }
@@ -248,6 +271,12 @@ impl Config {
         }
         if !(1..=600).contains(&self.discovery.retry_after_seconds) {
             return Err("discovery.retry_after_seconds must be 1 to 600".into());
+        }
+        if !(1..=1_000_000).contains(&self.sessions.max_connections_per_source) {
+            return Err("sessions.max_connections_per_source must be 1 to 1000000".into());
+        }
+        if !(1..=60).contains(&self.sessions.request_deadline_seconds) {
+            return Err("sessions.request_deadline_seconds must be 1 to 60".into());
         }
         if !(16..=1_000_000).contains(&self.sessions.max_connections) {
             return Err("sessions.max_connections must be 16 to 1000000".into());

@@ -6,8 +6,10 @@
 //! chain to the node CA and be valid now (webpki); `renew` and `hello` require one, and the
 //! JoinService then checks it against `node_certs`.
 //!
-//! Limits: at most `[sessions] max_connections` connections at once; a connection must finish its TLS
-//! handshake and send its first request within [`REQUEST_DEADLINE`]; frames are at most
+//! Limits: at most `[sessions] max_connections` connections at once, and
+//! `max_connections_per_source` from one address; `joins_per_source_per_minute` joins from one
+//! address; a connection must finish its TLS handshake and send its first request within
+//! `request_deadline_seconds`; frames are at most
 //! [`protocol::MAX_FRAME`] bytes; a session silent for three heartbeats is closed.
 
 use crate::app::{App, PROTOCOL_MAX, PROTOCOL_MIN};
@@ -20,12 +22,72 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::server::TlsStream;
 
-pub const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+/// Per-source limits: connections open now, and a token bucket of joins.
+#[derive(Default)]
+struct Sources {
+    open: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u32>>,
+    joins: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, (f64, std::time::Instant)>>,
+}
+
+/// One open connection of a source, given back on drop.
+struct SourceSlot<'a> {
+    sources: &'a Sources,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for SourceSlot<'_> {
+    fn drop(&mut self) {
+        let mut open = self.sources.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl Sources {
+    fn enter(&self, ip: std::net::IpAddr, max: u32) -> Option<SourceSlot<'_>> {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(ip).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot { sources: self, ip })
+    }
+
+    /// Takes one join from the source's bucket (`per_minute` tokens, refilled continuously).
+    fn join_allowed(&self, ip: std::net::IpAddr, per_minute: u32) -> bool {
+        if per_minute == 0 {
+            return true;
+        }
+        let cap = per_minute as f64;
+        let now = std::time::Instant::now();
+        let mut joins = self.joins.lock().unwrap_or_else(|p| p.into_inner());
+        if joins.len() > 65_536 {
+            // Forget the sources whose buckets are full again.
+            joins
+                .retain(|_, (t, at)| *t + now.duration_since(*at).as_secs_f64() * cap / 60.0 < cap);
+        }
+        let (tokens, at) = joins.entry(ip).or_insert((cap, now));
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * cap / 60.0).min(cap);
+        *at = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
 
 pub struct Gateway {
     app: Arc<App>,
     tls: tokio_rustls::TlsAcceptor,
     join: Option<JoinHandle>,
+    sources: Sources,
 }
 
 /// The rustls provider every TLS endpoint of bca uses: aws-lc-rs.
@@ -156,6 +218,7 @@ impl Gateway {
             app,
             tls: tokio_rustls::TlsAcceptor::from(Arc::new(cfg)),
             join,
+            sources: Sources::default(),
         })
     }
 
@@ -178,7 +241,12 @@ impl Gateway {
                     let stop = stop.clone();
                     tokio::spawn(async move {
                         let _permit = permit;
-                        if let Err(e) = this.connection(stream, peer.to_string(), stop).await {
+                        let per_source = this.app.config.sessions.max_connections_per_source;
+                        let Some(_slot) = this.sources.enter(peer.ip(), per_source) else {
+                            tracing::debug!(%peer, "gateway: the source's connection limit is reached; closing");
+                            return;
+                        };
+                        if let Err(e) = this.connection(stream, peer, stop).await {
                             tracing::debug!(%peer, error = %e, "gateway: connection ended");
                         }
                     });
@@ -190,10 +258,13 @@ impl Gateway {
     async fn connection(
         &self,
         stream: tokio::net::TcpStream,
-        peer: String,
+        peer_addr: std::net::SocketAddr,
         stop: watch::Receiver<bool>,
     ) -> Result<(), String> {
-        let first = tokio::time::timeout(REQUEST_DEADLINE, async {
+        let peer = peer_addr.to_string();
+        let deadline =
+            Duration::from_secs(self.app.config.sessions.request_deadline_seconds as u64);
+        let first = tokio::time::timeout(deadline, async {
             let mut tls = self
                 .tls
                 .accept(stream)
@@ -205,7 +276,7 @@ impl Gateway {
         .await
         .map_err(|_| "too slow: no request within the deadline".to_string())?;
         let (mut tls, frame) = first?;
-        let (reply, next) = self.answer(&frame, &tls, peer).await;
+        let (reply, next) = self.answer(&frame, &tls, peer, peer_addr.ip()).await;
         protocol::write_frame(&mut tls, &reply.to_bytes())
             .await
             .map_err(|e| e.to_string())?;
@@ -276,6 +347,7 @@ impl Gateway {
         frame: &[u8],
         tls: &TlsStream<tokio::net::TcpStream>,
         peer: String,
+        source: std::net::IpAddr,
     ) -> (Reply, Next) {
         let req = match Self::parse(frame) {
             Ok(r) => r,
@@ -293,6 +365,13 @@ impl Gateway {
             );
         }
         if let Some(join) = req.join {
+            if !self
+                .sources
+                .join_allowed(source, self.app.config.sessions.joins_per_source_per_minute)
+            {
+                tracing::info!(%peer, "gateway: the source's join rate is exceeded");
+                return (Reply::from_outcome(Outcome::Busy), Next::Close);
+            }
             let out = self
                 .call(Call::Join {
                     request: join,

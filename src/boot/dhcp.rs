@@ -25,6 +25,11 @@ pub struct PxeClient {
 }
 
 pub fn mac_of(msg: &Message) -> Option<String> {
+    // dhcproto's `chaddr()` slices by the packet's own `hlen`: a hostile hlen over 16 would
+    // panic there. Such a packet is refused before anything reads its hardware address.
+    if msg.hlen() as usize > 16 {
+        return None;
+    }
     let c = msg.chaddr();
     (c.len() >= 6).then(|| {
         c[..6]
@@ -203,6 +208,22 @@ mod tests {
     use super::*;
     use dhcproto::v4::Architecture;
     use dhcproto::{Decodable, Decoder, Encodable, Encoder};
+
+    #[test]
+    fn a_hostile_hardware_address_length_is_refused_not_a_panic() {
+        let mut m = Message::default();
+        m.set_chaddr(&[0x52, 0x54, 0, 0, 0, 1]);
+        let mut raw = Vec::new();
+        m.encode(&mut Encoder::new(&mut raw)).unwrap();
+        for hlen in [17u8, 65, 255] {
+            raw[2] = hlen;
+            let Ok(decoded) = Message::decode(&mut Decoder::new(&raw)) else {
+                continue;
+            };
+            assert_eq!(mac_of(&decoded), None, "hlen {hlen}");
+            assert!(classify(&decoded).is_none());
+        }
+    }
 
     fn request(
         kind: MessageType,

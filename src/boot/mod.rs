@@ -58,6 +58,13 @@ pub struct BootConfig {
     /// TFTP transfers at once; more are refused with a log line.
     #[serde(default = "default_transfers")]
     pub tftp_max_transfers: usize,
+    /// TFTP transfers at once from one source address (a machine fetches one file at a time).
+    #[serde(default = "default_per_source")]
+    pub tftp_max_per_source: usize,
+}
+
+fn default_per_source() -> usize {
+    16
 }
 
 fn default_mode() -> String {
@@ -109,6 +116,9 @@ impl BootConfig {
         }
         if self.kernel_args.contains(['\n', '\r']) {
             return Err("boot.kernel_args must be one line".into());
+        }
+        if !(1..=4096).contains(&self.tftp_max_per_source) {
+            return Err("boot.tftp_max_per_source must be 1 to 4096".into());
         }
         if !(1..=4096).contains(&self.tftp_max_transfers) {
             return Err("boot.tftp_max_transfers must be 1 to 4096".into());

@@ -362,7 +362,7 @@ pub fn start(
     tasks.push(tokio::spawn(crate::boot::tftp::serve(
         tftp,
         root,
-        b.tftp_max_transfers,
+        (b.tftp_max_transfers, b.tftp_max_per_source),
         on_transfer,
     )));
     tracing::info!(mode = %b.mode, dhcp = %b.listen_dhcp, tftp = %b.listen_tftp, %http_base, "boot server up");
