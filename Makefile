@@ -3,7 +3,7 @@ MUSL := x86_64-unknown-linux-musl
 STATIC := target/$(MUSL)/release/bca
 export CC_x86_64_unknown_linux_musl := musl-gcc
 
-.PHONY: build run sim image test bench deps check lint clean install deb
+.PHONY: build run sim image test bench deps check lint clean install deb fuzz
 
 # `make install`: PREFIX /usr/local, which dpkg never touches (the Debian package, `make deb`,
 # installs into /usr); every directory below is on systemd's, man's and the shells' search paths.
@@ -44,9 +44,15 @@ image: build
 	./scripts/install-boot-deps.sh
 	./image/build.sh
 
-## Every test, after installing what the tests need (the network-boot tests boot the ramdisk).
+## Every test, after installing what the tests need (the network-boot tests boot the ramdisk),
+## then every fuzz target for a bounded time (FUZZ_SECONDS each, 10 here).
 test: deps image
 	cargo test --locked --all-targets
+	FUZZ_SECONDS=$${FUZZ_SECONDS:-10} ./scripts/fuzz.sh
+
+## The fuzz targets (fuzz/, cargo-fuzz on the nightly toolchain), FUZZ_SECONDS each (default 30).
+fuzz:
+	./scripts/fuzz.sh
 
 ## Join and renewal storms, sessions and cold start, per appliance core (see BENCHMARKS.md).
 bench:

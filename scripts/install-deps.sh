@@ -21,3 +21,8 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 rustup target list --installed 2>/dev/null | grep -q x86_64-unknown-linux-musl \
   || rustup target add x86_64-unknown-linux-musl
+# Fuzzing (make fuzz, and make test's bounded run): cargo-fuzz from crates.io, the nightly toolchain.
+command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
+rustup toolchain list | grep -q '^nightly' \
+  || rustup toolchain install nightly --profile minimal \
+  || echo "no nightly toolchain: make fuzz will not run" >&2

@@ -23,6 +23,7 @@ pub mod doctor;
 pub mod downloads;
 pub mod error;
 pub mod fsutil;
+pub mod fuzzing;
 pub mod gateway;
 pub mod health;
 pub mod http;

@@ -13,6 +13,8 @@ mod crash;
 mod discovery;
 #[path = "it/foundation.rs"]
 mod foundation;
+#[path = "it/fuzz_replay.rs"]
+mod fuzz_replay;
 #[path = "it/hostile.rs"]
 mod hostile;
 #[path = "it/hygiene.rs"]

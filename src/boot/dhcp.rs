@@ -24,6 +24,55 @@ pub struct PxeClient {
     pub http: bool,
 }
 
+/// Decodes a DHCP packet from the wire. dhcproto checks some option lengths only with
+/// `debug_assert!` (a hostile length panics a debug build; found when the fuzzer's corpus was
+/// replayed in the tests) or subtracts from them unchecked: such packets are dropped before
+/// decoding, like any other undecodable one. A panic that still escapes the decoder drops the
+/// packet too (in debug builds; release builds abort on panic, which `make fuzz` guards).
+pub fn decode(buf: &[u8]) -> Option<Message> {
+    use dhcproto::{Decodable, Decoder};
+    if hostile_option_lengths(buf) {
+        return None;
+    }
+    std::panic::catch_unwind(|| Message::decode(&mut Decoder::new(buf)).ok())
+        .ok()
+        .flatten()
+}
+
+/// Options whose lengths dhcproto trusts: rapid commit (80) is empty, the client FQDN (81) has at
+/// least 3 bytes, the client network interface (94) 3, the bulk lease query status (151) at least
+/// 1 and its times (152-155) 4.
+fn hostile_option_lengths(buf: &[u8]) -> bool {
+    let mut i = 240; // after the fixed header and the magic cookie
+    while i < buf.len() {
+        let code = buf[i];
+        match code {
+            0 => {
+                i += 1;
+                continue;
+            }
+            255 => return false,
+            _ => {}
+        }
+        let Some(&len) = buf.get(i + 1) else {
+            return false;
+        };
+        let bad = match code {
+            80 => len != 0,
+            81 => len < 3,
+            94 => len != 3,
+            151 => len < 1,
+            152..=155 => len != 4,
+            _ => false,
+        };
+        if bad {
+            return true;
+        }
+        i += 2 + len as usize;
+    }
+    false
+}
+
 pub fn mac_of(msg: &Message) -> Option<String> {
     // dhcproto's `chaddr()` slices by the packet's own `hlen`: a hostile hlen over 16 would
     // panic there. Such a packet is refused before anything reads its hardware address.
@@ -208,6 +257,25 @@ mod tests {
     use super::*;
     use dhcproto::v4::Architecture;
     use dhcproto::{Decodable, Decoder, Encodable, Encoder};
+
+    #[test]
+    fn hostile_option_lengths_are_dropped_before_decoding() {
+        let mut m = Message::default();
+        m.set_chaddr(&[0x52, 0x54, 0, 0, 0, 1]);
+        m.opts_mut()
+            .insert(DhcpOption::MessageType(MessageType::Discover));
+        let mut raw = Vec::new();
+        m.encode(&mut Encoder::new(&mut raw)).unwrap();
+        assert!(decode(&raw).is_some());
+        for (code, len) in [(152u8, 2u8), (94, 1), (80, 1), (151, 0), (81, 0)] {
+            let mut bad = raw.clone();
+            let end = bad.len() - 1; // before the End option
+            let mut opt = vec![code, len];
+            opt.extend(std::iter::repeat_n(0u8, len as usize));
+            bad.splice(end..end, opt);
+            assert!(decode(&bad).is_none(), "option {code} of length {len}");
+        }
+    }
 
     #[test]
     fn a_hostile_hardware_address_length_is_refused_not_a_panic() {

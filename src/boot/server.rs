@@ -3,7 +3,7 @@
 
 use crate::app::App;
 use crate::boot::dhcp::{self, Files, ReplyCtx};
-use dhcproto::{Decodable, Decoder, Encodable, Encoder};
+use dhcproto::{Encodable, Encoder};
 use socket2::{Domain, Protocol, Socket, Type};
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -196,7 +196,7 @@ async fn answer(
     port_4011: bool,
     http_base: &str,
 ) -> Option<(Vec<u8>, dhcproto::v4::Message)> {
-    let req = dhcproto::v4::Message::decode(&mut Decoder::new(buf)).ok()?;
+    let req = dhcp::decode(buf)?;
     let b = &app.config.boot;
     let proxy = b.mode == "proxy";
     let mac = dhcp::mac_of(&req)?;

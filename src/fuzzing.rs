@@ -1,0 +1,143 @@
+//! Entry points for the fuzz targets (`fuzz/`, `make fuzz`) and for their regression test, which
+//! replays every file of `fuzz/corpus/<target>/` and `fuzz/regressions/<target>/` in the normal
+//! test suite. Each takes arbitrary bytes, drives one parser of what the network or a user sends
+//! through the code the appliance runs on it, and must return without panicking.
+
+use std::sync::OnceLock;
+
+/// The fuzz targets, by name.
+pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+    ("dhcp", dhcp),
+    ("tftp", tftp),
+    ("frame", frame),
+    ("jwe", jwe),
+    ("csr", csr),
+    ("claims", claims),
+    ("api", api),
+];
+
+/// A DHCP packet: decoded, then every decision the boot server makes on it (both modes).
+pub fn dhcp(data: &[u8]) {
+    let Some(m) = crate::boot::dhcp::decode(data) else {
+        return;
+    };
+    if crate::boot::dhcp::mac_of(&m).is_none() {
+        return;
+    }
+    let _ = crate::boot::dhcp::classify(&m);
+    let files = crate::boot::dhcp::Files {
+        undionly: true,
+        ipxe_efi: true,
+        snponly: true,
+        arm64: true,
+    };
+    let ctx = crate::boot::dhcp::ReplyCtx {
+        server_ip: std::net::Ipv4Addr::new(10, 0, 0, 1),
+        http_base: "http://10.0.0.1",
+        files: &files,
+        lease: Some(std::net::Ipv4Addr::new(10, 0, 0, 50)),
+        netmask: Some(std::net::Ipv4Addr::new(255, 255, 255, 0)),
+        router: None,
+        dns: &[],
+        lease_seconds: 3600,
+    };
+    for (proxy, port_4011) in [(true, false), (true, true), (false, false)] {
+        if let Some(reply) = crate::boot::dhcp::reply(&m, proxy, port_4011, &ctx) {
+            use dhcproto::Encodable;
+            let mut out = Vec::new();
+            let _ = reply.encode(&mut dhcproto::Encoder::new(&mut out));
+        }
+    }
+}
+
+/// A TFTP packet and, for a read request, the path guard.
+pub fn tftp(data: &[u8]) {
+    if let Ok(crate::boot::tftp::Packet::Rrq(r)) = crate::boot::tftp::parse(data) {
+        let _ = crate::boot::tftp::confine(std::path::Path::new("/srv/boot"), &r.filename);
+    }
+}
+
+/// A gateway frame: the length prefix, then the request as the gateway parses it.
+pub fn frame(data: &[u8]) {
+    let rt = runtime();
+    let mut cursor = std::io::Cursor::new(data.to_vec());
+    let Ok(body) = rt.block_on(crate::protocol::read_frame(&mut cursor)) else {
+        return;
+    };
+    if let Ok(req) = serde_json::from_slice::<crate::protocol::Request>(&body) {
+        let _ = req.operations();
+    }
+}
+
+/// A sealed join token (compact JWE) opened with the appliance's key.
+pub fn jwe(data: &[u8]) {
+    static KEY: OnceLock<(crate::crypto::SigningKey, aws_lc_rs::agreement::PrivateKey)> =
+        OnceLock::new();
+    let (_, dec) = KEY.get_or_init(|| {
+        let k = crate::crypto::SigningKey::generate();
+        let d = crate::jwe::decryption_key(k.pkcs8()).expect("a fresh key");
+        (k, d)
+    });
+    let Ok(s) = std::str::from_utf8(data) else {
+        return;
+    };
+    let _ = crate::jwe::open(s, dec, &[7u8; 32], 1_800_000_000, 300);
+}
+
+/// A CSR (DER), verified as the JoinService does.
+pub fn csr(data: &[u8]) {
+    let _ = crate::csr::verify(data);
+}
+
+/// A machine's claims (JSON): normalised, filtered, the hardware key derived.
+pub fn claims(data: &[u8]) {
+    let Ok(c) = serde_json::from_slice::<crate::claims::Claims>(data) else {
+        return;
+    };
+    let _ = c.within_limits();
+    let ids = crate::claims::Identifiers::from_claims(&c);
+    let _ = crate::claims::hardware_key(&ids);
+}
+
+/// An admin API body, sent to each method against a scratch database.
+pub fn api(data: &[u8]) {
+    static STORE: OnceLock<(tempfile::TempDir, crate::store::Store, String)> = OnceLock::new();
+    let (_, store, root) = STORE.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("a scratch directory");
+        let store = crate::store::Store::open(&dir.path().join("fuzz.db"), true)
+            .expect("a scratch database");
+        let root = "tn_00000000000000000000000000".to_string();
+        (dir, store, root)
+    });
+    let ctx = crate::api::Ctx {
+        caller: "uid:0",
+        now: 1_800_000_000,
+        site_id: "site_00000000000000000000000000",
+        root_tenant: root,
+        sessions: None,
+    };
+    for method in [
+        "tenants/create",
+        "pools/create",
+        "pools/update",
+        "joinTokens/create",
+        "joinTokens/createMany",
+        "joinTokens/list",
+        "events/list",
+        "audit/list",
+        "nodes/list",
+        "joinRequests/approve",
+        "bootLeases/list",
+    ] {
+        let _ = crate::api::dispatch(store, &ctx, method, data);
+    }
+}
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime")
+    })
+}
