@@ -5,8 +5,11 @@
 
 use std::sync::OnceLock;
 
+/// A fuzz target's entry point.
+pub type Target = fn(&[u8]);
+
 /// The fuzz targets, by name.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Target)] = &[
     ("dhcp", dhcp),
     ("tftp", tftp),
     ("frame", frame),
