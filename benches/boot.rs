@@ -12,6 +12,7 @@
 //! Simplification, said here: the clients share one address for TFTP and HTTP (the one the
 //! client namespace holds) and differ by port; each still gets its own lease by MAC.
 
+mod support;
 use dhcproto::v4::{Decoder, DhcpOption, Encoder, Message, MessageType, Opcode, OptionCode};
 use dhcproto::{Decodable, Encodable};
 use std::collections::HashMap;
@@ -20,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::{bin, env, line};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 
@@ -32,21 +34,6 @@ const BLKSIZE: u16 = 1468;
 static GRANTED_WINDOW: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
 const WINDOW: u16 = 16;
 
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn line(name: &str, value: f64, unit: &str) {
-    if value >= 100.0 {
-        println!("{name}: {value:.0} {unit}");
-    } else {
-        println!("{name}: {value:.3} {unit}");
-    }
-}
-
 fn sh(cmd: &str) -> bool {
     Command::new("sh")
         .args(["-c", cmd])
@@ -56,11 +43,6 @@ fn sh(cmd: &str) -> bool {
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().join("bca")
 }
 
 struct Lab {

@@ -7,6 +7,7 @@
 //! opens (resident memory per session), renews at once (the renewal storm), and the appliance is
 //! restarted under them (the reconnect storm: time until all are back, attempts spent).
 
+mod support;
 use bca::agent::{self, AgentConfig};
 use bca::crypto::{self, SigningKey};
 use bca::protocol::{self, Hello, JoinRequest, RenewRequest, Reply, Request};
@@ -16,27 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn bin() -> PathBuf {
-    // target/release/deps/storm-… -> target/release/bca
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().join("bca")
-}
-
-fn line(name: &str, value: f64, unit: &str) {
-    if value >= 100.0 {
-        println!("{name}: {value:.0} {unit}");
-    } else {
-        println!("{name}: {value:.3} {unit}");
-    }
-}
+use support::{bin, env, line};
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {

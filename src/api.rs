@@ -162,22 +162,9 @@ fn events_list(tx: &Transaction<'_>, i: EventsListInput) -> ApiResult<Value> {
     let limit = i.limit.unwrap_or(100);
     validate::range("limit", limit, 1, 200)?;
     if let Some(p) = &i.type_prefix {
-        if p.len() > 128
-            || !p
-                .bytes()
-                .all(|c| c.is_ascii_alphanumeric() || b".-_".contains(&c))
-        {
-            return Err(ApiError::invalid_input(
-                "type must be at most 128 characters of [A-Za-z0-9._-]",
-            ));
-        }
+        validate::prefix("type", p, 0)?;
     }
-    let before: i64 = match &i.cursor {
-        None => i64::MAX,
-        Some(c) => c.parse().ok().filter(|v| *v > 0).ok_or_else(|| {
-            ApiError::invalid_input("cursor must be a cursor returned by events.list")
-        })?,
-    };
+    let before = seq_cursor(i.cursor.as_deref(), "events.list")?;
     let prefix = i.type_prefix.unwrap_or_default();
     let mut st = tx.prepare(
         "SELECT seq, id, tenant_id, type, data, created_at FROM events
@@ -199,6 +186,16 @@ fn events_list(tx: &Transaction<'_>, i: EventsListInput) -> ApiResult<Value> {
         })?
         .collect::<Result<Vec<_>, _>>()?;
     Ok(page(rows, limit, |seq| seq.to_string()))
+}
+
+/// The row sequence a list's cursor names (`None`: from the newest).
+pub fn seq_cursor(cursor: Option<&str>, method: &str) -> ApiResult<i64> {
+    match cursor {
+        None => Ok(i64::MAX),
+        Some(c) => c.parse().ok().filter(|v| *v > 0).ok_or_else(|| {
+            ApiError::invalid_input(format!("cursor must be a cursor returned by {method}"))
+        }),
+    }
 }
 
 /// `{"items": [...], "cursor": ...}` from up to `limit + 1` rows.

@@ -247,27 +247,13 @@ fn list(tx: &Transaction<'_>, i: AuditListInput) -> ApiResult<Value> {
     let limit = i.limit.unwrap_or(100);
     validate::range("limit", limit, 1, 200)?;
     if let Some(a) = &i.action {
-        if a.is_empty()
-            || a.len() > 128
-            || !a
-                .bytes()
-                .all(|c| c.is_ascii_alphanumeric() || b".-_".contains(&c))
-        {
-            return Err(ApiError::invalid_input(
-                "action must be 1 to 128 characters of [A-Za-z0-9._-]",
-            ));
-        }
+        validate::prefix("action", a, 1)?;
     }
     let since = match &i.since {
         Some(s) => parse_time("since", s)?,
         None => i64::MIN,
     };
-    let before: i64 = match &i.cursor {
-        None => i64::MAX,
-        Some(c) => c.parse().ok().filter(|v| *v > 0).ok_or_else(|| {
-            ApiError::invalid_input("cursor must be a cursor returned by audit.list")
-        })?,
-    };
+    let before = crate::api::seq_cursor(i.cursor.as_deref(), "audit.list")?;
     let prefix = i.action.unwrap_or_default();
     let mut st = tx.prepare(
         "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit

@@ -531,6 +531,14 @@ pub fn tenant_or_root(client: &Client, t: Option<String>) -> ApiResult<String> {
     }
 }
 
+/// The tenant a list is scoped to: every tenant (`--all-tenants`), the one named, else the root.
+fn tenant_scope(client: &Client, t: Option<String>, all: bool) -> ApiResult<Option<String>> {
+    if all {
+        return Ok(None);
+    }
+    tenant_or_root(client, t).map(Some)
+}
+
 /// Parses `1m` .. `24h` style durations (`h`, `m`, `s` parts, e.g. `1h30m`) to whole seconds.
 pub fn parse_duration(s: &str) -> Result<i64, String> {
     let bad = || format!("--ttl {s:?} is not a duration such as 30m, 1h or 1h30m");
@@ -710,11 +718,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             cursor,
         }) => {
             let c = conn.client();
-            let tenant = if all_tenants {
-                None
-            } else {
-                Some(tenant_or_root(&c, tenant)?)
-            };
+            let tenant = tenant_scope(&c, tenant, all_tenants)?;
             let v = c.call(
                 "events/list",
                 &json!({"tenantId": tenant, "type": type_prefix, "limit": limit, "cursor": cursor}),
@@ -747,11 +751,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             cursor,
         }) => {
             let c = conn.client();
-            let tenant = if all_tenants {
-                None
-            } else {
-                Some(tenant_or_root(&c, tenant)?)
-            };
+            let tenant = tenant_scope(&c, tenant, all_tenants)?;
             // An age is turned into a time here; a time is passed on for the server to check.
             let since = since.map(|s| match crate::audit::parse_age(&s) {
                 Some(age) => crate::api::rfc3339(crate::clock::now() - age),

@@ -25,39 +25,11 @@ use tokio_rustls::server::TlsStream;
 /// Per-source limits: connections open now, and a token bucket of joins.
 #[derive(Default)]
 struct Sources {
-    open: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u32>>,
+    open: Arc<crate::limits::PerSource>,
     joins: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, (f64, std::time::Instant)>>,
 }
 
-/// One open connection of a source, given back on drop.
-struct SourceSlot<'a> {
-    sources: &'a Sources,
-    ip: std::net::IpAddr,
-}
-
-impl Drop for SourceSlot<'_> {
-    fn drop(&mut self) {
-        let mut open = self.sources.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = open.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&self.ip);
-            }
-        }
-    }
-}
-
 impl Sources {
-    fn enter(&self, ip: std::net::IpAddr, max: u32) -> Option<SourceSlot<'_>> {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let n = open.entry(ip).or_default();
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(SourceSlot { sources: self, ip })
-    }
-
     /// Takes one join from the source's bucket (`per_minute` tokens, refilled continuously).
     fn join_allowed(&self, ip: std::net::IpAddr, per_minute: u32) -> bool {
         if per_minute == 0 {
@@ -242,7 +214,7 @@ impl Gateway {
                     tokio::spawn(async move {
                         let _permit = permit;
                         let per_source = this.app.config.sessions.max_connections_per_source;
-                        let Some(_slot) = this.sources.enter(peer.ip(), per_source) else {
+                        let Some(_slot) = this.sources.open.enter(peer.ip(), per_source as usize) else {
                             tracing::debug!(%peer, "gateway: the source's connection limit is reached; closing");
                             return;
                         };

@@ -35,6 +35,7 @@ pub mod joinrequests;
 pub mod joinservice;
 pub mod jwe;
 pub mod keys;
+pub mod limits;
 pub mod metrics;
 pub mod nodes;
 pub mod pki;

@@ -123,6 +123,24 @@ pub fn name(field: &str, s: &str) -> ApiResult<()> {
     }
 }
 
+/// A filter prefix (an event type, an audit action): `min` to 128 characters of [A-Za-z0-9._-].
+pub fn prefix(field: &str, v: &str, min: usize) -> ApiResult<()> {
+    let ok = (min..=128).contains(&v.len())
+        && v.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b".-_".contains(&c));
+    if ok {
+        return Ok(());
+    }
+    let len = if min == 0 {
+        "at most 128".to_string()
+    } else {
+        format!("{min} to 128")
+    };
+    Err(ApiError::invalid_input(format!(
+        "{field} must be {len} characters of [A-Za-z0-9._-]"
+    )))
+}
+
 pub fn range(field: &str, v: i64, min: i64, max: i64) -> ApiResult<()> {
     if (min..=max).contains(&v) {
         Ok(())

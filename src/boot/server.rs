@@ -80,6 +80,19 @@ impl DhcpState {
         })
     }
 
+    /// The MAC's address: its lease's, else a free one (the one offered to it first).
+    fn address_for(&self, b: &crate::boot::BootConfig, mac: &str, now: i64) -> Option<Ipv4Addr> {
+        if let Some((ip, _)) = self.leases.get(mac) {
+            return Some(*ip);
+        }
+        let prefer = self.offers.get(mac).map(|(ip, _)| *ip);
+        let ip = self.free(b, mac, prefer, now);
+        if ip.is_none() {
+            tracing::warn!(%mac, "dhcp: the range is exhausted");
+        }
+        ip
+    }
+
     /// A free address: in the range, not the server's, not leased (unexpired) or offered to
     /// another MAC; `prefer` first.
     fn free(
@@ -132,20 +145,11 @@ fn offer(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
     let mut g = dhcp_state(app);
     let st = g.as_mut()?;
     st.offers.retain(|_, (_, t)| now - *t <= OFFER_SECONDS);
-    if let Some((ip, _)) = st.leases.get(mac) {
-        return Some(*ip);
+    let ip = st.address_for(b, mac, now)?;
+    if !st.leases.contains_key(mac) {
+        st.offers.insert(mac.to_string(), (ip, now));
     }
-    let prefer = st.offers.get(mac).map(|(ip, _)| *ip);
-    match st.free(b, mac, prefer, now) {
-        Some(ip) => {
-            st.offers.insert(mac.to_string(), (ip, now));
-            Some(ip)
-        }
-        None => {
-            tracing::warn!(%mac, "dhcp: the range is exhausted");
-            None
-        }
-    }
+    Some(ip)
 }
 
 /// A REQUEST: the durable lease, committed before the ACK goes out, on the address offered to
@@ -156,17 +160,7 @@ fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
     // The state's lock is held across the commit: two REQUESTs never take one address.
     let mut g = dhcp_state(app);
     let st = g.as_mut()?;
-    let ip = match st.leases.get(mac) {
-        Some((ip, _)) => *ip,
-        None => {
-            let prefer = st.offers.get(mac).map(|(ip, _)| *ip);
-            let Some(ip) = st.free(b, mac, prefer, now) else {
-                tracing::warn!(%mac, "dhcp: the range is exhausted");
-                return None;
-            };
-            ip
-        }
-    };
+    let ip = st.address_for(b, mac, now)?;
     let committed = app.store.write(|tx| {
         // An expired lease of another MAC on this address gives way.
         tx.execute(

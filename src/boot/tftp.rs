@@ -166,8 +166,7 @@ pub async fn serve(
 ) {
     let (max_transfers, per_source) = limits;
     let limit = Arc::new(Semaphore::new(max_transfers));
-    let sources: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> =
-        Arc::default();
+    let sources = Arc::new(crate::limits::PerSource::default());
     let local_ip = socket.local_addr().map(|a| a.ip()).ok();
     let mut buf = vec![0u8; 2048];
     loop {
@@ -194,28 +193,18 @@ pub async fn serve(
                 continue;
             }
         };
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, file = %req.filename, max_transfers, "tftp: too many transfers at once; refusing one");
-            crate::metrics::get()
-                .tftp_refused_busy
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let _ = socket
-                .send_to(&error_packet(0, "server busy; retry"), peer)
-                .await;
-            continue;
+        // A place among all transfers, then among this source's; either full: "busy, retry".
+        let places = match limit.clone().try_acquire_owned() {
+            Err(_) => Err("tftp: too many transfers at once; refusing one"),
+            Ok(permit) => sources
+                .enter(peer.ip(), per_source)
+                .map(|slot| (permit, slot))
+                .ok_or("tftp: the source's transfer limit is reached; refusing one"),
         };
-        let busy = {
-            let mut s = sources.lock().unwrap_or_else(|p| p.into_inner());
-            let n = s.entry(peer.ip()).or_default();
-            let busy = *n >= per_source;
-            if !busy {
-                *n += 1;
-            }
-            busy
-        };
-        {
-            if busy {
-                tracing::info!(%peer, per_source, "tftp: the source's transfer limit is reached; refusing one");
+        let (permit, slot) = match places {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(%peer, file = %req.filename, max_transfers, per_source, "{why}");
                 crate::metrics::get()
                     .tftp_refused_busy
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -224,29 +213,13 @@ pub async fn serve(
                     .await;
                 continue;
             }
-        }
+        };
         let root = root.clone();
         let on_transfer = on_transfer.clone();
-        let sources = sources.clone();
         tokio::spawn(async move {
             let _permit = permit;
             // The source's slot is given back however the transfer ends.
-            struct Slot(
-                Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-                std::net::IpAddr,
-            );
-            impl Drop for Slot {
-                fn drop(&mut self) {
-                    let mut s = self.0.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Some(n) = s.get_mut(&self.1) {
-                        *n -= 1;
-                        if *n == 0 {
-                            s.remove(&self.1);
-                        }
-                    }
-                }
-            }
-            let _slot = Slot(sources, peer.ip());
+            let _slot = slot;
             let bind = std::net::SocketAddr::new(
                 local_ip.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into()),
                 0,

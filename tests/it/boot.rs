@@ -6,14 +6,6 @@ use dhcproto::v4::{Architecture, DhcpOption, Message, MessageType, Opcode, Optio
 use dhcproto::{Decodable, Decoder, Encodable, Encoder};
 use std::process::Command;
 
-fn free_udp() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// An appliance with `[boot]` on loopback ports and an iPXE binary in its boot root.
 fn boot_appliance(mode: &str) -> (Appliance, u16, u16) {
     let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());

@@ -399,6 +399,20 @@ impl Sim {
         seal_csr: Option<&[u8]>,
         iat: i64,
     ) -> Result<(Vec<u8>, Vec<u8>, SigningKey), ApiError> {
+        let (req, csr, key) = self.join_request(token, claims, role, seal_csr, iat);
+        let raw = bca::agent::exchange_raw(&self.cfg, &req)?;
+        Ok((raw, csr, key))
+    }
+
+    /// A join request's frame body (with a fresh key), its CSR and the key.
+    pub fn join_request(
+        &self,
+        token: &str,
+        claims: &Value,
+        role: &str,
+        seal_csr: Option<&[u8]>,
+        iat: i64,
+    ) -> (Vec<u8>, Vec<u8>, SigningKey) {
         let key = SigningKey::generate();
         let csr = bca::csr::create(&key);
         let sealed = bca::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
@@ -413,8 +427,7 @@ impl Sim {
             }),
             ..Default::default()
         };
-        let raw = bca::agent::exchange_raw(&self.cfg, &serde_json::to_vec(&req).unwrap())?;
-        Ok((raw, csr, key))
+        (serde_json::to_vec(&req).unwrap(), csr, key)
     }
 
     pub fn join(&self, token: &str, claims: &Value) -> (Vec<u8>, Vec<u8>, SigningKey) {
@@ -534,4 +547,29 @@ pub fn connected(a: &Appliance) -> usize {
         .iter()
         .filter(|n| n["connected"] == true)
         .count()
+}
+
+/// A free UDP port on loopback.
+pub fn free_udp() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `bca serve` on a state directory with this passphrase, run to its exit (one that fails).
+pub fn serve_exit(state: &Path, passphrase: &str) -> Output {
+    Command::new(bin())
+        .args([
+            "serve",
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
+        .env("BCA_STATE_DIR", state)
+        .env("BCA_SECRET", passphrase)
+        .output()
+        .unwrap()
 }

@@ -195,18 +195,7 @@ fn passphrase_protection_refuses_a_wrong_passphrase_and_changes_nothing() {
     assert!(sealed.contains("argon2id"));
     assert_eq!(a.stop().unwrap().code(), Some(0));
     let before = sha256_file_tree(&a.state());
-    let out = Command::new(bin())
-        .args([
-            "serve",
-            "--listen-http",
-            "127.0.0.1:0",
-            "--listen-gateway",
-            "127.0.0.1:0",
-        ])
-        .env("BCA_STATE_DIR", a.state())
-        .env("BCA_SECRET", "this is the wrong one")
-        .output()
-        .unwrap();
+    let out = serve_exit(&a.state(), "this is the wrong one");
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("INVALID_CONFIG: wrong passphrase"), "{err}");

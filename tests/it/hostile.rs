@@ -5,7 +5,7 @@
 //! clients' from 127.0.0.1) and set here in config.toml.
 
 use crate::common::*;
-use bca::protocol::{JoinRequest, Reply, Request};
+use bca::protocol::Reply;
 use serde_json::json;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -54,20 +54,7 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 /// A join sent from the source address `from` over TLS; the reply's bytes.
 fn join_from(a: &Appliance, from: &str, token: &str) -> Vec<u8> {
     let sim = Sim::new(a);
-    let key = bca::crypto::SigningKey::generate();
-    let csr = bca::csr::create(&key);
-    let sealed = bca::jwe::seal(token, &sim.enc, &csr, bca::clock::now()).unwrap();
-    let req = Request {
-        v: 1,
-        join: Some(JoinRequest {
-            sealed_token: sealed,
-            csr: bca::crypto::b64(&csr),
-            claims: serde_json::from_value(machine()).unwrap(),
-            attestor: String::new(),
-            role: "node".into(),
-        }),
-        ..Default::default()
-    };
+    let (req, _, _) = sim.join_request(token, &machine(), "node", None, bca::clock::now());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -85,9 +72,7 @@ fn join_from(a: &Appliance, from: &str, token: &str) -> Vec<u8> {
             )
             .await
             .unwrap();
-        bca::protocol::write_frame(&mut s, &serde_json::to_vec(&req).unwrap())
-            .await
-            .unwrap();
+        bca::protocol::write_frame(&mut s, &req).await.unwrap();
         bca::protocol::read_frame(&mut s).await.unwrap()
     })
 }
@@ -181,14 +166,6 @@ fn the_gateway_survives_slow_garbage_oversize_and_flooding_clients() {
     );
     good.admitted(&good_token, &machine());
     assert_eq!(a.cli_json(&["health"])["status"], "ok");
-}
-
-fn free_udp() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]

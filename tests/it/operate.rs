@@ -562,6 +562,17 @@ fn bad_bulk_intake_mints_nothing() {
     assert_ne!(before, mid);
 }
 
+/// `bca backup FILE` with the passphrase a file-key appliance's backup seals its keys under.
+fn backup_with_passphrase(a: &Appliance, file: &std::path::Path) -> std::process::Output {
+    Command::new(bin())
+        .args(["backup"])
+        .arg(file)
+        .env("BCA_STATE_DIR", a.state())
+        .env("BCA_SECRET", PASSPHRASE)
+        .output()
+        .unwrap()
+}
+
 /// An appliance restored from `backup` into a new directory (not started).
 fn restored(backup: &std::path::Path) -> (Appliance, std::process::Output) {
     let dir = tempfile::tempdir().unwrap();
@@ -655,18 +666,7 @@ fn a_backup_taken_while_serving_restores_and_admits() {
         0o700
     );
     // The restored box needs the same passphrase.
-    let out = Command::new(bin())
-        .args([
-            "serve",
-            "--listen-http",
-            "127.0.0.1:0",
-            "--listen-gateway",
-            "127.0.0.1:0",
-        ])
-        .env("BCA_STATE_DIR", b.state())
-        .env("BCA_SECRET", "not the passphrase at all")
-        .output()
-        .unwrap();
+    let out = serve_exit(&b.state(), "not the passphrase at all");
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("wrong passphrase"));
     b.serve(PASSPHRASE);
@@ -682,13 +682,7 @@ fn a_backup_taken_while_serving_restores_and_admits() {
 fn a_backup_of_file_keys_seals_them() {
     let a = Appliance::start();
     let file = a.dir.path().join("site.bcab");
-    let o = Command::new(bin())
-        .args(["backup"])
-        .arg(&file)
-        .env("BCA_STATE_DIR", a.state())
-        .env("BCA_SECRET", PASSPHRASE)
-        .output()
-        .unwrap();
+    let o = backup_with_passphrase(&a, &file);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let raw = String::from_utf8_lossy(&std::fs::read(&file).unwrap()).to_string();
     let clear = std::fs::read_to_string(a.state().join("keys/keys.json")).unwrap();
@@ -722,13 +716,7 @@ fn a_backup_of_file_keys_seals_them() {
 fn a_damaged_backup_restores_nothing() {
     let a = Appliance::start();
     let file = a.dir.path().join("site.bcab");
-    let o = Command::new(bin())
-        .args(["backup"])
-        .arg(&file)
-        .env("BCA_STATE_DIR", a.state())
-        .env("BCA_SECRET", PASSPHRASE)
-        .output()
-        .unwrap();
+    let o = backup_with_passphrase(&a, &file);
     assert!(o.status.success());
     let good = std::fs::read(&file).unwrap();
     // One flipped byte inside the database member.
