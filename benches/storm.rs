@@ -95,8 +95,10 @@ fn start_serve_at(state: &Path, http: &str, gateway: &str) -> (Child, Value, Dur
     )
 }
 
-fn appliance() -> Appliance {
-    let dir = std::env::temp_dir().join(format!("bca-bench-{}", std::process::id()));
+/// A fresh appliance; `privsep: false` serves the gateway in the one process, to measure what the
+/// boundary costs.
+fn appliance(name: &str, privsep: bool) -> Appliance {
+    let dir = std::env::temp_dir().join(format!("bca-bench-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let state = dir.join("state");
     let o = Command::new(bin())
@@ -114,6 +116,18 @@ fn appliance() -> Appliance {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Every simulated machine comes from 127.0.0.1: the per-source limits, meant for a rack
+    // where each machine has its own address, would refuse most of the storm.
+    let cfg = state.join("config.toml");
+    let mut doc: toml::Table = toml::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let sessions = doc["sessions"].as_table_mut().unwrap();
+    sessions.insert("joins_per_source_per_minute".into(), 0.into());
+    sessions.insert("max_connections_per_source".into(), 1_000_000.into());
+    doc["privsep"]
+        .as_table_mut()
+        .unwrap()
+        .insert("enabled".into(), privsep.into());
+    std::fs::write(&cfg, toml::to_string(&doc).unwrap()).unwrap();
     let (child, ready, _) = start_serve(&state);
     Appliance {
         dir,
@@ -128,24 +142,53 @@ fn api(a: &Appliance, m: &str, body: Value) -> Value {
     bca::client::Client::new(&a.socket).call(m, &body).unwrap()
 }
 
-/// CPU seconds (user + system) a process has used.
+/// The process and its live children (`serve`'s network child).
+fn tree(pid: u32) -> Vec<u32> {
+    let mut v = vec![pid];
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(c) = std::fs::read_to_string(t.path().join("children")) {
+                v.extend(c.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+            }
+        }
+    }
+    v
+}
+
+/// CPU seconds (user + system) a process and its children have used.
 fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    tree(pid).into_iter().map(cpu_seconds_of).sum()
+}
+
+fn cpu_seconds_of(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
     let after = &stat[stat.rfind(')').unwrap() + 2..];
     let f: Vec<&str> = after.split_whitespace().collect();
     // Fields 14 and 15 of stat (utime, stime), in clock ticks of 1/100 s.
     (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / 100.0
 }
 
+/// Resident memory of a process and its children.
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("VmRSS:")
-                .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap())
+    tree(pid)
+        .into_iter()
+        .filter_map(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/status"))
+                .ok()?
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("VmRSS:").map(|v| {
+                        v.trim()
+                            .trim_end_matches(" kB")
+                            .trim()
+                            .parse::<u64>()
+                            .unwrap()
+                    })
+                })
         })
-        .unwrap()
+        .sum()
 }
 
 /// One machine, prepared as a real one would be before the clock starts.
@@ -334,6 +377,80 @@ async fn one_join(
     (t.elapsed(), reply.join_response)
 }
 
+/// Joins per second through a fresh appliance, `n` joins at `conc` at once.
+fn quick_storm(name: &str, privsep: bool, n: usize, conc: usize) -> f64 {
+    let mut a = appliance(name, privsep);
+    let root = api(&a, "tenants/list", json!({}))["items"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pool = api(&a, "pools/create", json!({"tenantId": root, "name": "p"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let token = api(
+        &a,
+        "joinTokens/create",
+        json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": "q"}),
+    )["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let adir = a.dir.join("agent");
+    agent::write_agent_config(
+        &a.dir.join("state"),
+        &format!("https://{}", a.gateway),
+        &adir,
+    )
+    .unwrap();
+    let cfg = Arc::new(AgentConfig::load(&adir.join("config.toml")).unwrap());
+    let enc = cfg
+        .join_encryption_point(&adir.join("config.toml"))
+        .unwrap();
+    let machines: Vec<Arc<Machine>> = (0..n).map(|i| Arc::new(machine(i, &token, &enc))).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
+    let t = Instant::now();
+    let ok = rt.block_on(async {
+        let mut hs = Vec::new();
+        for m in &machines {
+            let (cfg, m, sem) = (cfg.clone(), m.clone(), sem.clone());
+            hs.push(tokio::spawn(async move {
+                let _p = sem.acquire_owned().await.unwrap();
+                one_join(cfg, m).await.1.is_some()
+            }));
+        }
+        let mut ok = 0;
+        for h in hs {
+            ok += h.await.unwrap() as usize;
+        }
+        ok
+    });
+    let rate = ok as f64 / t.elapsed().as_secs_f64();
+    let _ = a.child.kill();
+    let _ = a.child.wait();
+    let _ = std::fs::remove_dir_all(&a.dir);
+    rate
+}
+
+/// What privilege separation costs a join: the same storm with the gateway in the confined child
+/// and in the one process, alternated, the best of each.
+fn privsep_cost(conc: usize) {
+    let n = env("BENCH_PRIVSEP_JOINS", 4_000);
+    let (mut on, mut off) = (0f64, 0f64);
+    for round in 0..2 {
+        on = on.max(quick_storm(&format!("on{round}"), true, n, conc));
+        off = off.max(quick_storm(&format!("off{round}"), false, n, conc));
+    }
+    line("join_storm_privsep", on, "joins/s/core");
+    line("join_storm_one_process", off, "joins/s/core");
+    line("privsep_join_cost", 1.0 - on / off, "");
+}
+
 fn main() {
     // `cargo test --all-targets` builds and runs benches too; only `cargo bench` (which passes
     // `--bench`) runs the storm.
@@ -365,7 +482,9 @@ fn main() {
     let ceil = ceiling(500);
     line("join_ceiling", ceil, "joins/s/core");
 
-    let mut a = appliance();
+    privsep_cost(conc);
+
+    let mut a = appliance("main", true);
     let root = api(&a, "tenants/list", json!({}))["items"][0]["id"]
         .as_str()
         .unwrap()

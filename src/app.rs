@@ -17,7 +17,7 @@ pub struct App {
     /// The document served at `GET /api/compute/.well-known/better-compute`.
     pub well_known: std::sync::RwLock<Value>,
     /// The gateway's live node sessions.
-    pub sessions: crate::sessions::Registry,
+    pub sessions: Arc<crate::sessions::Registry>,
     /// The message handle to the JoinService, once it runs (the boot server mints discovery
     /// tokens through it).
     pub join: std::sync::OnceLock<crate::joinservice::JoinHandle>,

@@ -64,6 +64,9 @@ pub enum Command {
     Init(InitArgs),
     /// Serve: the admin socket, the HTTP listener and the gateway.
     Serve(ServeArgs),
+    /// The gateway's confined child process, started by `serve` only (privilege separation).
+    #[command(name = "net-child", hide = true)]
+    NetChild,
     /// Development: initialise ./.bca when needed (file keys) and serve on loopback ports.
     Dev(DevArgs),
     /// Tenants.
@@ -682,6 +685,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             };
             crate::serve::run(&conn.state_dir(), opts).map_err(ApiError::invalid_config)
         }
+        Command::NetChild => crate::privsep::child_main().map_err(ApiError::invalid_config),
         Command::Dev(a) => cmd_dev(
             a,
             conn.state_dir

@@ -69,6 +69,39 @@ pub struct Config {
     pub retention: crate::audit::RetentionConfig,
     #[serde(default)]
     pub health: HealthConfig,
+    #[serde(default)]
+    pub privsep: PrivsepConfig,
+}
+
+/// Privilege separation ([`crate::privsep`]): the gateway's TLS and frames are parsed in a child
+/// process that holds no private key and cannot open a file.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrivsepConfig {
+    /// Off only to measure what the boundary costs, or on a kernel that can confine nothing (the
+    /// child refuses to run unconfined).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// The user the child runs as when `serve` starts as root (under the packaged unit, which
+    /// starts as `bca`, the child keeps that user and Landlock takes away every file).
+    #[serde(default = "default_privsep_user")]
+    pub user: String,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_privsep_user() -> String {
+    "nobody".into()
+}
+
+impl Default for PrivsepConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            user: default_privsep_user(),
+        }
+    }
 }
 
 /// Who may read `/metrics` and the full `/healthz` report on the HTTP listener.

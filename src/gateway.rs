@@ -56,10 +56,19 @@ impl Sources {
 }
 
 pub struct Gateway {
-    app: Arc<App>,
+    cfg: crate::config::SessionsConfig,
+    registry: Arc<crate::sessions::Registry>,
     tls: tokio_rustls::TlsAcceptor,
-    join: Option<JoinHandle>,
+    relay: Relay,
     sources: Sources,
+}
+
+/// Where the gateway sends its [`Call`]s: the JoinService in this process, or the key-holding
+/// parent across the privilege-separation boundary ([`crate::privsep`]).
+pub enum Relay {
+    None,
+    Local(JoinHandle),
+    Parent(Arc<crate::privsep::Link>),
 }
 
 /// The rustls provider every TLS endpoint of bca uses: aws-lc-rs.
@@ -80,8 +89,15 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// The gateway's certificate and key, swapped by a rotation while serving: new handshakes get the
 /// new leaf, established connections and sessions carry on untouched.
+///
+/// The key-holding side keeps the previous leaf too, so that a handshake the network child began
+/// under the old leaf is still signed by the key that leaf names.
 #[derive(Debug)]
-pub struct GatewayCert(std::sync::RwLock<Arc<rustls::sign::CertifiedKey>>);
+pub struct GatewayCert {
+    current: std::sync::RwLock<Arc<rustls::sign::CertifiedKey>>,
+    previous: std::sync::RwLock<Option<Arc<rustls::sign::CertifiedKey>>>,
+    generation: watch::Sender<u64>,
+}
 
 fn certified(
     leaf: &[u8],
@@ -108,15 +124,69 @@ fn certified(
 
 impl GatewayCert {
     pub fn new(leaf: &[u8], ca: &[u8], key_pkcs8: &[u8]) -> Result<Self, String> {
-        Ok(Self(std::sync::RwLock::new(Arc::new(certified(
-            leaf, ca, key_pkcs8,
-        )?))))
+        Ok(Self::from_certified(certified(leaf, ca, key_pkcs8)?))
+    }
+
+    pub fn from_certified(ck: rustls::sign::CertifiedKey) -> Self {
+        Self {
+            current: std::sync::RwLock::new(Arc::new(ck)),
+            previous: Default::default(),
+            generation: watch::channel(0).0,
+        }
     }
 
     pub fn replace(&self, leaf: &[u8], ca: &[u8], key_pkcs8: &[u8]) -> Result<(), String> {
-        let ck = Arc::new(certified(leaf, ca, key_pkcs8)?);
-        *self.0.write().unwrap_or_else(|p| p.into_inner()) = ck;
+        self.replace_certified(certified(leaf, ca, key_pkcs8)?);
         Ok(())
+    }
+
+    pub fn replace_certified(&self, ck: rustls::sign::CertifiedKey) {
+        let old = std::mem::replace(
+            &mut *self.current.write().unwrap_or_else(|p| p.into_inner()),
+            Arc::new(ck),
+        );
+        *self.previous.write().unwrap_or_else(|p| p.into_inner()) = Some(old);
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    pub fn current(&self) -> Arc<rustls::sign::CertifiedKey> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Told of every [`Self::replace`].
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// Signs a handshake for the leaf whose SHA-256 is `leaf_sha256` (the current or the previous
+    /// one), with `scheme`.
+    pub fn sign(
+        &self,
+        leaf_sha256: &[u8],
+        scheme: rustls::SignatureScheme,
+        message: &[u8],
+    ) -> Result<Vec<u8>, String> {
+        let previous = self
+            .previous
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let ck = std::iter::once(self.current())
+            .chain(previous)
+            .find(|ck| {
+                ck.cert
+                    .first()
+                    .is_some_and(|c| crate::crypto::sha256(c).as_slice() == leaf_sha256)
+            })
+            .ok_or("no such gateway certificate")?;
+        let signer = ck
+            .key
+            .choose_scheme(&[scheme])
+            .ok_or("the gateway key does not sign with that scheme")?;
+        signer.sign(message).map_err(|e| e.to_string())
     }
 }
 
@@ -125,7 +195,7 @@ impl rustls::server::ResolvesServerCert for GatewayCert {
         &self,
         _: rustls::server::ClientHello<'_>,
     ) -> Option<Arc<rustls::sign::CertifiedKey>> {
-        Some(self.0.read().unwrap_or_else(|p| p.into_inner()).clone())
+        Some(self.current())
     }
 }
 
@@ -186,18 +256,32 @@ impl Gateway {
         )?);
         let _ = app.gateway_cert.set(cert.clone());
         let cfg = server_config_with(cert, &app.pki.node_ca)?;
-        Ok(Self {
-            app,
-            tls: tokio_rustls::TlsAcceptor::from(Arc::new(cfg)),
-            join,
+        Ok(Self::with_parts(
+            app.config.sessions.clone(),
+            app.sessions.clone(),
+            cfg,
+            join.map_or(Relay::None, Relay::Local),
+        ))
+    }
+
+    /// A gateway from its parts: what the network child builds from its init message.
+    pub fn with_parts(
+        cfg: crate::config::SessionsConfig,
+        registry: Arc<crate::sessions::Registry>,
+        tls: rustls::ServerConfig,
+        relay: Relay,
+    ) -> Self {
+        Self {
+            cfg,
+            registry,
+            tls: tokio_rustls::TlsAcceptor::from(Arc::new(tls)),
+            relay,
             sources: Sources::default(),
-        })
+        }
     }
 
     pub async fn serve(self, listener: TcpListener, mut stop: watch::Receiver<bool>) {
-        let limit = Arc::new(Semaphore::new(
-            self.app.config.sessions.max_connections as usize,
-        ));
+        let limit = Arc::new(Semaphore::new(self.cfg.max_connections as usize));
         let this = Arc::new(self);
         loop {
             tokio::select! {
@@ -213,7 +297,7 @@ impl Gateway {
                     let stop = stop.clone();
                     tokio::spawn(async move {
                         let _permit = permit;
-                        let per_source = this.app.config.sessions.max_connections_per_source;
+                        let per_source = this.cfg.max_connections_per_source;
                         let Some(_slot) = this.sources.open.enter(peer.ip(), per_source as usize) else {
                             tracing::debug!(%peer, "gateway: the source's connection limit is reached; closing");
                             return;
@@ -234,8 +318,7 @@ impl Gateway {
         stop: watch::Receiver<bool>,
     ) -> Result<(), String> {
         let peer = peer_addr.to_string();
-        let deadline =
-            Duration::from_secs(self.app.config.sessions.request_deadline_seconds as u64);
+        let deadline = Duration::from_secs(self.cfg.request_deadline_seconds as u64);
         let first = tokio::time::timeout(deadline, async {
             let mut tls = self
                 .tls
@@ -299,10 +382,12 @@ impl Gateway {
     }
 
     async fn call(&self, call: Call) -> Option<Outcome> {
-        let handle = self.join.as_ref()?;
-        let out = handle
-            .call(&serde_json::to_vec(&call).expect("serializes"))
-            .await;
+        let msg = serde_json::to_vec(&call).expect("serializes");
+        let out = match &self.relay {
+            Relay::None => return None,
+            Relay::Local(handle) => handle.call(&msg).await,
+            Relay::Parent(link) => link.call(msg).await,
+        };
         Some(serde_json::from_slice(&out).unwrap_or(Outcome::Busy))
     }
 
@@ -339,7 +424,7 @@ impl Gateway {
         if let Some(join) = req.join {
             if !self
                 .sources
-                .join_allowed(source, self.app.config.sessions.joins_per_source_per_minute)
+                .join_allowed(source, self.cfg.joins_per_source_per_minute)
             {
                 tracing::info!(%peer, "gateway: the source's join rate is exceeded");
                 return (Reply::from_outcome(Outcome::Busy), Next::Close);
@@ -374,7 +459,7 @@ impl Gateway {
                 Some(Outcome::SessionOpened { node_id }) => {
                     let welcome = Welcome {
                         node_id: node_id.clone(),
-                        heartbeat_seconds: self.app.config.sessions.heartbeat_seconds,
+                        heartbeat_seconds: self.cfg.heartbeat_seconds,
                         server_time: now,
                     };
                     (
@@ -427,8 +512,8 @@ impl Gateway {
         node: String,
         mut stop: watch::Receiver<bool>,
     ) {
-        let (id, mut closed) = self.app.sessions.register(&node);
-        let hb = self.app.config.sessions.heartbeat_seconds.max(1) as u64;
+        let (id, mut closed) = self.registry.register(&node);
+        let hb = self.cfg.heartbeat_seconds.max(1) as u64;
         let idle = Duration::from_secs(hb * 3);
         let mut last_seen = crate::clock::now();
         loop {
@@ -467,7 +552,7 @@ impl Gateway {
                 }
             }
         }
-        if self.app.sessions.unregister(&node, id) {
+        if self.registry.unregister(&node, id) {
             let _ = self.call(Call::SessionClosed { node_id: node }).await;
         }
     }

@@ -270,7 +270,7 @@ async fn admin(
             now: crate::clock::now(),
             site_id: &app.config.site_id,
             root_tenant: &app.root_tenant,
-            sessions: Some(&app.sessions),
+            sessions: Some(app.sessions.as_ref()),
         };
         match method.as_str() {
             "health/get" => return crate::health::report(&app),

@@ -133,6 +133,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         boot: Default::default(),
         retention: Default::default(),
         health: Default::default(),
+        privsep: Default::default(),
     };
     config.gateway_server_name = None;
     let keys = KeyBundle::generate();

@@ -24,6 +24,8 @@ pub struct Metrics {
     pub tftp_refused_busy: AtomicU64,
     pub tftp_bytes: AtomicU64,
     pub boot_http_requests: AtomicU64,
+    /// Restarts of the network child ([`crate::privsep`]).
+    pub privsep_restarts: AtomicU64,
     /// Jobs handed to the JoinService writer and not yet taken by it.
     pub queue_depth: AtomicI64,
     pub commits: AtomicU64,
@@ -179,6 +181,12 @@ impl Metrics {
             &[(String::new(), l(&self.boot_http_requests))],
         );
         counter(
+            "privsep_child_restarts_total",
+            "Restarts of the network child after it ended unasked.",
+            "counter",
+            &[(String::new(), l(&self.privsep_restarts))],
+        );
+        counter(
             "queue_depth",
             "Work waiting for the JoinService writer.",
             "gauge",
@@ -204,6 +212,10 @@ impl Metrics {
         );
         o
     }
+}
+
+pub fn count_privsep_restart() {
+    get().privsep_restarts.fetch_add(1, Relaxed);
 }
 
 #[cfg(test)]

@@ -60,6 +60,21 @@ pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
     rt.block_on(serve(app, keys, opts))
 }
 
+/// Binds a TCP listener, retrying for two seconds while the address is in use: the network child
+/// of a `serve` that was just killed may still hold it for a moment.
+async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let mut tries = 0;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 20 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            r => return r,
+        }
+    }
+}
+
 async fn bind_admin(path: &Path, group: Option<u32>) -> Result<tokio::net::UnixListener, String> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
@@ -141,12 +156,16 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         .clone()
         .unwrap_or_else(|| app.config.admin_socket_path(&app.state_dir));
 
+    if app.config.privsep.enabled {
+        crate::privsep::user(&app.config.privsep.user)?;
+    }
     let http = tokio::net::TcpListener::bind(&http_addr)
         .await
         .map_err(|e| format!("cannot listen on {http_addr} (--listen-http): {e}"))?;
-    let gateway = tokio::net::TcpListener::bind(&gw_addr)
+    let gateway = bind_tcp(&gw_addr)
         .await
         .map_err(|e| format!("cannot listen on {gw_addr} (--listen-gateway): {e}"))?;
+    let gw_local = gateway.local_addr().ok();
     let admin = bind_admin(&admin_path, app.config.admin_group).await?;
 
     let app = Arc::new(app);
@@ -157,6 +176,29 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     let _ = app.join.set(join.handle());
     let gw = crate::gateway::Gateway::new(app.clone(), &gateway_key, Some(join.handle()))?;
     drop(gateway_key);
+    // The gateway runs in a confined child unless privilege separation is off; the parent keeps
+    // the listener, so connections wait in its backlog while a child restarts.
+    let (privsep, gateway_listener) = if app.config.privsep.enabled {
+        let std_listener = gateway
+            .into_std()
+            .map_err(|e| format!("the gateway listener: {e}"))?;
+        let sup = crate::privsep::Supervisor::start(
+            app.clone(),
+            join.handle(),
+            std_listener,
+            stop_rx.clone(),
+        )
+        .await;
+        match sup {
+            Ok(sup) => (Some(sup), None),
+            Err(e) => {
+                join.stop().await;
+                return Err(e);
+            }
+        }
+    } else {
+        (None, Some(gateway))
+    };
 
     // Every listener is bound before the readiness line.
     crate::boot::server::start(app.clone(), http.local_addr().ok(), stop_rx.clone())?;
@@ -168,7 +210,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     let ready = serde_json::json!({
         "ready": true,
         "http": http.local_addr().map(|a| a.to_string()).unwrap_or_default(),
-        "gateway": gateway.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+        "gateway": gw_local.map(|a| a.to_string()).unwrap_or_default(),
         "admin": admin_path.display().to_string(),
         "site": app.config.site_id,
     });
@@ -186,7 +228,15 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         app.clone(),
         stop_rx.clone(),
     ));
-    tasks.spawn(gw.serve(gateway, stop_rx.clone()));
+    match (privsep, gateway_listener) {
+        (Some(p), _) => {
+            tasks.spawn(p.wait());
+        }
+        (None, Some(l)) => {
+            tasks.spawn(gw.serve(l, stop_rx.clone()));
+        }
+        (None, None) => unreachable!("the listener is the child's or ours"),
+    }
     tasks.spawn(housekeeping(app.clone(), stop_rx.clone()));
 
     tokio::select! {

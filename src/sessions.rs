@@ -21,6 +21,9 @@ use tokio::sync::watch;
 pub struct Registry {
     live: Mutex<HashMap<String, (u64, watch::Sender<bool>)>>,
     next: AtomicU64,
+    /// Where [`Registry::close`] is also sent: the network child holds the live connections when
+    /// the gateway runs there ([`crate::privsep`]).
+    forward: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<String>>,
 }
 
 impl Registry {
@@ -50,8 +53,16 @@ impl Registry {
         }
     }
 
+    /// Sends every later [`Registry::close`] to `tx` as well.
+    pub fn set_forward(&self, tx: tokio::sync::mpsc::UnboundedSender<String>) {
+        let _ = self.forward.set(tx);
+    }
+
     /// Closes the node's live session, if any.
     pub fn close(&self, node: &str) {
+        if let Some(tx) = self.forward.get() {
+            let _ = tx.send(node.to_string());
+        }
         if let Some((_, tx)) = self
             .live
             .lock()

@@ -25,6 +25,8 @@ mod install;
 mod join;
 #[path = "it/operate.rs"]
 mod operate;
+#[path = "it/privsep.rs"]
+mod privsep;
 #[path = "it/pxe.rs"]
 mod pxe;
 #[path = "it/renew.rs"]

@@ -573,3 +573,15 @@ pub fn serve_exit(state: &Path, passphrase: &str) -> Output {
         .output()
         .unwrap()
 }
+
+/// `curl` on the appliance's HTTP listener: the status and the body.
+pub fn curl(a: &Appliance, path: &str, method: &str) -> (u16, String) {
+    let o = Command::new("curl")
+        .args(["-s", "-X", method, "-w", "\n%{http_code}"])
+        .arg(format!("http://{}{path}", a.http))
+        .output()
+        .unwrap();
+    let text = String::from_utf8(o.stdout).unwrap();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (code.parse().unwrap(), body.to_string())
+}

@@ -116,7 +116,7 @@ fn assert_hardened(unit: &str, exec: &str) {
         "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
         "SystemCallArchitectures=native",
-        "SystemCallFilter=@system-service",
+        "SystemCallFilter=@system-service seccomp landlock_create_ruleset landlock_add_rule landlock_restrict_self",
         "UMask=0077",
         "Restart=on-failure",
         "KillSignal=SIGTERM",
@@ -155,7 +155,14 @@ fn assert_hardened(unit: &str, exec: &str) {
             "{l}"
         );
         assert!(!v.contains("AF_PACKET") && !v.contains("AF_NETLINK"), "{l}");
+        // The network child must be able to confine itself under the unit's filter.
+        if k == "SystemCallFilter" {
+            for call in ["seccomp", "landlock_create_ruleset", "landlock_restrict_self"] {
+                assert!(v.split_whitespace().any(|w| w == call), "{call} missing: {l}");
+            }
+        }
     }
+    assert!(keys.contains("SystemCallFilter"));
 }
 
 /// `systemd-analyze verify` on the unit inside `root`, against the host's own units (copied into

@@ -6,18 +6,6 @@ use serde_json::{json, Value};
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
-/// `curl` against the HTTP listener: (status, body).
-fn get(a: &Appliance, path: &str, method: &str) -> (u16, String) {
-    let o = Command::new("curl")
-        .args(["-s", "-X", method, "-w", "\n%{http_code}"])
-        .arg(format!("http://{}{path}", a.http))
-        .output()
-        .unwrap();
-    let text = String::from_utf8(o.stdout).unwrap();
-    let (body, code) = text.rsplit_once('\n').unwrap();
-    (code.parse().unwrap(), body.to_string())
-}
-
 fn metric(text: &str, line_start: &str) -> f64 {
     text.lines()
         .find_map(|l| {
@@ -30,7 +18,7 @@ fn metric(text: &str, line_start: &str) -> f64 {
 #[test]
 fn healthz_and_metrics_count_what_happened() {
     let a = Appliance::start();
-    let (code, body) = get(&a, "/healthz", "GET");
+    let (code, body) = curl(&a, "/healthz", "GET");
     assert_eq!(code, 200, "{body}");
     let h: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(h["status"], "ok", "{h}");
@@ -46,7 +34,7 @@ fn healthz_and_metrics_count_what_happened() {
     let (raw, _, _) = sim.join(&token, &machine());
     assert_eq!(raw, refused_bytes());
 
-    let (code, text) = get(&a, "/metrics", "GET");
+    let (code, text) = curl(&a, "/metrics", "GET");
     assert_eq!(code, 200);
     assert_eq!(metric(&text, "bca_joins_total{outcome=\"issued\"}"), 1.0);
     assert_eq!(metric(&text, "bca_joins_total{outcome=\"refused\"}"), 1.0);
@@ -68,7 +56,7 @@ fn healthz_and_metrics_count_what_happened() {
     assert!(!text.contains(token.split('.').next_back().unwrap()));
 
     // Wrong method: a clear error, nothing else.
-    let (code, body) = get(&a, "/healthz", "POST");
+    let (code, body) = curl(&a, "/healthz", "POST");
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("use GET for /healthz"), "{body}");
 
@@ -116,7 +104,7 @@ fn doctor_checks_modes_keys_database_and_the_clock() {
         out.contains("WARN clock: the clock went backwards"),
         "{out}"
     );
-    let (code, body) = get(&a, "/healthz", "GET");
+    let (code, body) = curl(&a, "/healthz", "GET");
     assert_eq!(code, 200);
     assert!(
         body.contains("\"degraded\"") && body.contains("went backwards"),

@@ -1,0 +1,184 @@
+//! How the network child ([`crate::privsep`]) confines itself before it reads from the network:
+//! another user, Landlock, `no_new_privs` and a seccomp allow-list. Called once, on the child's
+//! only thread, before the runtime starts its workers: every thread inherits all four.
+
+use landlock::{Access, AccessFs, AccessNet, Ruleset, RulesetAttr, RulesetStatus, Scope, ABI};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
+};
+use std::collections::BTreeMap;
+
+/// Confines the calling process; returns the uid it now runs as and what Landlock enforced.
+pub fn confine(user: Option<(u32, u32)>) -> Result<(u32, String), String> {
+    if let Some((uid, gid)) = user {
+        become_user(uid, gid)?;
+    }
+    // After the change of user, which clears it: the child dies with its parent.
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+        .map_err(|e| format!("confine: PR_SET_PDEATHSIG: {e}"))?;
+    let landlock = landlock()?;
+    seccomp()?;
+    Ok((nix::unistd::getuid().as_raw(), landlock))
+}
+
+fn become_user(uid: u32, gid: u32) -> Result<(), String> {
+    use nix::unistd::{setgid, setgroups, setuid, Gid, Uid};
+    setgroups(&[Gid::from_raw(gid)]).map_err(|e| format!("confine: setgroups: {e}"))?;
+    setgid(Gid::from_raw(gid)).map_err(|e| format!("confine: setgid({gid}): {e}"))?;
+    setuid(Uid::from_raw(uid)).map_err(|e| format!("confine: setuid({uid}): {e}"))?;
+    // No way back.
+    if setuid(Uid::from_raw(0)).is_ok() || nix::unistd::geteuid().as_raw() != uid {
+        return Err("confine: the change of user did not hold".into());
+    }
+    Ok(())
+}
+
+/// Every file-system right, TCP bind and connect, signals and abstract sockets outside: all
+/// handled, none granted.
+fn landlock() -> Result<String, String> {
+    let abi = ABI::V6;
+    let status = Ruleset::default()
+        .handle_access(AccessFs::from_all(abi))
+        .and_then(|r| r.handle_access(AccessNet::from_all(abi)))
+        .and_then(|r| r.scope(Scope::from_all(abi)))
+        .and_then(|r| r.create())
+        .and_then(|r| r.restrict_self())
+        .map_err(|e| format!("confine: Landlock: {e}"))?;
+    Ok(match status.ruleset {
+        RulesetStatus::FullyEnforced => "enforced",
+        RulesetStatus::PartiallyEnforced => "partly enforced (an older kernel)",
+        RulesetStatus::NotEnforced => "not available",
+    }
+    .to_string())
+}
+
+/// The system calls a tokio + rustls server uses once its sockets exist (found with
+/// `strace -f` on the child under the test suite and the join benchmark, glibc and musl).
+fn allowed() -> Vec<i64> {
+    use libc::*;
+    let mut v = vec![
+        SYS_read,
+        SYS_write,
+        SYS_readv,
+        SYS_writev,
+        SYS_pread64,
+        SYS_close,
+        SYS_fstat,
+        SYS_newfstatat,
+        SYS_statx,
+        SYS_lseek,
+        SYS_mmap,
+        SYS_munmap,
+        SYS_mremap,
+        SYS_mprotect,
+        SYS_madvise,
+        SYS_brk,
+        SYS_rt_sigaction,
+        SYS_rt_sigprocmask,
+        SYS_rt_sigreturn,
+        SYS_sigaltstack,
+        SYS_futex,
+        SYS_sched_yield,
+        SYS_sched_getaffinity,
+        SYS_getrandom,
+        SYS_clock_gettime,
+        SYS_clock_nanosleep,
+        SYS_nanosleep,
+        SYS_gettid,
+        SYS_getpid,
+        SYS_getuid,
+        SYS_geteuid,
+        SYS_getgid,
+        SYS_getegid,
+        SYS_exit,
+        SYS_exit_group,
+        SYS_epoll_create1,
+        SYS_epoll_ctl,
+        SYS_epoll_pwait,
+        SYS_epoll_pwait2,
+        SYS_eventfd2,
+        SYS_accept4,
+        SYS_recvfrom,
+        SYS_sendto,
+        SYS_recvmsg,
+        SYS_sendmsg,
+        SYS_shutdown,
+        SYS_getsockopt,
+        SYS_setsockopt,
+        SYS_getsockname,
+        SYS_getpeername,
+        SYS_fcntl,
+        SYS_ioctl,
+        SYS_clone3,
+        SYS_set_robust_list,
+        SYS_rseq,
+        SYS_prctl,
+        SYS_membarrier,
+        SYS_openat,
+        SYS_faccessat,
+        SYS_faccessat2,
+        SYS_uname,
+        SYS_sched_getparam,
+        SYS_sched_getscheduler,
+        SYS_restart_syscall,
+        SYS_tgkill,
+        SYS_set_tid_address,
+    ];
+    #[cfg(target_arch = "x86_64")]
+    v.extend([
+        SYS_open,
+        SYS_access,
+        SYS_stat,
+        SYS_poll,
+        SYS_epoll_wait,
+        SYS_accept,
+        SYS_arch_prctl,
+    ]);
+    v
+}
+
+fn seccomp() -> Result<(), String> {
+    let arch = std::env::consts::ARCH
+        .try_into()
+        .map_err(|e| format!("confine: seccomp on {}: {e:?}", std::env::consts::ARCH))?;
+    let cond = |arg: u8, op: SeccompCmpOp, value: u64| {
+        SeccompCondition::new(arg, SeccompCmpArgLen::Qword, op, value)
+            .and_then(|c| SeccompRule::new(vec![c]))
+            .map_err(|e| format!("confine: seccomp rule: {e}"))
+    };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        allowed().into_iter().map(|n| (n, Vec::new())).collect();
+    // Threads, never processes.
+    let thread = libc::CLONE_THREAD as u64;
+    rules.insert(
+        libc::SYS_clone,
+        vec![cond(0, SeccompCmpOp::MaskedEq(thread), thread)?],
+    );
+    // The runtime's signal pipe; no other socket.
+    rules.insert(
+        libc::SYS_socketpair,
+        vec![cond(0, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?],
+    );
+    let allow: BpfProgram = SeccompFilter::new(
+        rules,
+        SeccompAction::KillProcess,
+        SeccompAction::Allow,
+        arch,
+    )
+    .and_then(|f| f.try_into())
+    .map_err(|e| format!("confine: seccomp filter: {e}"))?;
+    // clone3's flags are out of the filter's reach: ENOSYS makes the C library use clone.
+    let no_clone3: BpfProgram = SeccompFilter::new(
+        [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch,
+    )
+    .and_then(|f| f.try_into())
+    .map_err(|e| format!("confine: seccomp filter: {e}"))?;
+    // The allow-list last: it does not allow `seccomp` itself.
+    seccompiler::apply_filter(&no_clone3).map_err(|e| format!("confine: seccomp: {e}"))?;
+    seccompiler::apply_filter(&allow).map_err(|e| format!("confine: seccomp: {e}"))?;
+    Ok(())
+}

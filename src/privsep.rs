@@ -1,0 +1,942 @@
+//! Privilege separation: the gateway (TLS handshakes, frames, sessions) runs in a child process
+//! of the same binary, `bca net-child`, that holds no private key, cannot open a file or write the
+//! database, and asks the key-holding parent for everything else over a socketpair.
+//!
+//! # The child
+//! `serve` binds the gateway's listener itself and passes it to the child (`SCM_RIGHTS`), so
+//! connections wait in the kernel's backlog while a child restarts. Before it reads a byte from
+//! the network the child confines itself, in this order:
+//! 1. when `serve` runs as root: the `[privsep] user` (default `nobody`), its group and no other;
+//! 2. Landlock: no file may be opened, read, written or listed, no TCP port bound or connected,
+//!    no signal sent and no abstract socket reached outside the child;
+//! 3. `no_new_privs` and a seccomp filter that allows the system calls a tokio + rustls server
+//!    needs and kills the process on any other: no `execve`, no `socket`, `bind`, `connect`, no
+//!    `fork` (`clone` only with `CLONE_THREAD`), no `ptrace`, no `mount`;
+//! 4. it then tries to open the database, `config.toml`, the state directory and every key file
+//!    (the parent names them) and reports each result. The parent refuses a child that opened
+//!    one: `serve` fails rather than run an unconfined child.
+//!
+//! # The messages
+//! Frames are `u32` length, `u64` id, one kind byte, a payload. The child sends:
+//! - `Call`: a [`crate::protocol::Call`] as JSON, the join issue's message interface, answered
+//!   with the JoinService's [`crate::protocol::Outcome`] bytes. The parent's JoinService parses
+//!   and checks it as it would any caller's; the child is not trusted more than the network.
+//! - `Sign`: the TLS 1.3 server `CertificateVerify` input for the gateway leaf (named by its
+//!   SHA-256). The parent signs only that structure (64 spaces, the TLS 1.3 server context
+//!   string, a transcript hash), so the key cannot be used by the child as a general signing
+//!   oracle.
+//!
+//! The parent sends `Reply`, `Close` (a node's identity was revoked: close its session), `Cert`
+//! (the gateway leaf was rotated) and `Stop`.
+//!
+//! # Faults
+//! A child that dies (a crash, the OOM killer, SIGKILL) is restarted with a backoff (100 ms,
+//! doubling to 5 s); the sessions it held are recorded closed and agents reconnect. Nothing the
+//! parent committed is lost: the database and the keys are only in the parent. A parent that dies
+//! takes the child with it (end of the socketpair, and `PR_SET_PDEATHSIG`).
+
+use crate::app::App;
+use crate::config::SessionsConfig;
+use crate::gateway::{Gateway, GatewayCert, Relay};
+use crate::joinservice::JoinHandle;
+use rustls::sign::{CertifiedKey, Signer, SigningKey};
+use rustls::{SignatureAlgorithm, SignatureScheme};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// Largest frame across the boundary: a protocol frame and its envelope.
+const MAX: usize = crate::protocol::MAX_FRAME + 4096;
+/// What a `Sign` request must start with: RFC 8446 section 4.4.3.
+const TLS13_SERVER_CV: &[u8] = b"TLS 1.3, server CertificateVerify\x00";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Kind {
+    Init = 1,
+    Ready = 2,
+    Call = 3,
+    Sign = 4,
+    Reply = 5,
+    Close = 6,
+    Cert = 7,
+    Stop = 8,
+}
+
+impl Kind {
+    fn of(b: u8) -> Option<Self> {
+        Some(match b {
+            1 => Self::Init,
+            2 => Self::Ready,
+            3 => Self::Call,
+            4 => Self::Sign,
+            5 => Self::Reply,
+            6 => Self::Close,
+            7 => Self::Cert,
+            8 => Self::Stop,
+            _ => return None,
+        })
+    }
+}
+
+type Frame = (u64, Kind, Vec<u8>);
+
+fn encode(id: u64, kind: Kind, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(13 + payload.len());
+    v.extend_from_slice(&((9 + payload.len()) as u32).to_be_bytes());
+    v.extend_from_slice(&id.to_be_bytes());
+    v.push(kind as u8);
+    v.extend_from_slice(payload);
+    v
+}
+
+fn frame_len(len: [u8; 4]) -> std::io::Result<usize> {
+    let n = u32::from_be_bytes(len) as usize;
+    if !(9..=MAX).contains(&n) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("privsep: a frame of {n} bytes"),
+        ));
+    }
+    Ok(n)
+}
+
+fn split(b: Vec<u8>) -> std::io::Result<Frame> {
+    let id = u64::from_be_bytes(b[..8].try_into().expect("9 bytes at least"));
+    let kind = Kind::of(b[8]).ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, "privsep: unknown kind")
+    })?;
+    Ok((id, kind, b[9..].to_vec()))
+}
+
+/// One frame, or `None` at the end of the stream.
+fn read_sync(r: &mut impl Read) -> std::io::Result<Option<Frame>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let mut b = vec![0u8; frame_len(len)?];
+    r.read_exact(&mut b)?;
+    split(b).map(Some)
+}
+
+async fn read_async(r: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<Option<Frame>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let mut b = vec![0u8; frame_len(len)?];
+    r.read_exact(&mut b).await?;
+    split(b).map(Some)
+}
+
+/// What the parent tells a new child.
+#[derive(Serialize, Deserialize)]
+struct Init {
+    sessions: SessionsConfig,
+    /// The gateway leaf and the serving CA, base64 DER.
+    chain: Vec<String>,
+    node_ca: String,
+    scheme: u16,
+    /// `(uid, gid)` to become, when the parent runs as root.
+    user: Option<(u32, u32)>,
+    /// Files the child must fail to open.
+    probe: Vec<PathBuf>,
+}
+
+/// What a child reports once confined.
+#[derive(Serialize, Deserialize, Debug)]
+struct Ready {
+    uid: u32,
+    landlock: String,
+    seccomp: bool,
+    /// `(path, what opening it gave)`; `"opened"` is a failure of the confinement.
+    probes: Vec<(PathBuf, String)>,
+}
+
+const OPENED: &str = "opened";
+
+// ---------------------------------------------------------------------------------------------
+// The child.
+
+/// The child's side of the socketpair: calls and signatures to the parent.
+pub struct Link {
+    out: Mutex<UnixStream>,
+    pending: Mutex<HashMap<u64, Waiter>>,
+    next: AtomicU64,
+}
+
+enum Waiter {
+    Blocking(std::sync::mpsc::SyncSender<Vec<u8>>),
+    Async(oneshot::Sender<Vec<u8>>),
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("privsep::Link")
+    }
+}
+
+impl Link {
+    fn send(&self, id: u64, kind: Kind, payload: &[u8]) -> std::io::Result<()> {
+        self.out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .write_all(&encode(id, kind, payload))
+    }
+
+    fn wait(&self, kind: Kind, payload: &[u8], waiter: Waiter) -> Option<u64> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, waiter);
+        if self.send(id, kind, payload).is_err() {
+            self.forget(id);
+            return None;
+        }
+        Some(id)
+    }
+
+    fn forget(&self, id: u64) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+    }
+
+    /// A [`crate::protocol::Call`] to the parent's JoinService; empty bytes (read as busy) when
+    /// the parent is gone.
+    pub async fn call(&self, msg: Vec<u8>) -> Vec<u8> {
+        let (tx, rx) = oneshot::channel();
+        if self.wait(Kind::Call, &msg, Waiter::Async(tx)).is_none() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// A TLS signature by the parent. Blocking: rustls signs synchronously; the answer comes
+    /// through the reader thread, never through the runtime, so a busy runtime cannot stall it.
+    fn sign(&self, leaf_sha256: &[u8; 32], scheme: SignatureScheme, msg: &[u8]) -> Option<Vec<u8>> {
+        let mut p = Vec::with_capacity(34 + msg.len());
+        p.extend_from_slice(leaf_sha256);
+        p.extend_from_slice(&u16::from(scheme).to_be_bytes());
+        p.extend_from_slice(msg);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let id = self.wait(Kind::Sign, &p, Waiter::Blocking(tx))?;
+        let r = rx.recv_timeout(Duration::from_secs(5)).ok();
+        if r.is_none() {
+            self.forget(id);
+        }
+        match r?.split_first() {
+            Some((0, sig)) => Some(sig.to_vec()),
+            _ => None,
+        }
+    }
+
+    fn answer(&self, id: u64, payload: Vec<u8>) {
+        let w = self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+        match w {
+            Some(Waiter::Blocking(tx)) => {
+                let _ = tx.send(payload);
+            }
+            Some(Waiter::Async(tx)) => {
+                let _ = tx.send(payload);
+            }
+            None => {}
+        }
+    }
+}
+
+/// The gateway key as the child sees it: every signature is the parent's.
+#[derive(Debug)]
+struct RemoteKey {
+    link: Arc<Link>,
+    leaf_sha256: [u8; 32],
+    scheme: SignatureScheme,
+}
+
+#[derive(Debug)]
+struct RemoteSigner(Arc<RemoteKey>);
+
+impl SigningKey for RemoteKey {
+    fn choose_scheme(&self, offered: &[SignatureScheme]) -> Option<Box<dyn Signer>> {
+        offered.contains(&self.scheme).then(|| {
+            Box::new(RemoteSigner(Arc::new(RemoteKey {
+                link: self.link.clone(),
+                leaf_sha256: self.leaf_sha256,
+                scheme: self.scheme,
+            }))) as Box<dyn Signer>
+        })
+    }
+
+    fn algorithm(&self) -> SignatureAlgorithm {
+        algorithm(self.scheme)
+    }
+}
+
+impl Signer for RemoteSigner {
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, rustls::Error> {
+        self.0
+            .link
+            .sign(&self.0.leaf_sha256, self.0.scheme, message)
+            .ok_or_else(|| rustls::Error::General("the key-holding process did not sign".into()))
+    }
+
+    fn scheme(&self) -> SignatureScheme {
+        self.0.scheme
+    }
+}
+
+fn algorithm(scheme: SignatureScheme) -> SignatureAlgorithm {
+    match scheme {
+        SignatureScheme::ECDSA_NISTP256_SHA256
+        | SignatureScheme::ECDSA_NISTP384_SHA384
+        | SignatureScheme::ECDSA_NISTP521_SHA512 => SignatureAlgorithm::ECDSA,
+        SignatureScheme::ED25519 => SignatureAlgorithm::ED25519,
+        _ => SignatureAlgorithm::RSA,
+    }
+}
+
+/// The schemes a gateway key may have, most preferred first.
+const SCHEMES: &[SignatureScheme] = &[
+    SignatureScheme::ECDSA_NISTP256_SHA256,
+    SignatureScheme::ECDSA_NISTP384_SHA384,
+    SignatureScheme::ED25519,
+    SignatureScheme::RSA_PSS_SHA256,
+];
+
+fn remote_certified(
+    chain: &[String],
+    link: Arc<Link>,
+    scheme: SignatureScheme,
+) -> Result<CertifiedKey, String> {
+    let chain: Vec<rustls::pki_types::CertificateDer<'static>> = chain
+        .iter()
+        .map(|c| crate::crypto::b64_decode(c).map(rustls::pki_types::CertificateDer::from))
+        .collect::<Option<_>>()
+        .ok_or("privsep: a certificate in the init message is not base64")?;
+    let leaf = chain.first().ok_or("privsep: no gateway certificate")?;
+    let key = RemoteKey {
+        link,
+        leaf_sha256: crate::crypto::sha256(leaf),
+        scheme,
+    };
+    Ok(CertifiedKey::new(chain, Arc::new(key)))
+}
+
+fn recv_fds(sock: &UnixStream) -> Result<Vec<OwnedFd>, String> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+    let mut b = [0u8; 1];
+    rustix::net::recvmsg(
+        sock,
+        &mut [std::io::IoSliceMut::new(&mut b)],
+        &mut cmsg,
+        RecvFlags::CMSG_CLOEXEC,
+    )
+    .map_err(|e| format!("privsep: receiving the listener: {e}"))?;
+    let mut fds = Vec::new();
+    for m in cmsg.drain() {
+        if let RecvAncillaryMessage::ScmRights(r) = m {
+            fds.extend(r);
+        }
+    }
+    Ok(fds)
+}
+
+fn send_fds(sock: &UnixStream, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(), String> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    if !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err("privsep: too many descriptors".into());
+    }
+    rustix::net::sendmsg(
+        sock,
+        &[std::io::IoSlice::new(b"F")],
+        &mut cmsg,
+        SendFlags::empty(),
+    )
+    .map_err(|e| format!("privsep: passing the listener: {e}"))?;
+    Ok(())
+}
+
+/// `bca net-child`: started by `serve` only, with the socketpair as its standard input.
+pub fn child_main() -> Result<(), String> {
+    let sock = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .map(UnixStream::from)
+        .map_err(|e| format!("privsep: standard input: {e}"))?;
+    let listener = recv_fds(&sock)?
+        .into_iter()
+        .next()
+        .map(std::net::TcpListener::from)
+        .ok_or("privsep: no listener was passed (bca net-child is started by bca serve only)")?;
+    let init: Init = match read_sync(&mut &sock).map_err(|e| e.to_string())? {
+        Some((_, Kind::Init, p)) => {
+            serde_json::from_slice(&p).map_err(|e| format!("privsep: the init message: {e}"))?
+        }
+        _ => return Err("privsep: no init message".into()),
+    };
+    let (uid, landlock) = crate::confine::confine(init.user)?;
+    let probes = init
+        .probe
+        .iter()
+        .map(|p| {
+            let r = match std::fs::File::open(p) {
+                Ok(_) => OPENED.to_string(),
+                Err(e) => format!("refused: {e}"),
+            };
+            (p.clone(), r)
+        })
+        .collect();
+    let ready = Ready {
+        uid,
+        landlock,
+        seccomp: true,
+        probes,
+    };
+
+    let link = Arc::new(Link {
+        out: Mutex::new(sock.try_clone().map_err(|e| e.to_string())?),
+        pending: Default::default(),
+        next: AtomicU64::new(0),
+    });
+    let scheme = SignatureScheme::from(init.scheme);
+    let cert = Arc::new(GatewayCert::from_certified(remote_certified(
+        &init.chain,
+        link.clone(),
+        scheme,
+    )?));
+    let node_ca = crate::crypto::b64_decode(&init.node_ca).ok_or("privsep: the node CA")?;
+    let tls = crate::gateway::server_config_with(cert.clone(), &node_ca)?;
+    let registry = Arc::new(crate::sessions::Registry::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("privsep: the runtime: {e}"))?;
+
+    // The parent's messages, on a thread of their own.
+    {
+        let (link, registry, cert) = (link.clone(), registry.clone(), cert.clone());
+        let mut rd = sock;
+        std::thread::spawn(move || loop {
+            match read_sync(&mut rd) {
+                Ok(Some((id, Kind::Reply, p))) => link.answer(id, p),
+                Ok(Some((_, Kind::Close, p))) => registry.close(&String::from_utf8_lossy(&p)),
+                Ok(Some((_, Kind::Cert, p))) => {
+                    match serde_json::from_slice::<Vec<String>>(&p)
+                        .map_err(|e| e.to_string())
+                        .and_then(|c| remote_certified(&c, link.clone(), scheme))
+                    {
+                        Ok(ck) => cert.replace_certified(ck),
+                        Err(e) => tracing::error!(error = %e, "privsep: a new gateway certificate"),
+                    }
+                }
+                Ok(Some((_, Kind::Stop, _))) => {
+                    let _ = stop_tx.send(true);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => {
+                    // The parent is gone: so are we.
+                    std::process::exit(0);
+                }
+            }
+        });
+    }
+    link.send(
+        0,
+        Kind::Ready,
+        &serde_json::to_vec(&ready).expect("serializes"),
+    )
+    .map_err(|e| format!("privsep: reporting to the parent: {e}"))?;
+
+    rt.block_on(async move {
+        // The parent decides when we stop: an operator's ^C or systemd's SIGTERM reach it too.
+        let _term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+        let _int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("privsep: the listener: {e}"))?;
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .map_err(|e| format!("privsep: the listener: {e}"))?;
+        let gw = Gateway::with_parts(init.sessions, registry.clone(), tls, Relay::Parent(link));
+        gw.serve(listener, stop_rx).await;
+        // Sessions end on the same stop and report themselves closed.
+        for _ in 0..50 {
+            if registry.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok::<_, String>(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The parent.
+
+/// The running boundary, as `serve` holds it.
+pub struct Supervisor {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Supervisor {
+    /// Starts the first child and waits until it reports itself confined; a child that is not
+    /// is an error and `serve` does not start.
+    pub async fn start(
+        app: Arc<App>,
+        join: JoinHandle,
+        listener: std::net::TcpListener,
+        stop: watch::Receiver<bool>,
+    ) -> Result<Self, String> {
+        let cert = app
+            .gateway_cert
+            .get()
+            .cloned()
+            .ok_or("privsep: no gateway certificate")?;
+        let scheme = SCHEMES
+            .iter()
+            .copied()
+            .find(|s| cert.current().key.choose_scheme(&[*s]).is_some())
+            .ok_or("privsep: the gateway key signs with no TLS 1.3 scheme")?;
+        let init = Init {
+            sessions: app.config.sessions.clone(),
+            chain: chain(&cert),
+            node_ca: crate::crypto::b64(&app.pki.node_ca),
+            scheme: u16::from(scheme),
+            user: user(&app.config.privsep.user)?,
+            probe: probe_paths(&app.state_dir),
+        };
+        let (close_tx, close_rx) = mpsc::unbounded_channel();
+        app.sessions.set_forward(close_tx);
+        let first = spawn(&init, &listener).await?;
+        let task = tokio::spawn(supervise(app, join, listener, init, first, close_rx, stop));
+        Ok(Self { task })
+    }
+
+    /// Returns once the child has stopped (the `stop` given to [`Self::start`] was sent).
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+fn chain(cert: &GatewayCert) -> Vec<String> {
+    cert.current()
+        .cert
+        .iter()
+        .map(|c| crate::crypto::b64(c))
+        .collect()
+}
+
+/// The user to become, when running as root; checked by `serve` before it binds anything.
+pub fn user(name: &str) -> Result<Option<(u32, u32)>, String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(None);
+    }
+    let u = nix::unistd::User::from_name(name)
+        .map_err(|e| format!("privsep: looking up the user {name:?}: {e}"))?
+        .ok_or_else(|| {
+            format!("privsep: the user {name:?} ([privsep] user) does not exist on this machine")
+        })?;
+    if u.uid.is_root() {
+        return Err(format!(
+            "privsep: [privsep] user {name:?} is root; name an unprivileged user"
+        ));
+    }
+    Ok(Some((u.uid.as_raw(), u.gid.as_raw())))
+}
+
+/// What the child must not be able to open: the database, the config, the state directory and
+/// every file under `keys/`.
+fn probe_paths(state_dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut v = vec![
+        state_dir.to_path_buf(),
+        state_dir.join("bca.db"),
+        state_dir.join("config.toml"),
+    ];
+    let keys = crate::keys::keys_dir(state_dir);
+    if let Ok(rd) = std::fs::read_dir(&keys) {
+        v.extend(rd.flatten().map(|e| e.path()));
+    }
+    v
+}
+
+type Child = (tokio::process::Child, tokio::net::UnixStream);
+
+async fn spawn(init: &Init, listener: &std::net::TcpListener) -> Result<Child, String> {
+    let (ours, theirs) = UnixStream::pair().map_err(|e| format!("privsep: a socketpair: {e}"))?;
+    // `/proc/self/exe`: the same binary even when a package upgrade has replaced the file.
+    let mut cmd = tokio::process::Command::new("/proc/self/exe");
+    cmd.arg("net-child")
+        .env_clear()
+        .stdin(std::process::Stdio::from(OwnedFd::from(theirs)))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true);
+    for k in ["BCA_LOG", "BCA_LOG_FORMAT"] {
+        if let Ok(v) = std::env::var(k) {
+            cmd.env(k, v);
+        }
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("privsep: starting the network child: {e}"))?;
+    let started = async {
+        send_fds(&ours, &[listener.as_fd()])?;
+        (&ours)
+            .write_all(&encode(
+                0,
+                Kind::Init,
+                &serde_json::to_vec(init).expect("serializes"),
+            ))
+            .map_err(|e| format!("privsep: the init message: {e}"))?;
+        ours.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let mut s = tokio::net::UnixStream::from_std(ours).map_err(|e| e.to_string())?;
+        let ready = match tokio::time::timeout(Duration::from_secs(10), read_async(&mut s)).await {
+            Ok(Ok(Some((_, Kind::Ready, p)))) => serde_json::from_slice::<Ready>(&p)
+                .map_err(|e| format!("privsep: the child's report: {e}"))?,
+            Ok(Ok(_)) | Ok(Err(_)) => {
+                return Err(
+                    "privsep: the network child ended before it reported (its error is above)"
+                        .to_string(),
+                )
+            }
+            Err(_) => return Err("privsep: the network child did not report within 10 s".into()),
+        };
+        if let Some((p, _)) = ready.probes.iter().find(|(_, r)| r == OPENED) {
+            return Err(format!(
+                "privsep: the network child could open {}: it is not confined, and bca does not \
+                 serve with an unconfined child (a kernel without Landlock, not started as root?); \
+                 [privsep] enabled = false serves without the separation",
+                p.display()
+            ));
+        }
+        tracing::info!(
+            pid = child.id().unwrap_or(0),
+            uid = ready.uid,
+            landlock = %ready.landlock,
+            seccomp = ready.seccomp,
+            refused = ready.probes.len(),
+            "privsep: the network child is confined"
+        );
+        for (p, r) in &ready.probes {
+            tracing::debug!(path = %p.display(), result = %r, "privsep: probe");
+        }
+        Ok(s)
+    };
+    match started.await {
+        Ok(s) => Ok((child, s)),
+        Err(e) => {
+            let _ = child.kill().await;
+            Err(e)
+        }
+    }
+}
+
+async fn supervise(
+    app: Arc<App>,
+    join: JoinHandle,
+    listener: std::net::TcpListener,
+    init: Init,
+    first: Child,
+    mut close_rx: mpsc::UnboundedReceiver<String>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let cert = app.gateway_cert.get().cloned().expect("checked at start");
+    let mut cert_rx = cert.subscribe();
+    let mut next = Some(first);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let (mut child, stream) = match next.take() {
+            Some(c) => c,
+            None => match spawn(&init, &listener).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "privsep: the network child did not start; retrying");
+                    if pause(&mut stop, &mut backoff).await {
+                        return;
+                    }
+                    continue;
+                }
+            },
+        };
+        // A rotation while no child ran: the new child has the chain of its init message.
+        let init_chain = chain(&cert);
+        cert_rx.borrow_and_update();
+        let started = std::time::Instant::now();
+        let stopping = broker(
+            &app,
+            &join,
+            &cert,
+            stream,
+            &init_chain,
+            &mut close_rx,
+            &mut cert_rx,
+            &mut stop,
+        )
+        .await;
+        let status = match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
+            Ok(s) => s.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+            Err(_) => {
+                let _ = child.kill().await;
+                "killed after 5 s".into()
+            }
+        };
+        if stopping {
+            tracing::debug!(%status, "privsep: the network child stopped");
+            return;
+        }
+        tracing::warn!(%status, "privsep: the network child ended; restarting it");
+        crate::metrics::count_privsep_restart();
+        if started.elapsed() > Duration::from_secs(30) {
+            backoff = Duration::from_millis(100);
+        }
+        if pause(&mut stop, &mut backoff).await {
+            return;
+        }
+    }
+}
+
+/// Waits out the backoff and doubles it; true when told to stop meanwhile.
+async fn pause(stop: &mut watch::Receiver<bool>, backoff: &mut Duration) -> bool {
+    if *stop.borrow() {
+        return true;
+    }
+    let stopped = tokio::select! {
+        r = stop.changed() => r.is_err() || *stop.borrow(),
+        _ = tokio::time::sleep(*backoff) => false,
+    };
+    *backoff = (*backoff * 2).min(Duration::from_secs(5));
+    stopped
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Peek {
+    call: String,
+    node_id: Option<String>,
+}
+
+/// Serves one child until its end of the socketpair closes; true when it was told to stop.
+#[allow(clippy::too_many_arguments)]
+async fn broker(
+    app: &Arc<App>,
+    join: &JoinHandle,
+    cert: &Arc<GatewayCert>,
+    stream: tokio::net::UnixStream,
+    sent_chain: &[String],
+    close_rx: &mut mpsc::UnboundedReceiver<String>,
+    cert_rx: &mut watch::Receiver<u64>,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    let (mut rd, mut wr) = stream.into_split();
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let writer = tokio::spawn(async move {
+        while let Some(b) = out_rx.recv().await {
+            if wr.write_all(&b).await.is_err() {
+                break;
+            }
+        }
+    });
+    let (in_tx, mut in_rx) = mpsc::channel::<Frame>(1024);
+    let reader = tokio::spawn(async move {
+        while let Ok(Some(f)) = read_async(&mut rd).await {
+            if in_tx.send(f).await.is_err() {
+                break;
+            }
+        }
+    });
+    // The sessions this child holds, by node: recorded closed if it dies.
+    let held: Arc<Mutex<HashMap<String, u64>>> = Default::default();
+    if chain(cert) != sent_chain {
+        let _ = out_tx.send(encode(
+            0,
+            Kind::Cert,
+            &serde_json::to_vec(&chain(cert)).expect("json"),
+        ));
+    }
+    let mut stopping = *stop.borrow();
+    if stopping {
+        let _ = out_tx.send(encode(0, Kind::Stop, &[]));
+    }
+    loop {
+        tokio::select! {
+            f = in_rx.recv() => {
+                let Some((id, kind, p)) = f else { break };
+                match kind {
+                    Kind::Call => {
+                        let (app, join, out, held) =
+                            (app.clone(), join.clone(), out_tx.clone(), held.clone());
+                        tokio::spawn(async move {
+                            let reply = join.call(&p).await;
+                            track(&app, &held, &p, &reply);
+                            let _ = out.send(encode(id, Kind::Reply, &reply));
+                        });
+                    }
+                    Kind::Sign => {
+                        let r = match sign(cert, &p) {
+                            Ok(sig) => [&[0u8][..], &sig].concat(),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "privsep: refused to sign for the network child");
+                                vec![1]
+                            }
+                        };
+                        let _ = out_tx.send(encode(id, Kind::Reply, &r));
+                    }
+                    other => {
+                        tracing::warn!(kind = ?other, "privsep: an unexpected message from the network child");
+                    }
+                }
+            }
+            Some(node) = close_rx.recv() => {
+                let _ = out_tx.send(encode(0, Kind::Close, node.as_bytes()));
+            }
+            Ok(()) = cert_rx.changed() => {
+                let _ = out_tx.send(encode(0, Kind::Cert, &serde_json::to_vec(&chain(cert)).expect("json")));
+            }
+            r = stop.changed(), if !stopping => {
+                stopping = r.is_err() || *stop.borrow();
+                if stopping {
+                    let _ = out_tx.send(encode(0, Kind::Stop, &[]));
+                }
+            }
+        }
+    }
+    reader.abort();
+    writer.abort();
+    let held: Vec<(String, u64)> = held
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .drain()
+        .collect();
+    for (node, sid) in held {
+        if app.sessions.unregister(&node, sid) {
+            let call = crate::protocol::Call::SessionClosed { node_id: node };
+            let _ = join
+                .call(&serde_json::to_vec(&call).expect("serializes"))
+                .await;
+        }
+    }
+    stopping
+}
+
+/// Keeps the parent's registry of sessions (for `/metrics`, `/healthz` and revocation) in step
+/// with the child's.
+fn track(app: &App, held: &Mutex<HashMap<String, u64>>, call: &[u8], reply: &[u8]) {
+    // Serde writes the tag first: joins and renewals (most calls, and the largest) need no parse.
+    if !call.starts_with(br#"{"call":"session"#) {
+        return;
+    }
+    let Ok(peek) = serde_json::from_slice::<Peek>(call) else {
+        return;
+    };
+    let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
+    match peek.call.as_str() {
+        "sessionOpen" => {
+            if let Ok(crate::protocol::Outcome::SessionOpened { node_id }) =
+                serde_json::from_slice(reply)
+            {
+                let (sid, _) = app.sessions.register(&node_id);
+                held.insert(node_id, sid);
+            }
+        }
+        "sessionClosed" => {
+            if let Some(n) = peek.node_id {
+                if let Some(sid) = held.remove(&n) {
+                    app.sessions.unregister(&n, sid);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Signs a TLS 1.3 server CertificateVerify for the child, and nothing else.
+fn sign(cert: &GatewayCert, p: &[u8]) -> Result<Vec<u8>, String> {
+    if p.len() < 34 {
+        return Err("a short request".into());
+    }
+    let (leaf, rest) = p.split_at(32);
+    let scheme = SignatureScheme::from(u16::from_be_bytes([rest[0], rest[1]]));
+    let msg = &rest[2..];
+    let well_formed = msg.len() > 64 + TLS13_SERVER_CV.len()
+        && msg[..64].iter().all(|b| *b == 0x20)
+        && msg[64..].starts_with(TLS13_SERVER_CV)
+        && matches!(msg.len() - 64 - TLS13_SERVER_CV.len(), 32 | 48);
+    if !well_formed {
+        return Err("not a TLS 1.3 server CertificateVerify".into());
+    }
+    cert.sign(leaf, scheme, msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_bad_lengths_are_refused() {
+        let f = encode(7, Kind::Call, b"{}");
+        let (id, kind, p) = read_sync(&mut &f[..]).unwrap().unwrap();
+        assert_eq!((id, kind, p.as_slice()), (7, Kind::Call, &b"{}"[..]));
+        assert!(read_sync(&mut &[][..]).unwrap().is_none());
+        for bad in [0u32, 8, (MAX + 1) as u32] {
+            let mut b = bad.to_be_bytes().to_vec();
+            b.extend([0u8; 16]);
+            assert!(read_sync(&mut &b[..]).is_err(), "{bad}");
+        }
+        let mut unknown = encode(1, Kind::Stop, b"");
+        unknown[12] = 99;
+        assert!(read_sync(&mut &unknown[..]).is_err());
+    }
+
+    #[test]
+    fn the_parent_signs_only_a_tls13_server_certificate_verify() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["gw".into()]).unwrap();
+        let c = params.self_signed(&key).unwrap();
+        let cert = GatewayCert::new(c.der(), c.der(), &key.serialize_der()).unwrap();
+        let leaf = crate::crypto::sha256(c.der());
+        let req = |leaf: &[u8], msg: &[u8]| {
+            let mut p = leaf.to_vec();
+            p.extend(u16::from(SignatureScheme::ECDSA_NISTP256_SHA256).to_be_bytes());
+            p.extend(msg);
+            p
+        };
+        let mut good = vec![0x20u8; 64];
+        good.extend(TLS13_SERVER_CV);
+        good.extend([9u8; 32]);
+        assert!(sign(&cert, &req(&leaf, &good)).is_ok());
+        // Anything else the child might want signed: a token body, a client context, short.
+        assert!(sign(&cert, &req(&leaf, b"{\"sub\":\"node\"}")).is_err());
+        let mut client = vec![0x20u8; 64];
+        client.extend(b"TLS 1.3, client CertificateVerify\x00");
+        client.extend([9u8; 32]);
+        assert!(sign(&cert, &req(&leaf, &client)).is_err());
+        let mut long = good.clone();
+        long.extend([1u8; 100]);
+        assert!(sign(&cert, &req(&leaf, &long)).is_err());
+        assert!(sign(&cert, &req(&[0u8; 32], &good)).is_err());
+        assert!(sign(&cert, &leaf[..20]).is_err());
+    }
+}

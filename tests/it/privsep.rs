@@ -1,0 +1,265 @@
+//! Privilege separation: the gateway's network child holds no private key, cannot open the key
+//! files or the database, runs confined, and killing it loses nothing.
+
+use crate::common::*;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// The pid of `serve`'s network child.
+fn net_child(a: &Appliance) -> u32 {
+    let parent = a.child.as_ref().unwrap().id();
+    wait_for("the network child", 20, || {
+        let tasks = std::fs::read_dir(format!("/proc/{parent}/task")).ok()?;
+        tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .flat_map(|c| {
+                c.split_whitespace()
+                    .filter_map(|p| p.parse::<u32>().ok())
+                    .collect::<Vec<_>>()
+            })
+            .find(|p| {
+                std::fs::read(format!("/proc/{p}/cmdline"))
+                    .is_ok_and(|c| c.split(|b| *b == 0).any(|w| w == b"net-child"))
+            })
+    })
+}
+
+fn status_field(pid: u32, field: &str) -> String {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+        .trim()
+        .to_string()
+}
+
+/// The 32-byte private scalars of every key in `keys/keys.json` (PKCS#8 P-256: the
+/// ECPrivateKey's `02 01 01 04 20 <scalar>`).
+fn private_scalars(state: &Path) -> Vec<(String, Vec<u8>)> {
+    let keys: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state.join("keys/keys.json")).unwrap()).unwrap();
+    let mut v = Vec::new();
+    for (name, val) in keys.as_object().unwrap() {
+        let Some(der) = val.as_str().and_then(bca::crypto::b64_decode) else {
+            continue;
+        };
+        let at = der
+            .windows(5)
+            .position(|w| w == [0x02, 0x01, 0x01, 0x04, 0x20])
+            .unwrap_or_else(|| panic!("{name}: no EC private key"));
+        v.push((name.clone(), der[at + 5..at + 37].to_vec()));
+    }
+    assert!(v.len() >= 4, "keys.json names {} keys", v.len());
+    v
+}
+
+/// Which of `needles` (in either byte order: aws-lc keeps a scalar as little-endian words)
+/// appear in a readable mapping of the process's memory, and how many bytes were searched.
+fn search_memory(pid: u32, needles: &[Vec<u8>]) -> (Vec<bool>, usize) {
+    use std::io::{Read, Seek, SeekFrom};
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut found = vec![false; needles.len()];
+    let mut total = 0;
+    let mut buf = Vec::new();
+    for l in maps.lines() {
+        let mut f = l.split_whitespace();
+        let (range, perms) = (f.next().unwrap(), f.next().unwrap());
+        if !perms.starts_with('r') || l.ends_with("[vvar]") || l.ends_with("[vsyscall]") {
+            continue;
+        }
+        let (lo, hi) = range.split_once('-').unwrap();
+        let (lo, hi) = (
+            u64::from_str_radix(lo, 16).unwrap(),
+            u64::from_str_radix(hi, 16).unwrap(),
+        );
+        buf.resize((hi - lo) as usize, 0);
+        if mem.seek(SeekFrom::Start(lo)).is_err() || mem.read_exact(&mut buf).is_err() {
+            continue;
+        }
+        total += buf.len();
+        for (n, hit) in needles.iter().zip(found.iter_mut()) {
+            let rev: Vec<u8> = n.iter().rev().copied().collect();
+            *hit |= contains(&buf, n) || contains(&buf, &rev);
+        }
+    }
+    (found, total)
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    memchr::memmem::find(hay, needle).is_some()
+}
+
+#[test]
+fn the_network_child_is_confined_and_holds_no_key() {
+    let a = Appliance::start();
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, json!({"maxUses": 5}));
+    // A join and a renewal-capable identity: the child has done a handshake with the key.
+    Sim::new(&a).admitted(&token, &machine());
+    let child = net_child(&a);
+    let parent = a.child.as_ref().unwrap().id();
+
+    // Another user, no capabilities, no new privileges, a seccomp filter.
+    let uid = status_field(child, "Uid");
+    assert!(
+        uid.split_whitespace().all(|u| u == "65534"),
+        "child uids: {uid}"
+    );
+    assert!(status_field(child, "Gid")
+        .split_whitespace()
+        .all(|g| g == "65534"));
+    assert_eq!(status_field(child, "Groups"), "65534");
+    assert_eq!(status_field(child, "CapEff"), "0000000000000000");
+    assert_eq!(status_field(child, "CapPrm"), "0000000000000000");
+    assert_eq!(status_field(child, "NoNewPrivs"), "1");
+    assert_eq!(status_field(child, "Seccomp"), "2");
+
+    // It holds no descriptor of the state directory: no database, no key file.
+    let state = std::fs::canonicalize(a.state()).unwrap();
+    let fds: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{child}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .collect();
+    assert!(
+        fds.iter().all(|f| !f.starts_with(&state)),
+        "the child holds {fds:?}"
+    );
+    assert!(fds
+        .iter()
+        .any(|f| f.to_string_lossy().starts_with("socket:")));
+
+    // No private key in its memory; the same search finds the gateway key in the parent's.
+    let scalars = private_scalars(&a.state());
+    let needles: Vec<Vec<u8>> = scalars.iter().map(|(_, s)| s.clone()).collect();
+    let (in_child, searched) = search_memory(child, &needles);
+    assert!(searched > 1 << 20, "searched {searched} bytes of the child");
+    for ((name, _), hit) in scalars.iter().zip(&in_child) {
+        assert!(!hit, "the network child's memory holds the {name} key");
+    }
+    let (in_parent, _) = search_memory(parent, &needles);
+    let gw = scalars
+        .iter()
+        .position(|(n, _)| n.to_lowercase().contains("gateway"))
+        .expect("a gateway key");
+    assert!(
+        in_parent[gw],
+        "the search did not find the gateway key where it is"
+    );
+
+    // The child itself tried to open the keys and the database and was refused (the parent
+    // would not serve otherwise); the log says so.
+    let mut a = a;
+    a.stop();
+    let err = tempfile::NamedTempFile::new().unwrap();
+    a.serve_logging(
+        PASSPHRASE,
+        "127.0.0.1:0",
+        "127.0.0.1:0",
+        "bca::privsep=debug,warn",
+        std::process::Stdio::from(err.reopen().unwrap()),
+    );
+    Sim::new(&a).admitted(&token, &machine());
+    a.stop();
+    let log = std::fs::read_to_string(err.path()).unwrap();
+    assert!(log.contains("the network child is confined"), "{log}");
+    let keys = state.join("keys/keys.json");
+    let probe = log
+        .lines()
+        .find(|l| l.contains("privsep: probe") && l.contains(keys.to_str().unwrap()))
+        .unwrap_or_else(|| panic!("no probe of {}: {log}", keys.display()));
+    assert!(probe.contains("Permission denied"), "{probe}");
+    let db_probe = log
+        .lines()
+        .find(|l| l.contains("privsep: probe") && l.contains("bca.db"))
+        .unwrap();
+    assert!(db_probe.contains("Permission denied"), "{db_probe}");
+}
+
+#[test]
+fn killing_the_network_child_loses_nothing_and_it_is_restarted() {
+    let a = Appliance::start();
+    let pool = a.pool("p1");
+    let (t, token) = a.token(&pool, json!({"maxUses": 10}));
+    let dir = joined_agent_dir(&a, &token);
+    let mut agent = agent_run(&dir);
+    wait_for("the session", 30, || (connected(&a) == 1).then_some(()));
+    let sim = Sim::new(&a);
+    for _ in 0..3 {
+        sim.admitted(&token, &machine());
+    }
+    let nodes_before = a.count("SELECT COUNT(*) FROM nodes");
+    let certs_before = a.count("SELECT COUNT(*) FROM node_certs");
+    let first = net_child(&a);
+    let parent = a.child.as_ref().unwrap().id();
+
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &first.to_string()])
+        .status();
+    // A join sent while no child runs waits in the listener's backlog and is answered.
+    let body = sim.admitted(&token, &machine());
+    assert!(!body.certificate_chain.is_empty());
+
+    let second = net_child(&a);
+    assert_ne!(first, second);
+    assert_eq!(a.child.as_ref().unwrap().id(), parent);
+    assert!(std::path::Path::new(&format!("/proc/{parent}")).exists());
+    assert_eq!(status_field(second, "Seccomp"), "2");
+    // Nothing committed was lost; the new join is there too.
+    assert_eq!(a.count("SELECT COUNT(*) FROM nodes"), nodes_before + 1);
+    assert_eq!(a.count("SELECT COUNT(*) FROM node_certs"), certs_before + 1);
+    assert_eq!(a.uses_left(t["id"].as_str().unwrap()), 10 - 5);
+    let ok: String = a
+        .db()
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(ok, "ok");
+    // The session the child held was recorded closed, and the agent came back.
+    assert!(a.last_event("node.disconnected").is_some());
+    wait_for("the agent back in session", 30, || {
+        (connected(&a) == 1).then_some(())
+    });
+    let (_, metrics) = curl(&a, "/metrics", "GET");
+    assert!(
+        metrics.contains("bca_privsep_child_restarts_total 1"),
+        "{metrics}"
+    );
+    let _ = agent.kill();
+    let _ = agent.wait();
+}
+
+#[test]
+fn a_privsep_user_that_cannot_be_used_is_a_clear_error() {
+    for (user, says) in [("no-such-user-here", "does not exist"), ("root", "is root")] {
+        let (dir, out) = init_dir("file", &[]);
+        assert!(out.status.success());
+        let state = dir.path().join("state");
+        let cfg = state.join("config.toml");
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        let section = format!("[privsep]\nenabled = true\nuser = \"{user}\"\n");
+        std::fs::write(&cfg, replace_table(&text, "privsep", &section)).unwrap();
+        let before = sha256_file_tree(&state);
+        let out = serve_exit(&state, PASSPHRASE);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            err.contains("INVALID_CONFIG") && err.contains(says),
+            "{err}"
+        );
+        assert!(err.contains("[privsep] user"), "{err}");
+        // Only the database's -shm/-wal may differ: nothing of ours changed.
+        let after = sha256_file_tree(&state);
+        let keep = |v: &Vec<(PathBuf, String, u32)>| -> Vec<(PathBuf, String, u32)> {
+            v.iter()
+                .filter(|(p, _, _)| {
+                    let s = p.to_string_lossy();
+                    !s.ends_with("-shm") && !s.ends_with("-wal") && !s.ends_with("bca.db")
+                })
+                .cloned()
+                .collect()
+        };
+        assert_eq!(keep(&before), keep(&after));
+    }
+}
