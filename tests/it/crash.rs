@@ -1,16 +1,20 @@
-//! Crash consistency: a join storm is cut by SIGKILL at random moments, 50 times,
-//! restarting the appliance each time. Afterwards: no token admitted more joins than its
-//! `maxUses`, every certificate an agent received has its `node_certs` row and its node, no
-//! acknowledged join is lost, the uses spent equal the nodes admitted, and `PRAGMA
-//! integrity_check` is `ok`.
+//! Crash consistency: a storm of joins, renewals and approvals (and the joins approvals admit)
+//! is cut by SIGKILL at random moments, 50 times, restarting the appliance each time.
+//! Afterwards: no token admitted more joins than its `maxUses`, every certificate an agent
+//! received (join or renewal) has its `node_certs` row and its node, no acknowledged join or
+//! approval is lost, no join request is consumed twice, the uses spent equal the nodes admitted
+//! by tokens, and `PRAGMA integrity_check` is `ok`.
 
 use crate::common::*;
-use bca::protocol::Reply;
+use bca::crypto::{self, SigningKey};
+use bca::protocol::{JoinRequest, Reply, Request};
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const KILLS: usize = 50;
+/// Discovered machines waiting for an approval when the storm starts.
+const WAITING: usize = 12;
 
 fn kill9(a: &mut Appliance) {
     let mut c = a.child.take().unwrap();
@@ -20,10 +24,140 @@ fn kill9(a: &mut Appliance) {
     let _ = c.wait();
 }
 
+/// A node the test can renew: its current chain and key.
+struct Held {
+    node: String,
+    chain_pem: Vec<String>,
+    key: SigningKey,
+}
+
+/// A machine that PXE-booted the discovery ramdisk: its discovery token and the one CSR its
+/// request (and so its approval) is pinned to.
+struct Waiting {
+    mac: String,
+    token: String,
+    key: SigningKey,
+    csr: Vec<u8>,
+    request: String,
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A discovery join of a waiting machine, always with its one CSR.
+fn discovery_join(sim: &Sim, m: &Waiting) -> Result<Vec<u8>, bca::error::ApiError> {
+    let claims = json!({"productUuid": "00000000-0000-0000-0000-000000000000", "macs": [m.mac], "hostname": "pxe"});
+    let req = Request {
+        v: 1,
+        join: Some(JoinRequest {
+            sealed_token: bca::jwe::seal(&m.token, &sim.enc, &m.csr, bca::clock::now()).unwrap(),
+            csr: crypto::b64(&m.csr),
+            claims: serde_json::from_value(claims).unwrap(),
+            attestor: "discovery".into(),
+            role: "ramdisk".into(),
+        }),
+        ..Default::default()
+    };
+    bca::agent::exchange_raw(&sim.cfg, &serde_json::to_vec(&req).unwrap())
+}
+
+/// `(serial, node id)` of the certificate in a verified answer.
+fn issued(
+    sim: &Sim,
+    resp: &bca::protocol::JoinResponse,
+    csr: &[u8],
+    key: &SigningKey,
+    role: &str,
+) -> (String, String, Vec<String>) {
+    let body = bca::agent::verify_response(&sim.cfg, resp, csr, key, role)
+        .expect("an answer that is not refused verifies");
+    let der = bca::pki::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
+    let serial = bca::pki::parse_node_leaf(&der).unwrap().serial_hex;
+    (serial, body.node_id, body.certificate_chain)
+}
+
+/// One renewal over mTLS with the node's current certificate; the new chain and key on success.
+fn renew(sim: &Sim, h: &Held) -> Option<(String, Vec<String>, SigningKey)> {
+    let key = SigningKey::generate();
+    let csr = bca::csr::create(&key);
+    let now = bca::clock::now();
+    let msg = bca::protocol::renew_pop_message(&crypto::sha256(&csr), &h.node, now);
+    let req = Request {
+        v: 1,
+        renew: Some(bca::protocol::RenewRequest {
+            csr: crypto::b64(&csr),
+            chain: h.chain_pem.clone(),
+            client_time: now,
+            pop_sig: crypto::b64(&h.key.sign(bca::protocol::RENEW_POP_PURPOSE, &msg)),
+        }),
+        ..Default::default()
+    };
+    let der: Vec<Vec<u8>> = h
+        .chain_pem
+        .iter()
+        .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .collect();
+    let raw = rt().block_on(async {
+        let mut s = bca::agent::connect(&sim.cfg, Some((der, h.key.pkcs8())))
+            .await
+            .ok()?;
+        bca::agent::roundtrip(&sim.cfg, &mut s, &serde_json::to_vec(&req).unwrap())
+            .await
+            .ok()
+    })?;
+    let resp = serde_json::from_slice::<Reply>(&raw).ok()?.renew_response?;
+    let (serial, _, chain) = issued(sim, &resp, &csr, &key, "node");
+    Some((serial, chain, key))
+}
+
 #[test]
 fn fifty_kills_lose_nothing_and_overspend_nothing() {
-    let mut a = Appliance::start();
+    let mut a = crate::discovery::appliance("unknown-machines");
     let pool = a.pool("p1");
+    let intake = a.pool("intake");
+    let root = a.root_tenant();
+    let waiting: Arc<Vec<Waiting>> = Arc::new(
+        (0..WAITING)
+            .map(|i| {
+                let mac = format!("52:54:00:cc:00:{i:02x}");
+                let (_, dir) = crate::discovery::boot(&a, &mac);
+                let token =
+                    std::fs::read_to_string(dir.join("etc/bca-agent/discovery-token")).unwrap();
+                let key = SigningKey::generate();
+                let csr = bca::csr::create(&key);
+                let mut m = Waiting {
+                    mac: mac.clone(),
+                    token: token.trim().to_string(),
+                    key,
+                    csr,
+                    request: String::new(),
+                };
+                let raw = discovery_join(&Sim::new(&a), &m).unwrap();
+                let reply: Reply = serde_json::from_slice(&raw).unwrap();
+                assert!(
+                    reply.join_deferred.is_some(),
+                    "{}",
+                    String::from_utf8_lossy(&raw)
+                );
+                m.request = a
+                    .db()
+                    .query_row("SELECT id FROM join_requests WHERE mac = ?1", [&mac], |r| {
+                        r.get(0)
+                    })
+                    .unwrap();
+                m
+            })
+            .collect(),
+    );
+    // Indexes into `waiting` whose approval the admin API acknowledged, and those admitted.
+    let approved: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let admitted: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let held: Arc<Mutex<Vec<Held>>> = Arc::default();
+    let renewals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Tokens with few uses, so that racing joins hit the limit.
     let tokens: Vec<(String, String, i64)> = (0..60)
         .map(|i| {
@@ -45,7 +179,7 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
         let sim = Arc::new(Sim::new(&a));
         let mut hs = Vec::new();
         for k in 0..6 {
-            let (sim, acked) = (sim.clone(), acked.clone());
+            let (sim, acked, held) = (sim.clone(), acked.clone(), held.clone());
             // Two joins per token in each round: they race for its last use.
             let token = tokens[(round * 3 + k / 2) % tokens.len()].1.clone();
             hs.push(std::thread::spawn(move || {
@@ -60,12 +194,91 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
                 let Some(resp) = reply.join_response else {
                     return;
                 };
-                let body = bca::agent::verify_response(&sim.cfg, &resp, &csr, &key, "node")
-                    .expect("an answer that is not refused verifies");
-                let der =
-                    bca::pki::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
-                let serial = bca::pki::parse_node_leaf(&der).unwrap().serial_hex;
-                acked.lock().unwrap().push((serial, body.node_id));
+                let (serial, node, chain_pem) = issued(&sim, &resp, &csr, &key, "node");
+                acked.lock().unwrap().push((serial, node.clone()));
+                held.lock().unwrap().push(Held {
+                    node,
+                    chain_pem,
+                    key,
+                });
+            }));
+        }
+        // Renewals of nodes admitted in earlier rounds, over mTLS.
+        for k in 0..2 {
+            let (sim, acked, held, renewals) =
+                (sim.clone(), acked.clone(), held.clone(), renewals.clone());
+            hs.push(std::thread::spawn(move || {
+                let pick = {
+                    let mut h = held.lock().unwrap();
+                    if h.is_empty() {
+                        return;
+                    }
+                    let i = (round * 2 + k) % h.len();
+                    h.swap_remove(i)
+                };
+                // Cut mid-way, whether it committed is unknown: that node is not renewed again
+                // (its chain may be the superseded one).
+                if let Some((serial, chain_pem, key)) = renew(&sim, &pick) {
+                    acked.lock().unwrap().push((serial, pick.node.clone()));
+                    renewals.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    held.lock().unwrap().push(Held {
+                        node: pick.node,
+                        chain_pem,
+                        key,
+                    });
+                }
+            }));
+        }
+        // An approval through the admin API, and the join of a machine approved earlier.
+        {
+            let (socket, approved, root, intake) = (
+                a.socket.clone(),
+                approved.clone(),
+                root.clone(),
+                intake.clone(),
+            );
+            let waiting = waiting.clone();
+            let i = round % WAITING;
+            hs.push(std::thread::spawn(move || {
+                if approved.lock().unwrap().contains(&i) {
+                    return;
+                }
+                let r = bca::client::Client::new(&socket).call(
+                    "joinRequests/approve",
+                    &json!({"tenantId": root, "poolId": intake, "requestId": waiting[i].request}),
+                );
+                if let Ok(v) = r {
+                    assert_eq!(v["state"], "approved", "{v}");
+                    approved.lock().unwrap().push(i);
+                }
+            }));
+        }
+        {
+            let (sim, acked, approved, admitted) = (
+                sim.clone(),
+                acked.clone(),
+                approved.clone(),
+                admitted.clone(),
+            );
+            let waiting = waiting.clone();
+            hs.push(std::thread::spawn(move || {
+                let next = {
+                    let (ap, ad) = (approved.lock().unwrap(), admitted.lock().unwrap());
+                    ap.iter().copied().find(|i| !ad.contains(i))
+                };
+                let Some(i) = next else { return };
+                let m = &waiting[i];
+                let Ok(raw) = discovery_join(&sim, m) else {
+                    return;
+                };
+                let Ok(reply) = serde_json::from_slice::<Reply>(&raw) else {
+                    return;
+                };
+                if let Some(resp) = reply.join_response {
+                    let (serial, node, _) = issued(&sim, &resp, &m.csr, &m.key, "ramdisk");
+                    acked.lock().unwrap().push((serial, node));
+                    admitted.lock().unwrap().push(i);
+                }
             }));
         }
         // Cut the power somewhere in the storm.
@@ -77,6 +290,63 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
         let (http, gw) = (a.http.clone(), a.gateway.clone());
         a.serve_at(PASSPHRASE, &http, &gw);
     }
+    // Every acknowledged approval survived; the machines approved and not yet admitted join now,
+    // with the CSR their approval is pinned to.
+    let sim = Sim::new(&a);
+    let approved = approved.lock().unwrap().clone();
+    assert!(!approved.is_empty(), "no approval was ever acknowledged");
+    for &i in &approved {
+        let m = &waiting[i];
+        let state: String = a
+            .db()
+            .query_row(
+                "SELECT state FROM join_requests WHERE id = ?1",
+                [&m.request],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(
+            state == "approved" || state == "consumed",
+            "the acknowledged approval of {} is {state}",
+            m.request
+        );
+        if admitted.lock().unwrap().contains(&i) {
+            continue;
+        }
+        let raw = discovery_join(&sim, m).unwrap();
+        let reply: Reply = serde_json::from_slice(&raw).unwrap();
+        if let Some(resp) = reply.join_response {
+            let (serial, node, _) = issued(&sim, &resp, &m.csr, &m.key, "ramdisk");
+            acked.lock().unwrap().push((serial, node));
+        } else {
+            // Admitted by a join whose answer died with the process: consumed already.
+            assert_eq!(state, "consumed", "{}", String::from_utf8_lossy(&raw));
+        }
+    }
+    // Consumed once: one node per request, and a consumed request admits nothing more.
+    for &i in &approved {
+        let m = &waiting[i];
+        let (state, node): (String, Option<String>) = a
+            .db()
+            .query_row(
+                "SELECT state, node_id FROM join_requests WHERE id = ?1",
+                [&m.request],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(state, "consumed");
+        let node = node.unwrap();
+        assert_eq!(
+            a.count(&format!(
+                "SELECT count(*) FROM join_requests WHERE node_id = '{node}'"
+            )),
+            1
+        );
+        let raw = discovery_join(&sim, m).unwrap();
+        assert_eq!(raw, refused_bytes(), "a consumed request admitted again");
+    }
+    let ramdisks = a.count("SELECT count(*) FROM nodes WHERE role = 'ramdisk'");
+    assert_eq!(ramdisks, approved.len() as i64);
     let acked = acked.lock().unwrap().clone();
     assert!(
         !acked.is_empty(),
@@ -113,7 +383,9 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
     // Every node's certificates are a node's; no acknowledged join spent more than the tokens had.
     let total_max: i64 = tokens.iter().map(|t| t.2).sum();
     let nodes: i64 = db
-        .query_row("SELECT count(*) FROM nodes", [], |r| r.get(0))
+        .query_row("SELECT count(*) FROM nodes WHERE role = 'node'", [], |r| {
+            r.get(0)
+        })
         .unwrap();
     assert!(
         nodes <= total_max,
@@ -127,8 +399,12 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
         )
         .unwrap();
     assert_eq!(spent, nodes, "uses spent and nodes admitted disagree");
+    let renewed = renewals.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(renewed > 0, "no renewal was ever acknowledged");
     eprintln!(
-        "{KILLS} kills survived; {} joins acknowledged; {nodes} nodes",
-        acked.len()
+        "{KILLS} kills survived; {} certificates acknowledged ({renewed} renewals); {nodes} nodes \
+         by token; {} approvals acknowledged, {ramdisks} machines admitted by them",
+        acked.len(),
+        approved.len()
     );
 }

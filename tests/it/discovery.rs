@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// An appliance whose config names its gateway (the ramdisk needs it) and retries quickly.
-fn appliance(approval: &str) -> Appliance {
+pub(crate) fn appliance(approval: &str) -> Appliance {
     let mut a = Appliance::start_cfg("file", &[], |c| c);
     let cfg = a.state().join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
@@ -42,7 +42,7 @@ fn get(a: &Appliance, path: &str) -> (u16, Vec<u8>) {
 }
 
 /// Fetches the per-machine script and its archive, unpacked by cpio into a new folder.
-fn boot(a: &Appliance, mac: &str) -> (String, PathBuf) {
+pub(crate) fn boot(a: &Appliance, mac: &str) -> (String, PathBuf) {
     let (code, script) = get(a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
     assert_eq!(code, 200);
     let script = String::from_utf8(script).unwrap();

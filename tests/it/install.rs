@@ -157,8 +157,15 @@ fn assert_hardened(unit: &str, exec: &str) {
         assert!(!v.contains("AF_PACKET") && !v.contains("AF_NETLINK"), "{l}");
         // The network child must be able to confine itself under the unit's filter.
         if k == "SystemCallFilter" {
-            for call in ["seccomp", "landlock_create_ruleset", "landlock_restrict_self"] {
-                assert!(v.split_whitespace().any(|w| w == call), "{call} missing: {l}");
+            for call in [
+                "seccomp",
+                "landlock_create_ruleset",
+                "landlock_restrict_self",
+            ] {
+                assert!(
+                    v.split_whitespace().any(|w| w == call),
+                    "{call} missing: {l}"
+                );
             }
         }
     }
