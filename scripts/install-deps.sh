@@ -12,6 +12,9 @@ command -v cpio >/dev/null || need+=(cpio)
 command -v systemd-analyze >/dev/null || need+=(systemd)   # verifies the packaged unit
 command -v sslscan >/dev/null || need+=(sslscan)           # scans the gateway's TLS
 command -v dpkg-deb >/dev/null || need+=(dpkg)
+command -v swtpm >/dev/null || need+=(swtpm)               # a TPM for the TPM tests
+command -v swtpm_setup >/dev/null || need+=(swtpm-tools)   # its EK certificates
+command -v tpm2_createek >/dev/null || need+=(tpm2-tools)  # the reference bca is checked against
 dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)   # josekit, the JWE oracle in tests
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

@@ -93,6 +93,9 @@ pub enum Command {
     /// The appliance's PKI.
     #[command(subcommand)]
     Pki(PkiCmd),
+    /// The TPM: which one, its endorsement keys and their certificates.
+    #[command(subcommand)]
+    Tpm(TpmCmd),
     /// The machine side: join this machine.
     #[command(subcommand)]
     Agent(AgentCmd),
@@ -463,6 +466,17 @@ pub enum DaemonCmd {
         gateway_url: String,
         #[arg(long)]
         out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TpmCmd {
+    /// Which TPM, its manufacturer and firmware, its endorsement keys (names as tpm2-tools
+    /// prints them, public-key hashes) and whether their certificates certify them.
+    Status {
+        /// The TPM: device:/dev/tpmrm0 (the default) or swtpm:host=…,port=….
+        #[arg(long)]
+        tpm: Option<String>,
     },
 }
 
@@ -862,6 +876,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             );
             Ok(())
         }
+        Command::Tpm(TpmCmd::Status { tpm }) => cmd_tpm_status(conn, tpm),
         Command::Pki(PkiCmd::Show) => cmd_pki_show(&conn.state_dir(), conn.json),
         Command::Pki(PkiCmd::Rotate {
             kind,
@@ -1480,6 +1495,47 @@ fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
             );
         }
     }
+    Ok(())
+}
+
+fn cmd_tpm_status(conn: &Conn, tpm: Option<String>) -> ApiResult<()> {
+    let tcti: crate::tpm::Tcti = tpm
+        .as_deref()
+        .unwrap_or(crate::tpm::DEFAULT_TCTI)
+        .parse()
+        .map_err(|e: String| ApiError::new(Code::InvalidInput, &e))?;
+    let v = crate::tpm::status(&tcti)?;
+    print(conn, &v, |v| {
+        println!("TPM           {}", v["tcti"].as_str().unwrap_or(""));
+        println!(
+            "made by       {} ({}), firmware {}",
+            v["manufacturer"].as_str().unwrap_or(""),
+            v["vendor"].as_str().unwrap_or(""),
+            v["firmware"].as_str().unwrap_or("")
+        );
+        for alg in ["rsa", "ecc"] {
+            let ek = &v["ek"][alg];
+            let cert = &ek["certificate"];
+            let cert = if cert.is_null() {
+                "no certificate in NV".to_string()
+            } else {
+                format!(
+                    "certificate at {} ({} bytes{})",
+                    cert["nvIndex"].as_str().unwrap_or(""),
+                    cert["bytes"],
+                    if cert["certifiesThisEk"] == true {
+                        ", certifies this EK"
+                    } else {
+                        ", DOES NOT certify this EK"
+                    }
+                )
+            };
+            println!(
+                "EK {alg}        name {}, {cert}",
+                ek["name"].as_str().unwrap_or("")
+            );
+        }
+    });
     Ok(())
 }
 

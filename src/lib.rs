@@ -49,4 +49,5 @@ pub mod serve;
 pub mod sessions;
 pub mod store;
 pub mod tlsclient;
+pub mod tpm;
 pub mod validate;

@@ -37,3 +37,5 @@ mod rotate;
 mod timing;
 #[path = "it/tls.rs"]
 mod tls;
+#[path = "it/tpm.rs"]
+mod tpm;

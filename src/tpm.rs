@@ -1,0 +1,697 @@
+//! A TPM 2.0 client in the binary. The static build cannot link libtss2 (ENVIRONMENT.md), so bca
+//! speaks the protocol itself: `tpm2-protocol` (pinned to one exact version in `Cargo.toml`, its
+//! API changed between releases; nothing outside this module names it) marshals the commands and
+//! parses the responses, and this module carries them.
+//!
+//! Transports, chosen by a TCTI-style string as tpm2-tools and tss-esapi take them:
+//! - `device:/dev/tpmrm0` (the default): the kernel's resource manager; `device` alone means it;
+//! - `swtpm:host=127.0.0.1,port=2321`: swtpm's TCP server (raw commands, no framing); `host`
+//!   defaults to 127.0.0.1 and `port` to 2321.
+//!
+//! Every transient object this module creates is flushed before the call that made it returns,
+//! whatever happened: swtpm has no resource manager and few slots. A failing command is an error
+//! that names the command, the TPM's response code by its specification name and what it usually
+//! means.
+
+use crate::error::{ApiError, ApiResult, Code};
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+use tpm2_protocol::basic::{TpmHandle, TpmUint16, TpmUint32};
+use tpm2_protocol::constant::{MAX_NV_BUFFER_SIZE, TPM_MAX_COMMAND_SIZE};
+use tpm2_protocol::data::{
+    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bNonce, Tpm2bPublic,
+    Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate, TpmAlgId, TpmCap, TpmEccCurve, TpmPt, TpmRc,
+    TpmRcBase, TpmRh, TpmSt, TpmaObject, TpmaSession, TpmlPcrSelection, TpmsAuthCommand,
+    TpmsEccParms, TpmsEccPoint, TpmsRsaParms, TpmtEccScheme, TpmtKdfScheme, TpmtPublic,
+    TpmtRsaScheme, TpmtSymDef, TpmuCapabilities, TpmuPublicId, TpmuPublicParms, TpmuSymKeyBits,
+    TpmuSymMode,
+};
+use tpm2_protocol::frame::{
+    tpm_marshal_command, TpmCreatePrimaryCommand, TpmCreatePrimaryResponse, TpmFlushContextCommand,
+    TpmFlushContextResponse, TpmFrame, TpmGetCapabilityCommand, TpmGetCapabilityResponse,
+    TpmNvReadCommand, TpmNvReadPublicCommand, TpmNvReadPublicResponse, TpmNvReadResponse,
+    TpmResponse, TpmUnmarshalBody,
+};
+use tpm2_protocol::{TpmMarshal, TpmWriter};
+
+pub const DEFAULT_TCTI: &str = "device:/dev/tpmrm0";
+
+/// Where the TPM is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Tcti {
+    Device(PathBuf),
+    Swtpm { host: String, port: u16 },
+}
+
+impl std::str::FromStr for Tcti {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, conf) = s.split_once(':').unwrap_or((s, ""));
+        match kind {
+            "device" => Ok(Tcti::Device(PathBuf::from(if conf.is_empty() {
+                "/dev/tpmrm0"
+            } else {
+                conf
+            }))),
+            "swtpm" => {
+                let (mut host, mut port) = ("127.0.0.1".to_string(), 2321u16);
+                for kv in conf.split(',').filter(|kv| !kv.is_empty()) {
+                    match kv.split_once('=') {
+                        Some(("host", h)) if !h.is_empty() => host = h.to_string(),
+                        Some(("port", p)) => {
+                            port = p
+                                .parse()
+                                .ok()
+                                .filter(|p| *p != 0)
+                                .ok_or_else(|| format!("TCTI {s:?}: port {p:?} is not a port"))?
+                        }
+                        _ => return Err(format!(
+                            "TCTI {s:?}: {kv:?} is not host=… or port=… (swtpm:host=127.0.0.1,port=2321)"
+                        )),
+                    }
+                }
+                Ok(Tcti::Swtpm { host, port })
+            }
+            _ => Err(format!(
+                "TCTI {s:?}: the TPM is named device:/dev/tpmrm0 or swtpm:host=…,port=…"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Tcti {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tcti::Device(p) => write!(f, "device:{}", p.display()),
+            Tcti::Swtpm { host, port } => write!(f, "swtpm:host={host},port={port}"),
+        }
+    }
+}
+
+enum Transport {
+    Device(std::fs::File),
+    Swtpm(std::net::TcpStream),
+}
+
+impl Transport {
+    fn transact(&mut self, cmd: &[u8]) -> std::io::Result<Vec<u8>> {
+        match self {
+            // The resource manager takes one whole command per write and gives one whole
+            // response per read.
+            Transport::Device(f) => {
+                f.write_all(cmd)?;
+                let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+                let n = f.read(&mut buf)?;
+                buf.truncate(n);
+                Ok(buf)
+            }
+            Transport::Swtpm(s) => {
+                s.write_all(cmd)?;
+                let mut head = [0u8; 10];
+                s.read_exact(&mut head)?;
+                let size = u32::from_be_bytes([head[2], head[3], head[4], head[5]]) as usize;
+                if !(10..=TPM_MAX_COMMAND_SIZE).contains(&size) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("a response of {size} bytes"),
+                    ));
+                }
+                let mut buf = head.to_vec();
+                buf.resize(size, 0);
+                s.read_exact(&mut buf[10..])?;
+                Ok(buf)
+            }
+        }
+    }
+}
+
+/// A failed TPM operation: which command, the response code (if the TPM answered) and what to do.
+#[derive(Debug)]
+pub struct TpmFailure {
+    pub command: &'static str,
+    pub rc: Option<u32>,
+    pub message: String,
+}
+
+impl std::fmt::Display for TpmFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.command, self.message)
+    }
+}
+
+impl From<TpmFailure> for ApiError {
+    fn from(e: TpmFailure) -> Self {
+        ApiError::new(Code::Unavailable, format!("TPM: {e}"))
+    }
+}
+
+/// What a response code means to the person reading the error.
+fn explain(rc: u32) -> String {
+    let name = TpmRc::try_from(rc)
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "a vendor or resource-manager code".into());
+    let hint = match TpmRc::try_from(rc).map(|r| r.base()) {
+        Ok(TpmRcBase::Handle) => "no such object or index in this TPM",
+        Ok(TpmRcBase::AuthFail) | Ok(TpmRcBase::BadAuth) => {
+            "the authorization was refused (a hierarchy password is set?)"
+        }
+        Ok(TpmRcBase::PolicyFail) => "the object's policy is not met (the PCRs changed?)",
+        Ok(TpmRcBase::Lockout) => "the TPM is in dictionary-attack lockout; wait or clear it",
+        Ok(TpmRcBase::NvUninitialized) => "the NV index was never written",
+        Ok(TpmRcBase::Hierarchy) => "the hierarchy is disabled (firmware settings)",
+        Ok(TpmRcBase::Initialize) => "the TPM was not started (TPM2_Startup)",
+        Ok(TpmRcBase::ObjectMemory) | Ok(TpmRcBase::SessionMemory) => {
+            "the TPM's object slots are full (another program leaks handles)"
+        }
+        Ok(TpmRcBase::Retry) | Ok(TpmRcBase::Yielded) | Ok(TpmRcBase::Testing) => {
+            "the TPM is busy; retry"
+        }
+        _ => "",
+    };
+    if hint.is_empty() {
+        format!("{name} (0x{rc:03x})")
+    } else {
+        format!("{name} (0x{rc:03x}): {hint}")
+    }
+}
+
+/// An open TPM.
+pub struct Tpm {
+    tcti: Tcti,
+    t: Transport,
+}
+
+/// The empty password session (TPM_RS_PW) on a hierarchy or index with no auth value set.
+fn password() -> TpmsAuthCommand {
+    TpmsAuthCommand {
+        session_handle: TpmHandle::new(TpmRh::Pw.value()),
+        nonce: Tpm2bNonce::default(),
+        session_attributes: TpmaSession::empty(),
+        hmac: Tpm2bAuth::default(),
+    }
+}
+
+/// The TCG EK Credential Profile's policy for EKs of the low range: PolicySecret(endorsement).
+const EK_POLICY: [u8; 32] = [
+    0x83, 0x71, 0x97, 0x67, 0x44, 0x84, 0xB3, 0xF8, 0x1A, 0x90, 0xCC, 0x8D, 0x46, 0xA5, 0xD7, 0x24,
+    0xFD, 0x52, 0xD7, 0x6E, 0x06, 0x52, 0x0B, 0x64, 0xF2, 0xA1, 0xDA, 0x1B, 0x33, 0x14, 0x69, 0xAA,
+];
+
+/// The EK certificates' NV indices (TCG EK Credential Profile, low range).
+pub const EK_CERT_RSA: u32 = 0x01C0_0002;
+pub const EK_CERT_ECC: u32 = 0x01C0_000A;
+
+/// The two EKs of the low range: L-1 (RSA 2048) and L-2 (ECC NIST P-256).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EkAlg {
+    Rsa,
+    Ecc,
+}
+
+impl EkAlg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EkAlg::Rsa => "rsa",
+            EkAlg::Ecc => "ecc",
+        }
+    }
+
+    pub fn cert_index(self) -> u32 {
+        match self {
+            EkAlg::Rsa => EK_CERT_RSA,
+            EkAlg::Ecc => EK_CERT_ECC,
+        }
+    }
+}
+
+fn ek_template(alg: EkAlg) -> Result<TpmtPublic, tpm2_protocol::TpmError> {
+    let symmetric = TpmtSymDef {
+        algorithm: TpmAlgId::Aes,
+        key_bits: TpmuSymKeyBits::Aes(TpmUint16::new(128)),
+        mode: TpmuSymMode::Aes(TpmAlgId::Cfb),
+    };
+    let (object_type, parameters, unique) = match alg {
+        EkAlg::Ecc => (
+            TpmAlgId::Ecc,
+            TpmuPublicParms::Ecc(TpmsEccParms {
+                symmetric,
+                scheme: TpmtEccScheme::default(),
+                curve_id: TpmEccCurve::NistP256,
+                kdf: TpmtKdfScheme::default(),
+            }),
+            TpmuPublicId::Ecc(TpmsEccPoint {
+                x: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
+                y: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
+            }),
+        ),
+        EkAlg::Rsa => (
+            TpmAlgId::Rsa,
+            TpmuPublicParms::Rsa(TpmsRsaParms {
+                symmetric,
+                scheme: TpmtRsaScheme::default(),
+                key_bits: TpmUint16::new(2048),
+                exponent: TpmUint32::new(0),
+            }),
+            TpmuPublicId::Rsa(Tpm2bPublicKeyRsa::try_from(&[0u8; 256][..])?),
+        ),
+    };
+    Ok(TpmtPublic {
+        object_type,
+        name_alg: TpmAlgId::Sha256,
+        object_attributes: TpmaObject::FIXED_TPM
+            | TpmaObject::FIXED_PARENT
+            | TpmaObject::SENSITIVE_DATA_ORIGIN
+            | TpmaObject::ADMIN_WITH_POLICY
+            | TpmaObject::RESTRICTED
+            | TpmaObject::DECRYPT,
+        auth_policy: Tpm2bDigest::try_from(&EK_POLICY[..])?,
+        parameters,
+        unique,
+    })
+}
+
+/// A public key as a TPM holds it, with what bca derives from it.
+#[derive(Debug, Clone)]
+pub struct PublicKey {
+    /// The object's Name: `nameAlg` (2 bytes) and the SHA-256 of its marshaled `TPMT_PUBLIC`,
+    /// computed here from the public area, never taken from the TPM's answer.
+    pub name: Vec<u8>,
+    /// The key as a DER SubjectPublicKeyInfo.
+    pub spki: Vec<u8>,
+}
+
+impl PublicKey {
+    fn of(public: &TpmtPublic) -> Result<Self, String> {
+        let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+        let mut w = TpmWriter::new(&mut buf);
+        public
+            .marshal(&mut w)
+            .map_err(|e| format!("marshaling a public area: {e:?}"))?;
+        let marshaled = w.as_bytes().to_vec();
+        if public.name_alg != TpmAlgId::Sha256 {
+            return Err("a public area whose name algorithm is not SHA-256".into());
+        }
+        let mut name = TpmAlgId::Sha256.value().to_be_bytes().to_vec();
+        name.extend_from_slice(&crate::crypto::sha256(&marshaled));
+        let spki = match (&public.parameters, &public.unique) {
+            (TpmuPublicParms::Ecc(p), TpmuPublicId::Ecc(pt))
+                if p.curve_id == TpmEccCurve::NistP256 =>
+            {
+                let mut point = vec![4u8];
+                point.extend_from_slice(&left_pad(&pt.x, 32)?);
+                point.extend_from_slice(&left_pad(&pt.y, 32)?);
+                crate::crypto::p256_spki_from_point(&point)
+            }
+            (TpmuPublicParms::Rsa(p), TpmuPublicId::Rsa(n)) => {
+                let e = match p.exponent.value() {
+                    0 => 65_537,
+                    e => e,
+                };
+                rsa_spki(n, e)
+            }
+            _ => return Err("a key that is neither NIST P-256 nor RSA".into()),
+        };
+        Ok(Self { name, spki })
+    }
+}
+
+fn left_pad(b: &[u8], n: usize) -> Result<Vec<u8>, String> {
+    if b.len() > n {
+        return Err("a coordinate longer than its curve".into());
+    }
+    let mut v = vec![0u8; n - b.len()];
+    v.extend_from_slice(b);
+    Ok(v)
+}
+
+fn der_len(n: usize) -> Vec<u8> {
+    if n < 0x80 {
+        vec![n as u8]
+    } else {
+        let b: Vec<u8> = n
+            .to_be_bytes()
+            .into_iter()
+            .skip_while(|b| *b == 0)
+            .collect();
+        let mut v = vec![0x80 | b.len() as u8];
+        v.extend(b);
+        v
+    }
+}
+
+fn der(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut v = vec![tag];
+    v.extend(der_len(body.len()));
+    v.extend_from_slice(body);
+    v
+}
+
+fn der_uint(b: &[u8]) -> Vec<u8> {
+    let b: Vec<u8> = b.iter().copied().skip_while(|x| *x == 0).collect();
+    let mut body = if b.first().is_some_and(|x| x & 0x80 != 0) {
+        vec![0]
+    } else {
+        Vec::new()
+    };
+    body.extend(if b.is_empty() { vec![0] } else { b });
+    der(0x02, &body)
+}
+
+/// `SubjectPublicKeyInfo { rsaEncryption, RSAPublicKey { n, e } }`.
+fn rsa_spki(n: &[u8], e: u32) -> Vec<u8> {
+    let alg = der(
+        0x30,
+        &[
+            der(
+                0x06,
+                &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01],
+            ),
+            vec![0x05, 0x00],
+        ]
+        .concat(),
+    );
+    let key = der(0x30, &[der_uint(n), der_uint(&e.to_be_bytes())].concat());
+    let bits = der(0x03, &[&[0u8][..], &key].concat());
+    der(0x30, &[alg, bits].concat())
+}
+
+/// What the TPM says about itself.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Identity {
+    pub manufacturer: String,
+    pub vendor: String,
+    pub firmware: String,
+}
+
+impl Tpm {
+    pub fn open(tcti: &Tcti) -> Result<Self, TpmFailure> {
+        let fail = |e: std::io::Error| TpmFailure {
+            command: "open",
+            rc: None,
+            message: format!("cannot reach the TPM at {tcti}: {e}"),
+        };
+        let t = match tcti {
+            Tcti::Device(p) => Transport::Device(
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(p)
+                    .map_err(fail)?,
+            ),
+            Tcti::Swtpm { host, port } => {
+                let s = std::net::TcpStream::connect((host.as_str(), *port)).map_err(fail)?;
+                let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+                let _ = s.set_write_timeout(Some(Duration::from_secs(30)));
+                Transport::Swtpm(s)
+            }
+        };
+        Ok(Self {
+            tcti: tcti.clone(),
+            t,
+        })
+    }
+
+    pub fn tcti(&self) -> &Tcti {
+        &self.tcti
+    }
+
+    /// Sends one command and parses its response; a response code other than success is an
+    /// error naming it.
+    fn run<C: TpmFrame, R: TpmUnmarshalBody>(
+        &mut self,
+        name: &'static str,
+        cmd: &C,
+        sessions: &[TpmsAuthCommand],
+    ) -> Result<R, TpmFailure> {
+        let fail = |rc: Option<u32>, message: String| TpmFailure {
+            command: name,
+            rc,
+            message,
+        };
+        let tag = if sessions.is_empty() {
+            TpmSt::NoSessions
+        } else {
+            TpmSt::Sessions
+        };
+        let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+        let mut w = TpmWriter::new(&mut buf);
+        tpm_marshal_command(cmd, tag, sessions, &mut w)
+            .map_err(|e| fail(None, format!("cannot marshal the command: {e:?}")))?;
+        let cmd_bytes = w.as_bytes().to_vec();
+        let raw = self.t.transact(&cmd_bytes).map_err(|e| {
+            fail(
+                None,
+                format!("the TPM at {} did not answer: {e}", self.tcti),
+            )
+        })?;
+        if raw.len() < 10 {
+            return Err(fail(None, format!("a response of {} bytes", raw.len())));
+        }
+        let code = u32::from_be_bytes([raw[6], raw[7], raw[8], raw[9]]);
+        if code != 0 {
+            return Err(fail(Some(code), explain(code)));
+        }
+        let resp = TpmResponse::cast(&raw)
+            .map_err(|e| fail(None, format!("a malformed response: {e:?}")))?;
+        resp.unmarshal::<R>()
+            .map_err(|e| fail(None, format!("a malformed response: {e:?}")))
+    }
+
+    /// Manufacturer, vendor string and firmware version.
+    pub fn identity(&mut self) -> Result<Identity, TpmFailure> {
+        let first = TpmPt::Manufacturer.value();
+        let cmd = TpmGetCapabilityCommand {
+            handles: [],
+            cap: TpmCap::TpmProperties,
+            property: TpmUint32::new(first),
+            property_count: TpmUint32::new(8),
+        };
+        let r: TpmGetCapabilityResponse = self.run("TPM2_GetCapability", &cmd, &[])?;
+        let mut props = std::collections::HashMap::new();
+        if let TpmuCapabilities::TpmProperties(l) = &r.capability_data.data {
+            for p in l.iter() {
+                props.insert(p.property.value(), p.value.value());
+            }
+        }
+        let text = |ids: &[u32]| -> String {
+            ids.iter()
+                .filter_map(|i| props.get(i))
+                .flat_map(|v| v.to_be_bytes())
+                .filter(|b| *b != 0)
+                .map(|b| {
+                    if b.is_ascii_graphic() || b == b' ' {
+                        b as char
+                    } else {
+                        '?'
+                    }
+                })
+                .collect::<String>()
+                .trim()
+                .to_string()
+        };
+        let fw1 = props
+            .get(&TpmPt::FirmwareVersion1.value())
+            .copied()
+            .unwrap_or(0);
+        let fw2 = props
+            .get(&(TpmPt::FirmwareVersion1.value() + 1))
+            .copied()
+            .unwrap_or(0);
+        Ok(Identity {
+            manufacturer: text(&[first]),
+            vendor: text(&[first + 1, first + 2, first + 3, first + 4]),
+            // As tpm2_getcap prints the two properties: hexadecimal.
+            firmware: format!("{fw1:08x}.{fw2:08x}"),
+        })
+    }
+
+    /// Creates the EK of the low range under the endorsement hierarchy, reads what it needs and
+    /// flushes it.
+    pub fn ek_public(&mut self, alg: EkAlg) -> Result<PublicKey, TpmFailure> {
+        let template = ek_template(alg).map_err(|e| TpmFailure {
+            command: "TPM2_CreatePrimary",
+            rc: None,
+            message: format!("the EK template: {e:?}"),
+        })?;
+        let cmd = TpmCreatePrimaryCommand {
+            handles: [TpmHandle::new(TpmRh::Endorsement.value())],
+            in_sensitive: Tpm2bSensitiveCreate::default(),
+            in_public: Tpm2bPublic::from(template),
+            outside_info: Tpm2bData::default(),
+            creation_pcr: TpmlPcrSelection::default(),
+        };
+        let r: TpmCreatePrimaryResponse = self.run("TPM2_CreatePrimary", &cmd, &[password()])?;
+        let handle = r.handles[0].value();
+        let out = PublicKey::of(&r.out_public).map_err(|m| TpmFailure {
+            command: "TPM2_CreatePrimary",
+            rc: None,
+            message: m,
+        });
+        // The name the TPM reports must be the one computed from the public area it returned.
+        let out = out.and_then(|k| {
+            if k.name[..] == r.name[..] {
+                Ok(k)
+            } else {
+                Err(TpmFailure {
+                    command: "TPM2_CreatePrimary",
+                    rc: None,
+                    message: "the TPM reported a name that is not its key's".into(),
+                })
+            }
+        });
+        let flushed = self.flush(handle);
+        let out = out?;
+        flushed?;
+        Ok(out)
+    }
+
+    pub fn flush(&mut self, handle: u32) -> Result<(), TpmFailure> {
+        let cmd = TpmFlushContextCommand {
+            handles: [],
+            flush_handle: TpmHandle::new(handle),
+        };
+        let _: TpmFlushContextResponse = self.run("TPM2_FlushContext", &cmd, &[])?;
+        Ok(())
+    }
+
+    /// The bytes of an NV index, or `None` when the index is not defined.
+    pub fn nv_read(&mut self, index: u32) -> Result<Option<Vec<u8>>, TpmFailure> {
+        let cmd = TpmNvReadPublicCommand {
+            handles: [TpmHandle::new(index)],
+        };
+        let size = match self.run::<_, TpmNvReadPublicResponse>("TPM2_NV_ReadPublic", &cmd, &[]) {
+            Ok(r) => r.nv_public.data_size.value() as usize,
+            Err(e)
+                if e.rc
+                    .is_some_and(|rc| rc & 0x3f == TpmRcBase::Handle as u32 & 0x3f) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        let mut data = Vec::with_capacity(size);
+        while data.len() < size {
+            let chunk = (size - data.len()).min(MAX_NV_BUFFER_SIZE).min(768);
+            let cmd = TpmNvReadCommand {
+                handles: [TpmHandle::new(index), TpmHandle::new(index)],
+                size: TpmUint16::new(chunk as u16),
+                offset: TpmUint16::new(data.len() as u16),
+            };
+            let r: TpmNvReadResponse = self.run("TPM2_NV_Read", &cmd, &[password()])?;
+            if r.data.is_empty() {
+                break;
+            }
+            data.extend_from_slice(&r.data);
+        }
+        Ok(Some(data))
+    }
+}
+
+/// `bca tpm status`: which TPM, its EKs (their names and key hashes), whether their
+/// certificates are present and certify those keys.
+pub fn status(tcti: &Tcti) -> ApiResult<serde_json::Value> {
+    let mut tpm = Tpm::open(tcti)?;
+    let identity = tpm.identity()?;
+    let mut eks = serde_json::Map::new();
+    for alg in [EkAlg::Rsa, EkAlg::Ecc] {
+        let key = tpm.ek_public(alg)?;
+        let cert = tpm.nv_read(alg.cert_index())?;
+        let cert_json = match &cert {
+            None => serde_json::Value::Null,
+            Some(der) => {
+                let spki = x509_parser::parse_x509_certificate(der)
+                    .ok()
+                    .map(|(_, c)| c.tbs_certificate.subject_pki.raw.to_vec());
+                serde_json::json!({
+                    "nvIndex": format!("0x{:08x}", alg.cert_index()),
+                    "sha256": hex(&crate::crypto::sha256(der)),
+                    "bytes": der.len(),
+                    "parses": spki.is_some(),
+                    "certifiesThisEk": spki.as_deref() == Some(&key.spki[..]),
+                })
+            }
+        };
+        eks.insert(
+            alg.as_str().into(),
+            serde_json::json!({
+                "name": hex(&key.name),
+                "publicKeySha256": hex(&crate::crypto::sha256(&key.spki)),
+                "certificate": cert_json,
+            }),
+        );
+    }
+    Ok(serde_json::json!({
+        "tcti": tcti.to_string(),
+        "manufacturer": identity.manufacturer,
+        "vendor": identity.vendor,
+        "firmware": identity.firmware,
+        "ek": eks,
+    }))
+}
+
+use crate::crypto::hex;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcti_strings_parse_or_say_what_is_wrong() {
+        assert_eq!(
+            "device:/dev/tpmrm0".parse::<Tcti>().unwrap(),
+            Tcti::Device("/dev/tpmrm0".into())
+        );
+        assert_eq!("device".parse::<Tcti>().unwrap().to_string(), DEFAULT_TCTI);
+        assert_eq!(
+            "swtpm:host=10.0.0.1,port=2400".parse::<Tcti>().unwrap(),
+            Tcti::Swtpm {
+                host: "10.0.0.1".into(),
+                port: 2400
+            }
+        );
+        assert_eq!(
+            "swtpm:".parse::<Tcti>().unwrap().to_string(),
+            "swtpm:host=127.0.0.1,port=2321"
+        );
+        for (bad, says) in [
+            ("mssim:port=2321", "device:/dev/tpmrm0 or swtpm"),
+            ("swtpm:port=0", "is not a port"),
+            ("swtpm:port=70000", "is not a port"),
+            ("swtpm:host=", "host=… or port=…"),
+            ("swtpm:bogus", "host=… or port=…"),
+        ] {
+            let e = bad.parse::<Tcti>().unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn response_codes_read_as_their_names() {
+        assert!(explain(0x18b).contains("TPM_RC_HANDLE"));
+        assert!(explain(0x18b).contains("no such object"));
+        assert!(explain(0x98e).contains("TPM_RC_AUTH_FAIL"));
+        assert!(explain(0x14a).contains("never written"));
+        assert!(explain(0x0000_0901).contains("0x901"));
+    }
+
+    #[test]
+    fn an_rsa_key_is_a_subject_public_key_info_openssl_would_read() {
+        let n = [0xc5u8; 256];
+        let spki = rsa_spki(&n, 65_537);
+        let (_, parsed) = <x509_parser::x509::SubjectPublicKeyInfo as x509_parser::prelude::FromDer<_>>::from_der(&spki).unwrap();
+        assert_eq!(
+            parsed.algorithm.algorithm.to_id_string(),
+            "1.2.840.113549.1.1.1"
+        );
+        match parsed.parsed().unwrap() {
+            x509_parser::public_key::PublicKey::RSA(k) => {
+                assert_eq!(k.modulus.len(), 257); // a leading zero: the top bit is set
+                assert_eq!(k.exponent, &[1, 0, 1]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

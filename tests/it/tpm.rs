@@ -1,0 +1,202 @@
+//! The TPM client against swtpm, checked by tpm2-tools and openssl.
+
+use crate::common::*;
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+/// A swtpm on loopback, killed when dropped.
+pub struct Swtpm {
+    child: Child,
+    pub port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Swtpm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Swtpm {
+    /// A fresh TPM; `manufactured`: with EK certificates in NV, as `swtpm_setup` writes them.
+    pub fn start(manufactured: bool) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        if manufactured {
+            let o = Command::new("swtpm_setup")
+                .args(["--tpm2", "--create-ek-cert", "--lock-nvram", "--tpmstate"])
+                .arg(dir.path())
+                .output()
+                .expect("swtpm_setup (apt-get install swtpm-tools; make test installs it)");
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        }
+        let (port, ctrl) = loop {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let p = l.local_addr().unwrap().port();
+            if p < 65_000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+                break (p, p + 1);
+            }
+        };
+        let child = Command::new("swtpm")
+            .args(["socket", "--tpm2", "--server"])
+            .arg(format!("type=tcp,port={port}"))
+            .arg("--ctrl")
+            .arg(format!("type=tcp,port={ctrl}"))
+            .arg("--tpmstate")
+            .arg(format!("dir={}", dir.path().display()))
+            .args(["--flags", "not-need-init,startup-clear"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("swtpm (apt-get install swtpm; make test installs it)");
+        wait_for("swtpm", 10, || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
+        });
+        Swtpm {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    pub fn tcti(&self) -> String {
+        format!("swtpm:host=127.0.0.1,port={}", self.port)
+    }
+
+    /// A tpm2-tools command against this TPM.
+    pub fn tool(&self, args: &[&str], cwd: &Path) -> String {
+        let o = Command::new(args[0])
+            .args(&args[1..])
+            .env("TPM2TOOLS_TCTI", self.tcti())
+            .current_dir(cwd)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8(o.stdout).unwrap()
+    }
+}
+
+fn status(tcti: &str) -> std::process::Output {
+    Command::new(bin())
+        .args(["--json", "tpm", "status", "--tpm", tcti])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn tpm_status_names_the_eks_as_tpm2_tools_does_and_checks_their_certificates() {
+    let tpm = Swtpm::start(true);
+    let out = status(&tpm.tcti());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["manufacturer"], "IBM");
+    let dir = tempfile::tempdir().unwrap();
+    for (alg, tool_alg) in [("rsa", "rsa"), ("ecc", "ecc")] {
+        // tpm2-tools creates the same EK from the TCG template and reports its name.
+        tpm.tool(
+            &[
+                "tpm2_createek",
+                "-c",
+                "ek.ctx",
+                "-G",
+                tool_alg,
+                "-u",
+                "ek.pub",
+            ],
+            dir.path(),
+        );
+        let public = tpm.tool(&["tpm2_readpublic", "-c", "ek.ctx"], dir.path());
+        tpm.tool(&["tpm2_flushcontext", "-t"], dir.path());
+        let name = public
+            .lines()
+            .find_map(|l| l.strip_prefix("name: "))
+            .unwrap()
+            .trim();
+        assert_eq!(v["ek"][alg]["name"], name, "{alg}");
+    }
+    // The RSA EK certificate swtpm_setup wrote: bca read the same bytes as tpm2_nvread, and the
+    // key openssl finds in it is the EK bca created.
+    let cert = &v["ek"]["rsa"]["certificate"];
+    assert_eq!(cert["nvIndex"], "0x01c00002");
+    assert_eq!(cert["certifiesThisEk"], true);
+    tpm.tool(
+        &[
+            "tpm2_nvread",
+            "0x01c00002",
+            "-C",
+            "0x01c00002",
+            "-o",
+            "ek.der",
+        ],
+        dir.path(),
+    );
+    let der = std::fs::read(dir.path().join("ek.der")).unwrap();
+    assert_eq!(cert["sha256"], bca::crypto::hex(&bca::crypto::sha256(&der)));
+    let pubkey = Command::new("sh")
+        .arg("-c")
+        .arg(
+            "openssl x509 -inform DER -in ek.der -noout -pubkey | openssl pkey -pubin -outform DER",
+        )
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(pubkey.status.success());
+    assert_eq!(
+        v["ek"]["rsa"]["publicKeySha256"],
+        bca::crypto::hex(&bca::crypto::sha256(&pubkey.stdout))
+    );
+    assert!(v["ek"]["ecc"]["certificate"].is_null());
+    // Every handle bca created was flushed.
+    let handles = tpm.tool(&["tpm2_getcap", "handles-transient"], dir.path());
+    assert!(handles.trim().is_empty(), "left behind: {handles}");
+
+    // The table is for people: the same facts.
+    let o = Command::new(bin())
+        .args(["tpm", "status", "--tpm", &tpm.tcti()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert!(text.contains("certifies this EK"), "{text}");
+    assert!(
+        text.contains(v["ek"]["ecc"]["name"].as_str().unwrap()),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_tpm_without_certificates_still_has_its_eks_and_bad_tctis_are_clear_errors() {
+    let tpm = Swtpm::start(false);
+    let v: Value = serde_json::from_slice(&status(&tpm.tcti()).stdout).unwrap();
+    for alg in ["rsa", "ecc"] {
+        assert!(v["ek"][alg]["certificate"].is_null());
+        assert_eq!(v["ek"][alg]["name"].as_str().unwrap().len(), 68);
+    }
+    let closed = free_udp();
+    for (tcti, says) in [
+        ("mssim:port=2321", "INVALID_INPUT: TCTI \"mssim:port=2321\""),
+        ("swtpm:port=0", "is not a port"),
+        (
+            "device:/nonexistent/tpmrm0",
+            "cannot reach the TPM at device:/nonexistent/tpmrm0",
+        ),
+        (
+            &format!("swtpm:port={closed}"),
+            "UNAVAILABLE: TPM: open: cannot reach the TPM",
+        ),
+    ] {
+        let out = status(tcti);
+        assert_eq!(out.status.code(), Some(1), "{tcti}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{tcti}: {err}");
+        assert!(out.stdout.is_empty());
+    }
+}
