@@ -17,6 +17,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("csr", csr),
     ("claims", claims),
     ("api", api),
+    ("tpm", tpm),
 ];
 
 /// A DHCP packet: decoded, then every decision the boot server makes on it (both modes).
@@ -143,4 +144,9 @@ fn runtime() -> &'static tokio::runtime::Runtime {
             .build()
             .expect("a runtime")
     })
+}
+
+/// A TPM response to each command bca sends (code, parameters, the public area of a key).
+pub fn tpm(data: &[u8]) {
+    crate::tpm::parse_any(data);
 }

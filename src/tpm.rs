@@ -177,6 +177,40 @@ fn explain(rc: u32) -> String {
     }
 }
 
+/// A response as the TPM sent it: its code, then its parameters for command `R`.
+pub(crate) fn parse<R: TpmUnmarshalBody>(name: &'static str, raw: &[u8]) -> Result<R, TpmFailure> {
+    let fail = |rc: Option<u32>, message: String| TpmFailure {
+        command: name,
+        rc,
+        message,
+    };
+    if raw.len() < 10 {
+        return Err(fail(None, format!("a response of {} bytes", raw.len())));
+    }
+    let code = u32::from_be_bytes([raw[6], raw[7], raw[8], raw[9]]);
+    if code != 0 {
+        return Err(fail(Some(code), explain(code)));
+    }
+    let resp =
+        TpmResponse::cast(raw).map_err(|e| fail(None, format!("a malformed response: {e:?}")))?;
+    resp.unmarshal::<R>()
+        .map_err(|e| fail(None, format!("a malformed response: {e:?}")))
+}
+
+/// Every response bca parses, as the fuzzer drives it ([`crate::fuzzing::tpm`]).
+pub(crate) fn parse_any(raw: &[u8]) {
+    if let Some(b) = raw.get(6..10) {
+        let _ = explain(u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+    }
+    let _ = parse::<TpmGetCapabilityResponse>("", raw);
+    let _ = parse::<TpmNvReadPublicResponse>("", raw);
+    let _ = parse::<TpmNvReadResponse>("", raw);
+    let _ = parse::<TpmFlushContextResponse>("", raw);
+    if let Ok(r) = parse::<TpmCreatePrimaryResponse>("", raw) {
+        let _ = PublicKey::of(&r.out_public);
+    }
+}
+
 /// An open TPM.
 pub struct Tpm {
     tcti: Tcti,
@@ -447,17 +481,7 @@ impl Tpm {
                 format!("the TPM at {} did not answer: {e}", self.tcti),
             )
         })?;
-        if raw.len() < 10 {
-            return Err(fail(None, format!("a response of {} bytes", raw.len())));
-        }
-        let code = u32::from_be_bytes([raw[6], raw[7], raw[8], raw[9]]);
-        if code != 0 {
-            return Err(fail(Some(code), explain(code)));
-        }
-        let resp = TpmResponse::cast(&raw)
-            .map_err(|e| fail(None, format!("a malformed response: {e:?}")))?;
-        resp.unmarshal::<R>()
-            .map_err(|e| fail(None, format!("a malformed response: {e:?}")))
+        parse(name, &raw)
     }
 
     /// Manufacturer, vendor string and firmware version.
