@@ -142,10 +142,18 @@ pub struct InitArgs {
     /// passphrase (default), file (development only) or tpm (not available yet).
     #[arg(long, default_value = "passphrase")]
     pub key_protection: String,
+    /// With --key-protection tpm: the TPM to seal to (device:/dev/tpmrm0, the default, or
+    /// swtpm:host=…,port=…); recorded in config.toml.
+    #[arg(long)]
+    pub tpm: Option<String>,
 }
 
 #[derive(Args, Default)]
 pub struct ServeArgs {
+    /// The TPM the keys are sealed to, instead of the one `config.toml` names (key protection
+    /// `tpm`): device:/dev/tpmrm0 or swtpm:host=…,port=….
+    #[arg(long)]
+    pub tpm: Option<String>,
     #[arg(long)]
     pub listen_http: Option<String>,
     #[arg(long)]
@@ -693,6 +701,7 @@ fn run(cli: Cli) -> ApiResult<()> {
         Command::Init(a) => cmd_init(a, conn),
         Command::Serve(a) => {
             let opts = crate::serve::ServeOptions {
+                tpm: a.tpm,
                 listen_http: a.listen_http,
                 listen_gateway: a.listen_gateway,
                 admin_socket: a.admin_socket,
@@ -1118,6 +1127,7 @@ fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
             gateway_url: a.gateway_url,
             key_protection: kp,
             passphrase,
+            tpm: a.tpm,
             listen_http: None,
             listen_gateway: None,
         },
@@ -1163,6 +1173,7 @@ fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
                 gateway_url: Some(format!("https://{}", a.listen_gateway)),
                 key_protection: KeyProtection::File,
                 passphrase: None,
+                tpm: None,
                 listen_http: Some(a.listen_http.clone()),
                 listen_gateway: Some(a.listen_gateway.clone()),
             },
@@ -1185,6 +1196,7 @@ fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
     crate::serve::run(
         &state_dir,
         crate::serve::ServeOptions {
+            tpm: None,
             listen_http: Some(a.listen_http),
             listen_gateway: Some(a.listen_gateway),
             admin_socket: None,

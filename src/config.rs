@@ -43,6 +43,10 @@ pub struct Config {
     pub gateway_server_name: Option<String>,
     /// `passphrase`, `file` or `tpm`.
     pub key_protection: KeyProtection,
+    /// The TPM the keys are sealed to (`key_protection = "tpm"`), as `bca init --tpm` named it
+    /// (`device:/dev/tpmrm0` when absent); `bca serve --tpm` overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<String>,
     /// The HTTP listener (well-known document; boot files later).
     #[serde(default = "default_http")]
     pub listen_http: String,

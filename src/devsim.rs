@@ -76,6 +76,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
             gateway_url: Some(format!("https://{gateway}")),
             key_protection: crate::config::KeyProtection::File,
             passphrase: None,
+            tpm: None,
             listen_http: Some(http.clone()),
             listen_gateway: Some(gateway.clone()),
         },

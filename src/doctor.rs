@@ -150,10 +150,7 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
             }
         },
         KeyProtection::File => Some(None),
-        KeyProtection::Tpm => {
-            r.line(Level::Fail, "keys", crate::keys::tpm_not_available());
-            None
-        }
+        KeyProtection::Tpm => Some(None),
     };
     if let Some(pass) = pass {
         let checked = crate::keys::unseal(
@@ -292,7 +289,27 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
     }
 
     match config.key_protection {
-        KeyProtection::Tpm => r.line(Level::Fail, "tpm", crate::keys::tpm_not_available()),
+        KeyProtection::Tpm => {
+            let tcti = config.tpm.as_deref().unwrap_or(crate::tpm::DEFAULT_TCTI);
+            match tcti
+                .parse::<crate::tpm::Tcti>()
+                .map_err(|e| e.to_string())
+                .and_then(|t| {
+                    crate::tpm::Tpm::open(&t)
+                        .and_then(|mut t| t.identity())
+                        .map_err(|e| e.to_string())
+                }) {
+                Ok(id) => r.line(
+                    Level::Ok,
+                    "tpm",
+                    format!(
+                        "{tcti}: {} {} (the keys are sealed to it)",
+                        id.manufacturer, id.vendor
+                    ),
+                ),
+                Err(e) => r.line(Level::Fail, "tpm", format!("{tcti}: {e}")),
+            }
+        }
         _ => r.line(Level::Ok, "tpm", "not used (keys are not sealed to a TPM)"),
     }
 

@@ -66,6 +66,9 @@ impl ApiError {
     pub fn not_found(m: impl Into<String>) -> Self {
         Self::new(Code::NotFound, m)
     }
+    pub fn unavailable(m: impl Into<String>) -> Self {
+        Self::new(Code::Unavailable, m)
+    }
     pub fn invalid_state(m: impl Into<String>) -> Self {
         Self::new(Code::InvalidState, m)
     }

@@ -17,6 +17,8 @@ pub struct InitOptions {
     pub gateway_url: Option<String>,
     pub key_protection: KeyProtection,
     pub passphrase: Option<zeroize::Zeroizing<String>>,
+    /// The TPM to seal to (`key_protection = tpm`); the default is `device:/dev/tpmrm0`.
+    pub tpm: Option<String>,
     pub listen_http: Option<String>,
     pub listen_gateway: Option<String>,
 }
@@ -85,8 +87,10 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
             )));
         }
     }
-    if o.key_protection == KeyProtection::Tpm {
-        return Err(ApiError::invalid_input(keys::tpm_not_available()));
+    if o.tpm.is_some() && o.key_protection != KeyProtection::Tpm {
+        return Err(ApiError::invalid_input(
+            "--tpm names the TPM to seal to: it goes with --key-protection tpm",
+        ));
     }
     if is_initialised(&o.state_dir) {
         return Err(ApiError::already_exists(format!(
@@ -97,6 +101,13 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
     let mut sans = o.gateway_sans.clone();
     if sans.is_empty() {
         sans = default_sans();
+    }
+    if o.key_protection == KeyProtection::Tpm {
+        // The TPM first: an unreachable or wrong one is an error before anything is written.
+        let tcti = tcti_of(&o)?;
+        crate::tpm::Tpm::open(&tcti)
+            .and_then(|mut t| t.identity())
+            .map_err(|e| ApiError::unavailable(format!("--key-protection tpm: {e}")))?;
     }
     fsutil::create_private_dir(&o.state_dir).map_err(ApiError::invalid_input)?;
     let r = build(&o, &sans, now);
@@ -109,6 +120,14 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
     r
 }
 
+fn tcti_of(o: &InitOptions) -> ApiResult<crate::tpm::Tcti> {
+    o.tpm
+        .as_deref()
+        .unwrap_or(crate::tpm::DEFAULT_TCTI)
+        .parse()
+        .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))
+}
+
 fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
     let site_id = ids::new_id("site", now * 1000);
     let root_tenant = ids::new_id("tn", now * 1000);
@@ -119,6 +138,10 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         gateway_url: o.gateway_url.clone(),
         gateway_server_name: None,
         key_protection: o.key_protection,
+        tpm: match o.key_protection {
+            KeyProtection::Tpm => Some(tcti_of(o)?.to_string()),
+            _ => None,
+        },
         listen_http: o.listen_http.clone().unwrap_or_else(|| "0.0.0.0:80".into()),
         listen_gateway: o
             .listen_gateway
@@ -167,13 +190,18 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         keys.join_encryption.public_point(),
     )
     .map_err(ApiError::internal)?;
-    keys::seal(
-        &o.state_dir,
-        &keys,
-        o.key_protection,
-        o.passphrase.as_ref().map(|p| p.as_bytes()),
-    )
-    .map_err(ApiError::internal)?;
+    match o.key_protection {
+        KeyProtection::Tpm => {
+            keys::seal_to_tpm(&o.state_dir, &keys, &tcti_of(o)?).map_err(ApiError::unavailable)?
+        }
+        p => keys::seal(
+            &o.state_dir,
+            &keys,
+            p,
+            o.passphrase.as_ref().map(|p| p.as_bytes()),
+        )
+        .map_err(ApiError::internal)?,
+    }
     let text = format!(
         "# bca configuration; every key is described in docs/config.md\n{}",
         toml::to_string_pretty(&config).map_err(ApiError::internal)?

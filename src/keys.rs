@@ -7,8 +7,12 @@
 //! - `passphrase`: `keys/keys.sealed`, the bundle encrypted with AES-256-GCM under a key derived
 //!   by Argon2id (64 MiB, 3 passes) from the passphrase;
 //! - `file`: `keys/keys.json`, the bundle in clear in a 0600 file (development only);
-//! - `tpm`: reserved for sealing to the box's TPM; a new protection is a new file name and a new
-//!   arm in [`seal`] / [`unseal`], nothing else changes.
+//! - `tpm`: `keys/keys.tpm`, the bundle encrypted with AES-256-GCM under a random key that is
+//!   sealed to the box's TPM (a sealed data object under the storage primary key, which is
+//!   re-created from the TCG template at every start). The blob is useless on another TPM or after
+//!   the owner hierarchy was cleared: the load fails, nothing is changed. Not yet: binding to PCRs,
+//!   parameter encryption of the unsealed key on the bus (ARCHITECTURE.md's threat model), and an
+//!   escrow copy.
 
 use crate::config::KeyProtection;
 use crate::crypto::{self, SigningKey};
@@ -57,6 +61,19 @@ struct SealedFile {
     t: u32,
     p: u32,
     salt: String,
+    nonce: String,
+    ciphertext: String,
+}
+
+/// `keys/keys.tpm`.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct TpmSealedFile {
+    version: u32,
+    /// The sealed data object holding the key-encryption key: TPM2B_PRIVATE's bytes and the
+    /// marshaled TPM2B_PUBLIC, base64.
+    tpm_private: String,
+    tpm_public: String,
     nonce: String,
     ciphertext: String,
 }
@@ -190,6 +207,8 @@ fn file_for(state_dir: &Path, p: KeyProtection) -> PathBuf {
 /// The key a passphrase derived, kept by the server so that it can seal the bundle again after a
 /// rotation without asking for the passphrase (zeroized on drop).
 struct Kek {
+    /// Set for `tpm` protection: the blob that holds `key` in the TPM.
+    tpm: Option<crate::tpm::SealedBlob>,
     key: Zeroizing<[u8; 32]>,
     salt: Vec<u8>,
     m_kib: u32,
@@ -202,11 +221,29 @@ impl Kek {
         let mut salt = [0u8; 16];
         crypto::fill_random(&mut salt);
         Ok(Self {
+            tpm: None,
             key: derive(pass, &salt, ARGON_M_KIB, ARGON_T, 1)?,
             salt: salt.to_vec(),
             m_kib: ARGON_M_KIB,
             t: ARGON_T,
             p: 1,
+        })
+    }
+
+    /// A random key, sealed to the TPM.
+    fn new_tpm(tcti: &crate::tpm::Tcti) -> Result<Self, String> {
+        let mut key = Zeroizing::new([0u8; 32]);
+        crypto::fill_random(key.as_mut());
+        let blob = crate::tpm::Tpm::open(tcti)
+            .and_then(|mut t| t.seal(key.as_slice()))
+            .map_err(|e| format!("sealing the keys to the TPM: {e}"))?;
+        Ok(Self {
+            tpm: Some(blob),
+            key,
+            salt: Vec::new(),
+            m_kib: 0,
+            t: 0,
+            p: 0,
         })
     }
 
@@ -227,6 +264,18 @@ impl Kek {
             &mut *buf,
         )
         .map_err(|_| "sealing failed")?;
+        if let Some(blob) = &self.tpm {
+            let f = TpmSealedFile {
+                version: 1,
+                tpm_private: crypto::b64(&blob.private),
+                tpm_public: crypto::b64(&blob.public),
+                nonce: crypto::b64(&nonce),
+                ciphertext: crypto::b64(&buf),
+            };
+            return Ok(Zeroizing::new(
+                serde_json::to_vec_pretty(&f).expect("serializes"),
+            ));
+        }
         let f = SealedFile {
             version: 1,
             kdf: "argon2id".into(),
@@ -257,7 +306,17 @@ impl Vault {
         p: KeyProtection,
         passphrase: Option<&[u8]>,
     ) -> Result<(Vault, KeyBundle), String> {
-        let (bundle, kek) = unseal_inner(state_dir, p, passphrase)?;
+        Self::open_with_tpm(state_dir, p, passphrase, None)
+    }
+
+    /// [`Self::open`] with the TPM named (`bca serve --tpm`), not the one in `config.toml`.
+    pub fn open_with_tpm(
+        state_dir: &Path,
+        p: KeyProtection,
+        passphrase: Option<&[u8]>,
+        tcti: Option<&crate::tpm::Tcti>,
+    ) -> Result<(Vault, KeyBundle), String> {
+        let (bundle, kek) = unseal_inner(state_dir, p, passphrase, tcti)?;
         Ok((
             Vault {
                 state_dir: state_dir.to_path_buf(),
@@ -281,6 +340,11 @@ impl Vault {
                     .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
                 open_sealed(&f, &k.key)
             }
+            (Some(k), KeyProtection::Tpm) => {
+                let f: TpmSealedFile = serde_json::from_slice(&raw)
+                    .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+                open_ciphertext(&f.nonce, &f.ciphertext, &k.key)
+            }
             _ => Err("the key vault cannot read its protection".into()),
         }
     }
@@ -289,7 +353,7 @@ impl Vault {
     pub fn store(&self, bundle: &KeyBundle) -> Result<(), String> {
         let bytes = match (&self.kek, self.protection) {
             (_, KeyProtection::File) => bundle.to_json(),
-            (Some(k), KeyProtection::Passphrase) => k.seal(bundle)?,
+            (Some(k), KeyProtection::Passphrase | KeyProtection::Tpm) => k.seal(bundle)?,
             _ => return Err("the key vault cannot write its protection".into()),
         };
         crate::fsutil::write_atomic(&file_for(&self.state_dir, self.protection), &bytes, 0o600)
@@ -310,13 +374,36 @@ pub fn seal(
         KeyProtection::Passphrase => {
             Kek::new(passphrase.ok_or("a passphrase is required")?)?.seal(bundle)?
         }
-        KeyProtection::Tpm => return Err(tpm_not_available()),
+        KeyProtection::Tpm => return Err("sealing to a TPM needs the TPM: seal_to_tpm".into()),
     };
     crate::fsutil::write_new_private(&file_for(state_dir, p), &bytes)
 }
 
+/// Writes the bundle sealed to the TPM at `tcti` (`keys/keys.tpm`).
+pub fn seal_to_tpm(
+    state_dir: &Path,
+    bundle: &KeyBundle,
+    tcti: &crate::tpm::Tcti,
+) -> Result<(), String> {
+    let dir = keys_dir(state_dir);
+    crate::fsutil::create_private_dir(&dir)?;
+    let bytes = Kek::new_tpm(tcti)?.seal(bundle)?;
+    crate::fsutil::write_new_private(&file_for(state_dir, KeyProtection::Tpm), &bytes)
+}
+
+/// The TPM the state directory's keys are sealed to: `config.toml`'s `tpm`, else the default.
+fn configured_tpm(state_dir: &Path) -> Result<crate::tpm::Tcti, String> {
+    let cfg = crate::config::Config::load(state_dir)?;
+    cfg.tpm
+        .as_deref()
+        .unwrap_or(crate::tpm::DEFAULT_TCTI)
+        .parse()
+}
+
 pub fn tpm_not_available() -> String {
-    "key protection `tpm` is not available in this version of bca yet; use `passphrase`".into()
+    "a backup of keys sealed to a TPM is not available in this version of bca: the sealed blob \
+     opens only on this box's TPM"
+        .into()
 }
 
 /// Reads the bundle back. A wrong passphrase is an error that names it; nothing is changed.
@@ -325,14 +412,18 @@ pub fn unseal(
     p: KeyProtection,
     passphrase: Option<&[u8]>,
 ) -> Result<KeyBundle, String> {
-    unseal_inner(state_dir, p, passphrase).map(|(b, _)| b)
+    unseal_inner(state_dir, p, passphrase, None).map(|(b, _)| b)
 }
 
 fn open_sealed(f: &SealedFile, key: &[u8; 32]) -> Result<KeyBundle, String> {
-    let nonce: [u8; 12] = crypto::b64_decode(&f.nonce)
+    open_ciphertext(&f.nonce, &f.ciphertext, key)
+}
+
+fn open_ciphertext(nonce: &str, ciphertext: &str, key: &[u8; 32]) -> Result<KeyBundle, String> {
+    let nonce: [u8; 12] = crypto::b64_decode(nonce)
         .and_then(|n| n.try_into().ok())
         .ok_or("damaged nonce")?;
-    let mut ct = Zeroizing::new(crypto::b64_decode(&f.ciphertext).ok_or("damaged ciphertext")?);
+    let mut ct = Zeroizing::new(crypto::b64_decode(ciphertext).ok_or("damaged ciphertext")?);
     let aead =
         LessSafeKey::new(UnboundKey::new(&AES_256_GCM, key.as_slice()).map_err(|_| "AES key")?);
     let plain = aead
@@ -348,6 +439,7 @@ fn unseal_inner(
     state_dir: &Path,
     p: KeyProtection,
     passphrase: Option<&[u8]>,
+    tcti: Option<&crate::tpm::Tcti>,
 ) -> Result<(KeyBundle, Option<Kek>), String> {
     let path = file_for(state_dir, p);
     let raw = Zeroizing::new(
@@ -377,6 +469,7 @@ fn unseal_inner(
             Ok((
                 bundle,
                 Some(Kek {
+                    tpm: None,
                     key,
                     salt,
                     m_kib: f.m_kib,
@@ -385,7 +478,52 @@ fn unseal_inner(
                 }),
             ))
         }
-        KeyProtection::Tpm => Err(tpm_not_available()),
+        KeyProtection::Tpm => {
+            let tcti = match tcti {
+                Some(t) => t.clone(),
+                None => configured_tpm(state_dir)?,
+            };
+            let f: TpmSealedFile = serde_json::from_slice(&raw)
+                .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+            let blob = crate::tpm::SealedBlob {
+                private: crypto::b64_decode(&f.tpm_private).ok_or("damaged TPM blob")?,
+                public: crypto::b64_decode(&f.tpm_public).ok_or("damaged TPM blob")?,
+            };
+            let secret = crate::tpm::Tpm::open(&tcti)
+                .and_then(|mut t| t.unseal(&blob))
+                .map_err(|e| {
+                    format!(
+                        "the appliance's keys could not be unsealed by the TPM at {tcti} ({e}). \
+                         They are sealed to the TPM that `bca init` used: another TPM, a cleared \
+                         one, or a TPM that is not reachable cannot open them. Nothing was \
+                         changed; name the right TPM with --tpm, or recover the state directory \
+                         from a backup (docs/tpm.md)"
+                    )
+                })?;
+            let key: Zeroizing<[u8; 32]> = Zeroizing::new(
+                secret
+                    .as_slice()
+                    .try_into()
+                    .map_err(|_| "the TPM returned a key of the wrong size")?,
+            );
+            let bundle = open_ciphertext(&f.nonce, &f.ciphertext, &key).map_err(|_| {
+                format!(
+                    "{} is damaged: it does not open with its TPM's key",
+                    path.display()
+                )
+            })?;
+            Ok((
+                bundle,
+                Some(Kek {
+                    tpm: Some(blob),
+                    key,
+                    salt: Vec::new(),
+                    m_kib: 0,
+                    t: 0,
+                    p: 0,
+                }),
+            ))
+        }
     }
 }
 

@@ -11,6 +11,8 @@ use tokio::sync::watch;
 
 #[derive(Default, Clone)]
 pub struct ServeOptions {
+    /// The TPM instead of `config.toml`'s (key protection `tpm`).
+    pub tpm: Option<String>,
     pub listen_http: Option<String>,
     pub listen_gateway: Option<String>,
     pub admin_socket: Option<PathBuf>,
@@ -18,11 +20,17 @@ pub struct ServeOptions {
 
 /// Loads everything `serve` needs; every failure here is a clear message and changes nothing.
 pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
-    prepare_vault(state_dir).map(|(app, keys, _)| (app, keys))
+    prepare_vault(state_dir, None).map(|(app, keys, _)| (app, keys))
 }
 
 /// [`prepare`], keeping the vault (what can seal the keys again) for rotation.
-pub fn prepare_vault(state_dir: &Path) -> Result<(App, keys::KeyBundle, keys::Vault), String> {
+pub fn prepare_vault(
+    state_dir: &Path,
+    tpm: Option<&str>,
+) -> Result<(App, keys::KeyBundle, keys::Vault), String> {
+    let tcti: Option<crate::tpm::Tcti> = tpm
+        .map(|t| t.parse().map_err(|e: String| format!("--tpm: {e}")))
+        .transpose()?;
     // The keys first: a wrong passphrase must not even open the database.
     let config = crate::config::Config::load(state_dir)?;
     let passphrase = match config.key_protection {
@@ -33,12 +41,16 @@ pub fn prepare_vault(state_dir: &Path) -> Result<(App, keys::KeyBundle, keys::Va
             );
             None
         }
-        KeyProtection::Tpm => return Err(keys::tpm_not_available()),
+        KeyProtection::Tpm => None,
     };
-    let (vault, bundle) = keys::Vault::open(
+    if tcti.is_some() && config.key_protection != KeyProtection::Tpm {
+        return Err("--tpm goes with key_protection = \"tpm\"".into());
+    }
+    let (vault, bundle) = keys::Vault::open_with_tpm(
         state_dir,
         config.key_protection,
         passphrase.as_ref().map(|p| p.as_bytes()),
+        tcti.as_ref(),
     )?;
     // A rotation interrupted by a crash is finished here: the public files follow the keys.
     let fixed = crate::rotation::reconcile(state_dir, &config, &bundle, crate::clock::now())?;
@@ -51,7 +63,7 @@ pub fn prepare_vault(state_dir: &Path) -> Result<(App, keys::KeyBundle, keys::Va
 }
 
 pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
-    let (app, keys, vault) = prepare_vault(state_dir)?;
+    let (app, keys, vault) = prepare_vault(state_dir, opts.tpm.as_deref())?;
     let _ = app.rotator.set(crate::rotation::Rotator::new(vault));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -20,20 +20,23 @@ use std::time::Duration;
 use tpm2_protocol::basic::{TpmHandle, TpmUint16, TpmUint32};
 use tpm2_protocol::constant::{MAX_NV_BUFFER_SIZE, TPM_MAX_COMMAND_SIZE};
 use tpm2_protocol::data::{
-    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bNonce, Tpm2bPublic,
-    Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate, TpmAlgId, TpmCap, TpmEccCurve, TpmPt, TpmRc,
-    TpmRcBase, TpmRh, TpmSt, TpmaObject, TpmaSession, TpmlPcrSelection, TpmsAuthCommand,
-    TpmsEccParms, TpmsEccPoint, TpmsRsaParms, TpmtEccScheme, TpmtKdfScheme, TpmtPublic,
+    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bNonce, Tpm2bPrivate, Tpm2bPublic,
+    Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate, Tpm2bSensitiveData, TpmAlgId, TpmCap, TpmEccCurve,
+    TpmPt, TpmRc, TpmRcBase, TpmRh, TpmSt, TpmaObject, TpmaSession, TpmlPcrSelection,
+    TpmsAuthCommand, TpmsEccParms, TpmsEccPoint, TpmsKeyedhashParms, TpmsRsaParms,
+    TpmsSensitiveCreate, TpmtEccScheme, TpmtKdfScheme, TpmtKeyedhashScheme, TpmtPublic,
     TpmtRsaScheme, TpmtSymDef, TpmuCapabilities, TpmuPublicId, TpmuPublicParms, TpmuSymKeyBits,
     TpmuSymMode,
 };
 use tpm2_protocol::frame::{
-    tpm_marshal_command, TpmCreatePrimaryCommand, TpmCreatePrimaryResponse, TpmFlushContextCommand,
-    TpmFlushContextResponse, TpmFrame, TpmGetCapabilityCommand, TpmGetCapabilityResponse,
+    tpm_marshal_command, TpmCreateCommand, TpmCreatePrimaryCommand, TpmCreatePrimaryResponse,
+    TpmCreateResponse, TpmFlushContextCommand, TpmFlushContextResponse, TpmFrame,
+    TpmGetCapabilityCommand, TpmGetCapabilityResponse, TpmLoadCommand, TpmLoadResponse,
     TpmNvReadCommand, TpmNvReadPublicCommand, TpmNvReadPublicResponse, TpmNvReadResponse,
-    TpmResponse, TpmUnmarshalBody,
+    TpmResponse, TpmUnmarshalBody, TpmUnsealCommand, TpmUnsealResponse,
 };
-use tpm2_protocol::{TpmMarshal, TpmWriter};
+use tpm2_protocol::{TpmMarshal, TpmUnmarshal, TpmWriter};
+use zeroize::Zeroizing;
 
 pub const DEFAULT_TCTI: &str = "device:/dev/tpmrm0";
 
@@ -160,6 +163,7 @@ fn explain(rc: u32) -> String {
         Ok(TpmRcBase::PolicyFail) => "the object's policy is not met (the PCRs changed?)",
         Ok(TpmRcBase::Lockout) => "the TPM is in dictionary-attack lockout; wait or clear it",
         Ok(TpmRcBase::NvUninitialized) => "the NV index was never written",
+        Ok(TpmRcBase::Integrity) => "the object was made by another TPM, or altered",
         Ok(TpmRcBase::Hierarchy) => "the hierarchy is disabled (firmware settings)",
         Ok(TpmRcBase::Initialize) => "the TPM was not started (TPM2_Startup)",
         Ok(TpmRcBase::ObjectMemory) | Ok(TpmRcBase::SessionMemory) => {
@@ -304,6 +308,67 @@ fn ek_template(alg: EkAlg) -> Result<TpmtPublic, tpm2_protocol::TpmError> {
         parameters,
         unique,
     })
+}
+
+fn aes128_cfb() -> TpmtSymDef {
+    TpmtSymDef {
+        algorithm: TpmAlgId::Aes,
+        key_bits: TpmuSymKeyBits::Aes(TpmUint16::new(128)),
+        mode: TpmuSymMode::Aes(TpmAlgId::Cfb),
+    }
+}
+
+/// The storage primary key bca seals under: the TCG's ECC P-256 SRK template in the owner
+/// hierarchy, re-created identically from the TPM's seed at every start (nothing persistent).
+fn srk_template() -> Result<TpmtPublic, tpm2_protocol::TpmError> {
+    Ok(TpmtPublic {
+        object_type: TpmAlgId::Ecc,
+        name_alg: TpmAlgId::Sha256,
+        object_attributes: TpmaObject::FIXED_TPM
+            | TpmaObject::FIXED_PARENT
+            | TpmaObject::SENSITIVE_DATA_ORIGIN
+            | TpmaObject::USER_WITH_AUTH
+            | TpmaObject::NO_DA
+            | TpmaObject::RESTRICTED
+            | TpmaObject::DECRYPT,
+        auth_policy: Tpm2bDigest::default(),
+        parameters: TpmuPublicParms::Ecc(TpmsEccParms {
+            symmetric: aes128_cfb(),
+            scheme: TpmtEccScheme::default(),
+            curve_id: TpmEccCurve::NistP256,
+            kdf: TpmtKdfScheme::default(),
+        }),
+        unique: TpmuPublicId::Ecc(TpmsEccPoint {
+            x: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
+            y: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
+        }),
+    })
+}
+
+/// A sealed data object: the secret comes from bca, never leaves the TPM's parent, and is read
+/// back with the (empty) user auth.
+fn sealed_template() -> TpmtPublic {
+    TpmtPublic {
+        object_type: TpmAlgId::KeyedHash,
+        name_alg: TpmAlgId::Sha256,
+        object_attributes: TpmaObject::FIXED_TPM
+            | TpmaObject::FIXED_PARENT
+            | TpmaObject::USER_WITH_AUTH
+            | TpmaObject::NO_DA,
+        auth_policy: Tpm2bDigest::default(),
+        parameters: TpmuPublicParms::KeyedHash(TpmsKeyedhashParms {
+            scheme: TpmtKeyedhashScheme::default(),
+        }),
+        unique: TpmuPublicId::KeyedHash(Tpm2bDigest::default()),
+    }
+}
+
+/// A secret sealed to one TPM: its private part (encrypted and integrity-protected by the
+/// TPM's storage key) and its public area, as the TPM returned them.
+#[derive(Debug, Clone)]
+pub struct SealedBlob {
+    pub private: Vec<u8>,
+    pub public: Vec<u8>,
 }
 
 /// A public key as a TPM holds it, with what bca derives from it.
@@ -475,12 +540,17 @@ impl Tpm {
         tpm_marshal_command(cmd, tag, sessions, &mut w)
             .map_err(|e| fail(None, format!("cannot marshal the command: {e:?}")))?;
         let cmd_bytes = w.as_bytes().to_vec();
-        let raw = self.t.transact(&cmd_bytes).map_err(|e| {
-            fail(
-                None,
-                format!("the TPM at {} did not answer: {e}", self.tcti),
-            )
-        })?;
+        // Zeroized: an unsealed secret passes through this buffer.
+        let raw = self
+            .t
+            .transact(&cmd_bytes)
+            .map(Zeroizing::new)
+            .map_err(|e| {
+                fail(
+                    None,
+                    format!("the TPM at {} did not answer: {e}", self.tcti),
+                )
+            })?;
         parse(name, &raw)
     }
 
@@ -570,6 +640,105 @@ impl Tpm {
         let out = out?;
         flushed?;
         Ok(out)
+    }
+
+    /// Runs `f` with the storage primary key loaded, and flushes it whatever `f` returned.
+    fn with_srk<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self, u32) -> Result<T, TpmFailure>,
+    ) -> Result<T, TpmFailure> {
+        let template = srk_template().map_err(|e| TpmFailure {
+            command: "TPM2_CreatePrimary",
+            rc: None,
+            message: format!("the storage key template: {e:?}"),
+        })?;
+        let cmd = TpmCreatePrimaryCommand {
+            handles: [TpmHandle::new(TpmRh::Owner.value())],
+            in_sensitive: Tpm2bSensitiveCreate::default(),
+            in_public: Tpm2bPublic::from(template),
+            outside_info: Tpm2bData::default(),
+            creation_pcr: TpmlPcrSelection::default(),
+        };
+        let r: TpmCreatePrimaryResponse = self.run("TPM2_CreatePrimary", &cmd, &[password()])?;
+        let srk = r.handles[0].value();
+        let out = f(self, srk);
+        let flushed = self.flush(srk);
+        let out = out?;
+        flushed?;
+        Ok(out)
+    }
+
+    /// Seals `secret` (at most 128 bytes) to this TPM.
+    pub fn seal(&mut self, secret: &[u8]) -> Result<SealedBlob, TpmFailure> {
+        let fail = |m: String| TpmFailure {
+            command: "TPM2_Create",
+            rc: None,
+            message: m,
+        };
+        let data = Tpm2bSensitiveData::try_from(secret)
+            .map_err(|e| fail(format!("a secret of {} bytes: {e:?}", secret.len())))?;
+        let cmd_of = |srk: u32| TpmCreateCommand {
+            handles: [TpmHandle::new(srk)],
+            in_sensitive: Tpm2bSensitiveCreate {
+                inner: TpmsSensitiveCreate {
+                    user_auth: Tpm2bAuth::default(),
+                    data,
+                },
+            },
+            in_public: Tpm2bPublic::from(sealed_template()),
+            outside_info: Tpm2bData::default(),
+            creation_pcr: TpmlPcrSelection::default(),
+        };
+        let r: TpmCreateResponse =
+            self.with_srk(|tpm, srk| tpm.run("TPM2_Create", &cmd_of(srk), &[password()]))?;
+        let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+        let mut w = TpmWriter::new(&mut buf);
+        r.out_public
+            .marshal(&mut w)
+            .map_err(|e| fail(format!("the sealed object's public area: {e:?}")))?;
+        Ok(SealedBlob {
+            private: r.out_private.to_vec(),
+            public: w.as_bytes().to_vec(),
+        })
+    }
+
+    /// Loads a sealed blob under this TPM's storage key and reads its secret back. On another
+    /// TPM (or after the owner hierarchy was cleared) the load fails: the blob's integrity is
+    /// keyed to the storage key's seed.
+    pub fn unseal(&mut self, blob: &SealedBlob) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
+        let fail = |m: String| TpmFailure {
+            command: "TPM2_Load",
+            rc: None,
+            message: m,
+        };
+        let private = Tpm2bPrivate::try_from(&blob.private[..])
+            .map_err(|e| fail(format!("the sealed blob's private part: {e:?}")))?;
+        let (public, rest) = Tpm2bPublic::unmarshal(&blob.public)
+            .map_err(|e| fail(format!("the sealed blob's public part: {e:?}")))?;
+        if !rest.is_empty() {
+            return Err(fail(
+                "the sealed blob's public part has trailing bytes".into(),
+            ));
+        }
+        self.with_srk(|tpm, srk| {
+            let cmd = TpmLoadCommand {
+                handles: [TpmHandle::new(srk)],
+                in_private: private,
+                in_public: public,
+            };
+            let r: TpmLoadResponse = tpm.run("TPM2_Load", &cmd, &[password()])?;
+            let item = r.handles[0].value();
+            let cmd = TpmUnsealCommand {
+                handles: [TpmHandle::new(item)],
+            };
+            let out = tpm
+                .run::<_, TpmUnsealResponse>("TPM2_Unseal", &cmd, &[password()])
+                .map(|r| Zeroizing::new(r.out_data.to_vec()));
+            let flushed = tpm.flush(item);
+            let out = out?;
+            flushed?;
+            Ok(out)
+        })
     }
 
     pub fn flush(&mut self, handle: u32) -> Result<(), TpmFailure> {

@@ -200,3 +200,94 @@ fn a_tpm_without_certificates_still_has_its_eks_and_bad_tctis_are_clear_errors()
         assert!(out.stdout.is_empty());
     }
 }
+
+#[test]
+fn keys_sealed_to_a_tpm_unseal_at_every_start_and_not_on_another_tpm() {
+    let tpm = Swtpm::start(false);
+    let mut a = Appliance::start_with("tpm", &["--tpm", &tpm.tcti()]);
+    let state = a.state();
+    let cfg = std::fs::read_to_string(state.join("config.toml")).unwrap();
+    assert!(cfg.contains("key_protection = \"tpm\""), "{cfg}");
+    assert!(cfg.contains(&format!("tpm = \"{}\"", tpm.tcti())), "{cfg}");
+    use std::os::unix::fs::PermissionsExt;
+    let sealed = state.join("keys/keys.tpm");
+    assert_eq!(
+        std::fs::metadata(&sealed).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert!(!state.join("keys/keys.json").exists() && !state.join("keys/keys.sealed").exists());
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, serde_json::json!({"maxUses": 5}));
+    Sim::new(&a).admitted(&token, &machine());
+    // Restart: the keys unseal again from the same TPM; no handle is left in it.
+    a.restart();
+    Sim::new(&a).admitted(&token, &machine());
+    let dir = tempfile::tempdir().unwrap();
+    assert!(tpm
+        .tool(&["tpm2_getcap", "handles-transient"], dir.path())
+        .trim()
+        .is_empty());
+    let doctor = a.cli(&["doctor"]);
+    let text = String::from_utf8_lossy(&doctor.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.contains("tpm") && l.contains(&tpm.tcti())),
+        "{text}"
+    );
+    a.stop();
+
+    // Another TPM (a fresh swtpm): a clear error, and nothing in the state directory changes.
+    let other = Swtpm::start(false);
+    let before = sha256_file_tree(&state);
+    let out = std::process::Command::new(bin())
+        .args(["serve", "--tpm", &other.tcti()])
+        .args([
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
+        .env("BCA_STATE_DIR", &state)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!(
+            "could not be unsealed by the TPM at {}",
+            other.tcti()
+        )),
+        "{err}"
+    );
+    assert!(err.contains("TPM2_Load"), "{err}");
+    assert_eq!(before, sha256_file_tree(&state));
+    // The TPM recorded at init, gone: a clear error too.
+    drop(tpm);
+    let out = serve_exit(&state, PASSPHRASE);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("cannot reach the TPM"), "{err}");
+    assert_eq!(before, sha256_file_tree(&state));
+}
+
+#[test]
+fn init_refuses_an_unreachable_tpm_and_a_tpm_without_tpm_protection() {
+    let closed = free_udp();
+    let (dir, out) = init_dir("tpm", &["--tpm", &format!("swtpm:port={closed}")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("UNAVAILABLE") && err.contains("cannot reach the TPM"),
+        "{err}"
+    );
+    assert!(!dir.path().join("state/config.toml").exists());
+    let (_, out) = init_dir("file", &["--tpm", "swtpm:port=2321"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("INVALID_INPUT") && err.contains("--key-protection tpm"),
+        "{err}"
+    );
+    let (_, out) = init_dir("tpm", &["--tpm", "tcp:2321"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("INVALID_INPUT: --tpm: TCTI"), "{err}");
+}
