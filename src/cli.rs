@@ -139,13 +139,18 @@ pub struct InitArgs {
     /// The gateway URL agents dial (https://host[:port]).
     #[arg(long)]
     pub gateway_url: Option<String>,
-    /// passphrase (default), file (development only) or tpm (not available yet).
+    /// passphrase (default), file (development only) or tpm (sealed to the box's TPM).
     #[arg(long, default_value = "passphrase")]
     pub key_protection: String,
     /// With --key-protection tpm: the TPM to seal to (device:/dev/tpmrm0, the default, or
     /// swtpm:host=…,port=…); recorded in config.toml.
     #[arg(long)]
     pub tpm: Option<String>,
+    /// With --key-protection tpm: also write the keys sealed under a passphrase (BCA_SECRET or a
+    /// prompt) to this new file, the copy `bca tpm recover` takes when the TPM is gone. Keep it
+    /// off the box.
+    #[arg(long)]
+    pub escrow: Option<PathBuf>,
 }
 
 #[derive(Args, Default)]
@@ -479,6 +484,13 @@ pub enum DaemonCmd {
 
 #[derive(Subcommand)]
 pub enum TpmCmd {
+    /// When the TPM the keys were sealed to is gone (a replaced board, a cleared TPM): take the
+    /// keys from the escrow copy `bca init --escrow` wrote; from then on they are protected by its
+    /// passphrase. Run it with the server stopped.
+    Recover {
+        #[arg(long)]
+        escrow: PathBuf,
+    },
     /// Which TPM, its manufacturer and firmware, its endorsement keys (names as tpm2-tools
     /// prints them, public-key hashes) and whether their certificates certify them.
     Status {
@@ -886,6 +898,26 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Tpm(TpmCmd::Status { tpm }) => cmd_tpm_status(conn, tpm),
+        Command::Tpm(TpmCmd::Recover { escrow }) => {
+            let state_dir = conn.state_dir();
+            let admin = crate::config::Config::load(&state_dir)
+                .map(|c| c.admin_socket_path(&state_dir))
+                .map_err(ApiError::invalid_config)?;
+            if std::os::unix::net::UnixStream::connect(&admin).is_ok() {
+                return Err(ApiError::invalid_state(
+                    "bca serve is running on this state directory: stop it first",
+                ));
+            }
+            let pass = crate::keys::passphrase_from_env_or_prompt(false)
+                .map_err(ApiError::invalid_input)?;
+            crate::keys::recover_from_escrow(&state_dir, &escrow, pass.as_bytes())
+                .map_err(ApiError::invalid_state)?;
+            println!(
+                "the keys are back from {}, protected by its passphrase (key_protection = \"passphrase\"); start bca serve",
+                escrow.display()
+            );
+            Ok(())
+        }
         Command::Pki(PkiCmd::Show) => cmd_pki_show(&conn.state_dir(), conn.json),
         Command::Pki(PkiCmd::Rotate {
             kind,
@@ -1118,6 +1150,17 @@ fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
         ),
         _ => None,
     };
+    let escrow = match (&a.escrow, kp) {
+        (Some(path), KeyProtection::Tpm) if !crate::init::is_initialised(&state_dir) => Some((
+            path.clone(),
+            crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?,
+        )),
+        (Some(_), KeyProtection::Tpm) => None,
+        (Some(_), _) => return Err(ApiError::invalid_input(
+            "--escrow is the recovery copy of TPM-sealed keys: it goes with --key-protection tpm",
+        )),
+        (None, _) => None,
+    };
     let out = crate::init::init(
         crate::init::InitOptions {
             state_dir: state_dir.clone(),
@@ -1128,6 +1171,7 @@ fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
             key_protection: kp,
             passphrase,
             tpm: a.tpm,
+            escrow,
             listen_http: None,
             listen_gateway: None,
         },
@@ -1174,6 +1218,7 @@ fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
                 key_protection: KeyProtection::File,
                 passphrase: None,
                 tpm: None,
+                escrow: None,
                 listen_http: Some(a.listen_http.clone()),
                 listen_gateway: Some(a.listen_gateway.clone()),
             },

@@ -19,6 +19,8 @@ pub struct InitOptions {
     pub passphrase: Option<zeroize::Zeroizing<String>>,
     /// The TPM to seal to (`key_protection = tpm`); the default is `device:/dev/tpmrm0`.
     pub tpm: Option<String>,
+    /// With `tpm`: an escrow copy of the keys sealed under this passphrase, written to this file.
+    pub escrow: Option<(PathBuf, zeroize::Zeroizing<String>)>,
     pub listen_http: Option<String>,
     pub listen_gateway: Option<String>,
 }
@@ -84,6 +86,19 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
         if crate::config::url_host(u).is_none() {
             return Err(ApiError::invalid_input(format!(
                 "--gateway-url {u:?} must be an https:// URL with a host"
+            )));
+        }
+    }
+    if let Some((path, _)) = &o.escrow {
+        if o.key_protection != KeyProtection::Tpm {
+            return Err(ApiError::invalid_input(
+                "--escrow is the recovery copy of TPM-sealed keys: it goes with --key-protection tpm",
+            ));
+        }
+        if path.exists() {
+            return Err(ApiError::already_exists(format!(
+                "--escrow {}: the file exists; nothing was changed",
+                path.display()
             )));
         }
     }
@@ -192,7 +207,11 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
     .map_err(ApiError::internal)?;
     match o.key_protection {
         KeyProtection::Tpm => {
-            keys::seal_to_tpm(&o.state_dir, &keys, &tcti_of(o)?).map_err(ApiError::unavailable)?
+            keys::seal_to_tpm(&o.state_dir, &keys, &tcti_of(o)?).map_err(ApiError::unavailable)?;
+            if let Some((path, pass)) = &o.escrow {
+                keys::write_escrow(path, &keys, pass.as_bytes())
+                    .map_err(|e| ApiError::invalid_input(format!("--escrow: {e}")))?;
+            }
         }
         p => keys::seal(
             &o.state_dir,

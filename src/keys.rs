@@ -391,6 +391,69 @@ pub fn seal_to_tpm(
     crate::fsutil::write_new_private(&file_for(state_dir, KeyProtection::Tpm), &bytes)
 }
 
+/// Writes the bundle sealed under a passphrase to `path` (which must not exist): the escrow copy
+/// of TPM-sealed keys, in the format of `keys/keys.sealed`.
+pub fn write_escrow(path: &Path, bundle: &KeyBundle, passphrase: &[u8]) -> Result<(), String> {
+    let bytes = Kek::new(passphrase)?.seal(bundle)?;
+    crate::fsutil::write_new_private(path, &bytes)
+}
+
+/// `bca tpm recover --escrow FILE`: the state directory's keys taken from the escrow copy and
+/// protected by its passphrase from now on, for when the TPM they were sealed to is gone. The
+/// escrow must open with the passphrase and hold the keys the public PKI names; then
+/// `keys/keys.sealed` is written, `config.toml` says `passphrase`, and `keys/keys.tpm` goes, in
+/// that order (a crash in between leaves a directory `serve` still opens one way or the other).
+pub fn recover_from_escrow(
+    state_dir: &Path,
+    escrow: &Path,
+    passphrase: &[u8],
+) -> Result<(), String> {
+    let mut config = crate::config::Config::load(state_dir)?;
+    if config.key_protection != KeyProtection::Tpm {
+        return Err(format!(
+            "{}'s keys are not sealed to a TPM (key_protection = {:?}): nothing to recover",
+            state_dir.display(),
+            config.key_protection
+        ));
+    }
+    let raw = Zeroizing::new(
+        std::fs::read(escrow).map_err(|e| format!("cannot read {}: {e}", escrow.display()))?,
+    );
+    let f: SealedFile = serde_json::from_slice(&raw).map_err(|e| {
+        format!(
+            "{} is not an escrow copy of bca's keys: {e}",
+            escrow.display()
+        )
+    })?;
+    let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
+    if f.kdf != "argon2id" || f.p != 1 || f.m_kib > 4 * 1024 * 1024 || f.t > 64 {
+        return Err(format!(
+            "{} has parameters this bca does not read",
+            escrow.display()
+        ));
+    }
+    let key = derive(passphrase, &salt, f.m_kib, f.t, f.p)?;
+    let bundle = open_sealed(&f, &key)?;
+    let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
+    crate::app::check_keys_against(&pki, &bundle).map_err(|e| {
+        format!(
+            "{} holds other keys than this appliance's: {e}",
+            escrow.display()
+        )
+    })?;
+    let sealed = file_for(state_dir, KeyProtection::Passphrase);
+    crate::fsutil::write_atomic(&sealed, &raw, 0o600)?;
+    config.key_protection = KeyProtection::Passphrase;
+    config.tpm = None;
+    let text = format!(
+        "# bca configuration; every key is described in docs/config.md\n{}",
+        toml::to_string_pretty(&config).map_err(|e| e.to_string())?
+    );
+    crate::fsutil::write_atomic(&state_dir.join("config.toml"), text.as_bytes(), 0o600)?;
+    let _ = std::fs::remove_file(file_for(state_dir, KeyProtection::Tpm));
+    Ok(())
+}
+
 /// The TPM the state directory's keys are sealed to: `config.toml`'s `tpm`, else the default.
 fn configured_tpm(state_dir: &Path) -> Result<crate::tpm::Tcti, String> {
     let cfg = crate::config::Config::load(state_dir)?;

@@ -204,12 +204,21 @@ fn a_tpm_without_certificates_still_has_its_eks_and_bad_tctis_are_clear_errors()
 #[test]
 fn keys_sealed_to_a_tpm_unseal_at_every_start_and_not_on_another_tpm() {
     let tpm = Swtpm::start(false);
-    let mut a = Appliance::start_with("tpm", &["--tpm", &tpm.tcti()]);
+    let escrow_dir = tempfile::tempdir().unwrap();
+    let escrow = escrow_dir.path().join("escrow.json");
+    let mut a = Appliance::start_with(
+        "tpm",
+        &["--tpm", &tpm.tcti(), "--escrow", escrow.to_str().unwrap()],
+    );
     let state = a.state();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&escrow).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
     let cfg = std::fs::read_to_string(state.join("config.toml")).unwrap();
     assert!(cfg.contains("key_protection = \"tpm\""), "{cfg}");
     assert!(cfg.contains(&format!("tpm = \"{}\"", tpm.tcti())), "{cfg}");
-    use std::os::unix::fs::PermissionsExt;
     let sealed = state.join("keys/keys.tpm");
     assert_eq!(
         std::fs::metadata(&sealed).unwrap().permissions().mode() & 0o777,
@@ -268,6 +277,44 @@ fn keys_sealed_to_a_tpm_unseal_at_every_start_and_not_on_another_tpm() {
     assert!(!out.status.success());
     assert!(err.contains("cannot reach the TPM"), "{err}");
     assert_eq!(before, sha256_file_tree(&state));
+
+    // The way back: the escrow copy, under its passphrase. A wrong one changes nothing.
+    let recover = |pass: &str| {
+        std::process::Command::new(bin())
+            .args(["tpm", "recover", "--escrow"])
+            .arg(&escrow)
+            .env("BCA_STATE_DIR", &state)
+            .env("BCA_SECRET", pass)
+            .output()
+            .unwrap()
+    };
+    let out = recover("not the passphrase");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("wrong passphrase"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(before, sha256_file_tree(&state));
+    let out = recover(PASSPHRASE);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!state.join("keys/keys.tpm").exists());
+    let cfg = std::fs::read_to_string(state.join("config.toml")).unwrap();
+    assert!(
+        cfg.contains("key_protection = \"passphrase\"") && !cfg.contains("tpm ="),
+        "{cfg}"
+    );
+    // Serving again, on the passphrase: the token minted before still admits.
+    a.serve(PASSPHRASE);
+    Sim::new(&a).admitted(&token, &machine());
+    // Recovering twice: nothing to recover.
+    a.stop();
+    let out = recover(PASSPHRASE);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not sealed to a TPM"));
 }
 
 #[test]
