@@ -484,6 +484,12 @@ pub enum DaemonCmd {
 
 #[derive(Subcommand)]
 pub enum TpmCmd {
+    /// Write a new escrow copy of the TPM-sealed keys, sealed under a passphrase (BCA_SECRET or a
+    /// prompt): after `bca init --escrow`, and again after every key rotation.
+    Escrow {
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// When the TPM the keys were sealed to is gone (a replaced board, a cleared TPM): take the
     /// keys from the escrow copy `bca init --escrow` wrote; from then on they are protected by its
     /// passphrase. Run it with the server stopped.
@@ -898,6 +904,23 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Tpm(TpmCmd::Status { tpm }) => cmd_tpm_status(conn, tpm),
+        Command::Tpm(TpmCmd::Escrow { out }) => {
+            let state_dir = conn.state_dir();
+            if out.exists() {
+                return Err(ApiError::already_exists(format!(
+                    "{} exists; nothing was written",
+                    out.display()
+                )));
+            }
+            let bundle = crate::keys::unseal(&state_dir, KeyProtection::Tpm, None)
+                .map_err(ApiError::invalid_state)?;
+            let pass = crate::keys::passphrase_from_env_or_prompt(true)
+                .map_err(ApiError::invalid_input)?;
+            crate::keys::write_escrow(&out, &bundle, pass.as_bytes())
+                .map_err(ApiError::invalid_input)?;
+            println!("wrote {} (0600): keep it off this box", out.display());
+            Ok(())
+        }
         Command::Tpm(TpmCmd::Recover { escrow }) => {
             let state_dir = conn.state_dir();
             let admin = crate::config::Config::load(&state_dir)

@@ -109,7 +109,6 @@ fn allowed() -> Vec<i64> {
         SYS_getsockname,
         SYS_getpeername,
         SYS_fcntl,
-        SYS_ioctl,
         SYS_clone3,
         SYS_set_robust_list,
         SYS_rseq,
@@ -122,7 +121,6 @@ fn allowed() -> Vec<i64> {
         SYS_sched_getparam,
         SYS_sched_getscheduler,
         SYS_restart_syscall,
-        SYS_tgkill,
         SYS_set_tid_address,
     ];
     #[cfg(target_arch = "x86_64")]
@@ -142,11 +140,16 @@ fn seccomp() -> Result<(), String> {
     let arch = std::env::consts::ARCH
         .try_into()
         .map_err(|e| format!("confine: seccomp on {}: {e:?}", std::env::consts::ARCH))?;
-    let cond = |arg: u8, op: SeccompCmpOp, value: u64| {
-        SeccompCondition::new(arg, SeccompCmpArgLen::Qword, op, value)
-            .and_then(|c| SeccompRule::new(vec![c]))
+    let rule = |conds: &[(u8, SeccompCmpArgLen, SeccompCmpOp, u64)]| {
+        conds
+            .iter()
+            .map(|(arg, len, op, v)| SeccompCondition::new(*arg, len.clone(), op.clone(), *v))
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(SeccompRule::new)
             .map_err(|e| format!("confine: seccomp rule: {e}"))
     };
+    let cond =
+        |arg: u8, op: SeccompCmpOp, value: u64| rule(&[(arg, SeccompCmpArgLen::Qword, op, value)]);
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         allowed().into_iter().map(|n| (n, Vec::new())).collect();
     // Threads, never processes.
@@ -155,10 +158,50 @@ fn seccomp() -> Result<(), String> {
         libc::SYS_clone,
         vec![cond(0, SeccompCmpOp::MaskedEq(thread), thread)?],
     );
-    // The runtime's signal pipe; no other socket.
+    // The runtime's signal pipe (a Unix stream pair); no other socket.
     rules.insert(
         libc::SYS_socketpair,
-        vec![cond(0, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?],
+        vec![rule(&[
+            (
+                0,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::Eq,
+                libc::AF_UNIX as u64,
+            ),
+            (
+                1,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::MaskedEq(0xf),
+                libc::SOCK_STREAM as u64,
+            ),
+        ])?],
+    );
+    // Non-blocking and close-on-exec flags, and asking whether stderr is a terminal (glibc and
+    // musl ask differently); no other
+    // ioctl (no TIOCSTI into a terminal, no device).
+    rules.insert(
+        libc::SYS_ioctl,
+        [
+            libc::FIONBIO,
+            libc::FIOCLEX,
+            libc::FIONCLEX,
+            libc::TCGETS,
+            libc::TIOCGWINSZ,
+        ]
+        .into_iter()
+        // The request's type is c_ulong with glibc and c_int with musl.
+        .map(|req| {
+            #[allow(clippy::unnecessary_cast)]
+            let req = req as u64;
+            rule(&[(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, req)])
+        })
+        .collect::<Result<_, _>>()?,
+    );
+    // A signal to this process only (abort's SIGABRT): never to the parent, which may share
+    // the user.
+    rules.insert(
+        libc::SYS_tgkill,
+        vec![cond(0, SeccompCmpOp::Eq, std::process::id() as u64)?],
     );
     let allow: BpfProgram = SeccompFilter::new(
         rules,

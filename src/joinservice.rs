@@ -286,12 +286,22 @@ impl JoinHandle {
     /// The message interface: a serialized [`Call`] in, a serialized [`Outcome`] out.
     pub async fn call(&self, msg: &[u8]) -> Vec<u8> {
         let outcome = match serde_json::from_slice::<Call>(msg) {
-            Ok(Call::Join { request, peer }) => self.join(request, &peer).await,
-            Ok(Call::Renew {
+            Ok(call) => self.dispatch(call).await,
+            Err(_) => Outcome::Refused,
+        };
+        serde_json::to_vec(&outcome).expect("serializes")
+    }
+
+    /// [`Self::call`] for a message already parsed (the privilege-separation broker parses it to
+    /// see which calls the network child may make).
+    pub async fn dispatch(&self, call: Call) -> Outcome {
+        match call {
+            Call::Join { request, peer } => self.join(request, &peer).await,
+            Call::Renew {
                 request,
                 peer_leaf,
                 peer,
-            }) => {
+            } => {
                 let now = crate::clock::now();
                 let leaf = crypto::b64_decode(&peer_leaf).unwrap_or_default();
                 let prepared = crate::renewal::prepare(
@@ -308,27 +318,25 @@ impl JoinHandle {
                 self.submit(Work::Renew(Box::new(prepared)), String::new())
                     .await
             }
-            Ok(Call::SessionOpen { peer_leaf, .. }) => {
+            Call::SessionOpen { peer_leaf, .. } => {
                 let leaf = crypto::b64_decode(&peer_leaf).unwrap_or_default();
                 self.submit(Work::SessionOpen(leaf), String::new()).await
             }
-            Ok(Call::SessionSeen { node_id }) => {
+            Call::SessionSeen { node_id } => {
                 self.submit(Work::SessionSeen(node_id), String::new()).await
             }
-            Ok(Call::SessionClosed { node_id }) => {
+            Call::SessionClosed { node_id } => {
                 self.submit(Work::SessionClosed(node_id), String::new())
                     .await
             }
-            Ok(Call::MintDiscovery {
+            Call::MintDiscovery {
                 mac,
                 boot_lease_epoch,
-            }) => {
+            } => {
                 self.submit(Work::MintDiscovery(mac, boot_lease_epoch), String::new())
                     .await
             }
-            Err(_) => Outcome::Refused,
-        };
-        serde_json::to_vec(&outcome).expect("serializes")
+        }
     }
 
     /// Hands work to the writer thread and waits for its answer (sent after the commit).

@@ -353,7 +353,14 @@ impl Vault {
     pub fn store(&self, bundle: &KeyBundle) -> Result<(), String> {
         let bytes = match (&self.kek, self.protection) {
             (_, KeyProtection::File) => bundle.to_json(),
-            (Some(k), KeyProtection::Passphrase | KeyProtection::Tpm) => k.seal(bundle)?,
+            (Some(k), KeyProtection::Passphrase) => k.seal(bundle)?,
+            (Some(k), KeyProtection::Tpm) => {
+                tracing::warn!(
+                    "keys: the key bundle changed; an escrow copy made before is out of date: \
+                     make a new one with `bca tpm escrow --out FILE`"
+                );
+                k.seal(bundle)?
+            }
             _ => return Err("the key vault cannot write its protection".into()),
         };
         crate::fsutil::write_atomic(&file_for(&self.state_dir, self.protection), &bytes, 0o600)
@@ -437,7 +444,8 @@ pub fn recover_from_escrow(
     let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
     crate::app::check_keys_against(&pki, &bundle).map_err(|e| {
         format!(
-            "{} holds other keys than this appliance's: {e}",
+            "{} holds other keys than this appliance's now ({e}): another appliance's copy, or one \
+             made before a key rotation (make a new one after each: bca tpm escrow)",
             escrow.display()
         )
     })?;
@@ -465,7 +473,7 @@ fn configured_tpm(state_dir: &Path) -> Result<crate::tpm::Tcti, String> {
 
 pub fn tpm_not_available() -> String {
     "a backup of keys sealed to a TPM is not available in this version of bca: the sealed blob \
-     opens only on this box's TPM"
+     opens only on this box's TPM; the escrow copy (bca init --escrow) is the keys' backup"
         .into()
 }
 
@@ -548,6 +556,13 @@ fn unseal_inner(
             };
             let f: TpmSealedFile = serde_json::from_slice(&raw)
                 .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+            if f.version != 1 {
+                return Err(format!(
+                    "{} is of version {}, which this bca does not read",
+                    path.display(),
+                    f.version
+                ));
+            }
             let blob = crate::tpm::SealedBlob {
                 private: crypto::b64_decode(&f.tpm_private).ok_or("damaged TPM blob")?,
                 public: crypto::b64_decode(&f.tpm_public).ok_or("damaged TPM blob")?,

@@ -39,6 +39,7 @@ use crate::app::App;
 use crate::config::SessionsConfig;
 use crate::gateway::{Gateway, GatewayCert, Relay};
 use crate::joinservice::JoinHandle;
+use crate::protocol::{Call, Outcome};
 use rustls::sign::{CertifiedKey, Signer, SigningKey};
 use rustls::{SignatureAlgorithm, SignatureScheme};
 use serde::{Deserialize, Serialize};
@@ -236,7 +237,8 @@ impl Link {
         p.extend_from_slice(msg);
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let id = self.wait(Kind::Sign, &p, Waiter::Blocking(tx))?;
-        let r = rx.recv_timeout(Duration::from_secs(5)).ok();
+        // Off the worker: the runtime goes on with other connections while this one waits.
+        let r = tokio::task::block_in_place(|| rx.recv_timeout(Duration::from_secs(5)).ok());
         if r.is_none() {
             self.forget(id);
         }
@@ -381,6 +383,8 @@ fn send_fds(sock: &UnixStream, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<()
 
 /// `bca net-child`: started by `serve` only, with the socketpair as its standard input.
 pub fn child_main() -> Result<(), String> {
+    // A session of its own: no controlling terminal to push input into (TIOCSTI).
+    let _ = rustix::process::setsid();
     let sock = std::io::stdin()
         .as_fd()
         .try_clone_to_owned()
@@ -602,6 +606,8 @@ async fn spawn(init: &Init, listener: &std::net::TcpListener) -> Result<Child, S
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("privsep: starting the network child: {e}"))?;
+    // Our copy of the child's end: without it, a child that dies early is an end of stream.
+    drop(cmd);
     let started = async {
         send_fds(&ours, &[listener.as_fd()])?;
         (&ours)
@@ -658,7 +664,7 @@ async fn supervise(
     app: Arc<App>,
     join: JoinHandle,
     listener: std::net::TcpListener,
-    init: Init,
+    mut init: Init,
     first: Child,
     mut close_rx: mpsc::UnboundedReceiver<String>,
     mut stop: watch::Receiver<bool>,
@@ -670,7 +676,7 @@ async fn supervise(
     loop {
         let (mut child, stream) = match next.take() {
             Some(c) => c,
-            None => match spawn(&init, &listener).await {
+            None => match respawn(&mut init, &cert, &listener).await {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %e, "privsep: the network child did not start; retrying");
@@ -681,8 +687,8 @@ async fn supervise(
                 }
             },
         };
-        // A rotation while no child ran: the new child has the chain of its init message.
-        let init_chain = chain(&cert);
+        // The child has the chain of its init message; a rotation since is pushed by `broker`.
+        let init_chain = init.chain.clone();
         cert_rx.borrow_and_update();
         let started = std::time::Instant::now();
         let stopping = broker(
@@ -718,6 +724,16 @@ async fn supervise(
     }
 }
 
+/// A new child, given the chain of now: the gateway leaf may have been rotated since the start.
+async fn respawn(
+    init: &mut Init,
+    cert: &GatewayCert,
+    listener: &std::net::TcpListener,
+) -> Result<Child, String> {
+    init.chain = chain(cert);
+    spawn(init, listener).await
+}
+
 /// Waits out the backoff and doubles it; true when told to stop meanwhile.
 async fn pause(stop: &mut watch::Receiver<bool>, backoff: &mut Duration) -> bool {
     if *stop.borrow() {
@@ -729,13 +745,6 @@ async fn pause(stop: &mut watch::Receiver<bool>, backoff: &mut Duration) -> bool
     };
     *backoff = (*backoff * 2).min(Duration::from_secs(5));
     stopped
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Peek {
-    call: String,
-    node_id: Option<String>,
 }
 
 /// Serves one child until its end of the socketpair closes; true when it was told to stop.
@@ -751,7 +760,8 @@ async fn broker(
     stop: &mut watch::Receiver<bool>,
 ) -> bool {
     let (mut rd, mut wr) = stream.into_split();
-    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    // Bounded: a child that sends without reading is ended, not queued for without limit.
+    let (out_tx, mut out_rx) = mpsc::channel::<Vec<u8>>(OUT_QUEUE);
     let writer = tokio::spawn(async move {
         while let Some(b) = out_rx.recv().await {
             if wr.write_all(&b).await.is_err() {
@@ -767,10 +777,12 @@ async fn broker(
             }
         }
     });
-    // The sessions this child holds, by node: recorded closed if it dies.
-    let held: Arc<Mutex<HashMap<String, u64>>> = Default::default();
+    // The sessions this child holds, by node: recorded closed if it dies. `None` once it has.
+    let held: Held = Arc::new(Mutex::new(Some(HashMap::new())));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    let send = |b: Vec<u8>| out_tx.try_send(b).is_ok();
     if chain(cert) != sent_chain {
-        let _ = out_tx.send(encode(
+        send(encode(
             0,
             Kind::Cert,
             &serde_json::to_vec(&chain(cert)).expect("json"),
@@ -778,7 +790,7 @@ async fn broker(
     }
     let mut stopping = *stop.borrow();
     if stopping {
-        let _ = out_tx.send(encode(0, Kind::Stop, &[]));
+        send(encode(0, Kind::Stop, &[]));
     }
     loop {
         tokio::select! {
@@ -786,12 +798,41 @@ async fn broker(
                 let Some((id, kind, p)) = f else { break };
                 match kind {
                     Kind::Call => {
+                        // What the network may ask, and nothing else (no discovery tokens).
+                        let call = match serde_json::from_slice::<Call>(&p) {
+                            Ok(c @ (Call::Join { .. }
+                            | Call::Renew { .. }
+                            | Call::SessionOpen { .. }
+                            | Call::SessionSeen { .. }
+                            | Call::SessionClosed { .. })) => c,
+                            Ok(_) => {
+                                tracing::warn!("privsep: the network child made a call it may not make; refused");
+                                send(encode(id, Kind::Reply, &outcome(&Outcome::Refused)));
+                                continue;
+                            }
+                            Err(_) => {
+                                send(encode(id, Kind::Reply, &outcome(&Outcome::Refused)));
+                                continue;
+                            }
+                        };
+                        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                            send(encode(id, Kind::Reply, &outcome(&Outcome::Busy)));
+                            continue;
+                        };
                         let (app, join, out, held) =
                             (app.clone(), join.clone(), out_tx.clone(), held.clone());
                         tokio::spawn(async move {
-                            let reply = join.call(&p).await;
-                            track(&app, &held, &p, &reply);
-                            let _ = out.send(encode(id, Kind::Reply, &reply));
+                            let _permit = permit;
+                            let session = match &call {
+                                Call::SessionOpen { .. } => Some(None),
+                                Call::SessionClosed { node_id } => Some(Some(node_id.clone())),
+                                _ => None,
+                            };
+                            let reply = join.dispatch(call).await;
+                            if let Some(closed) = session {
+                                track(&app, &join, &held, closed, &reply);
+                            }
+                            let _ = out.try_send(encode(id, Kind::Reply, &outcome(&reply)));
                         });
                     }
                     Kind::Sign => {
@@ -802,7 +843,10 @@ async fn broker(
                                 vec![1]
                             }
                         };
-                        let _ = out_tx.send(encode(id, Kind::Reply, &r));
+                        if !send(encode(id, Kind::Reply, &r)) {
+                            tracing::warn!("privsep: the network child does not read its answers; ending it");
+                            break;
+                        }
                     }
                     other => {
                         tracing::warn!(kind = ?other, "privsep: an unexpected message from the network child");
@@ -810,62 +854,69 @@ async fn broker(
                 }
             }
             Some(node) = close_rx.recv() => {
-                let _ = out_tx.send(encode(0, Kind::Close, node.as_bytes()));
+                send(encode(0, Kind::Close, node.as_bytes()));
             }
             Ok(()) = cert_rx.changed() => {
-                let _ = out_tx.send(encode(0, Kind::Cert, &serde_json::to_vec(&chain(cert)).expect("json")));
+                send(encode(0, Kind::Cert, &serde_json::to_vec(&chain(cert)).expect("json")));
             }
             r = stop.changed(), if !stopping => {
                 stopping = r.is_err() || *stop.borrow();
                 if stopping {
-                    let _ = out_tx.send(encode(0, Kind::Stop, &[]));
+                    send(encode(0, Kind::Stop, &[]));
                 }
             }
         }
     }
     reader.abort();
     writer.abort();
-    let held: Vec<(String, u64)> = held
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .drain()
-        .collect();
-    for (node, sid) in held {
-        if app.sessions.unregister(&node, sid) {
-            let call = crate::protocol::Call::SessionClosed { node_id: node };
-            let _ = join
-                .call(&serde_json::to_vec(&call).expect("serializes"))
-                .await;
+    // The child is gone: its sessions are over. Recorded in the background, so that the restart
+    // does not wait for thousands of writes; a session whose open is still in flight is closed
+    // as soon as it is answered (`track`).
+    let held = held.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let (app, join) = (app.clone(), join.clone());
+    tokio::spawn(async move {
+        for (node, sid) in held.unwrap_or_default() {
+            if app.sessions.unregister(&node, sid) {
+                join.dispatch(Call::SessionClosed { node_id: node }).await;
+            }
         }
-    }
+    });
     stopping
 }
 
+/// In-flight calls from one child; more are answered busy at once.
+const MAX_IN_FLIGHT: usize = 8192;
+/// Messages waiting to be written to the child.
+const OUT_QUEUE: usize = 2 * MAX_IN_FLIGHT;
+
+type Held = Arc<Mutex<Option<HashMap<String, u64>>>>;
+
+fn outcome(o: &Outcome) -> Vec<u8> {
+    serde_json::to_vec(o).expect("serializes")
+}
+
 /// Keeps the parent's registry of sessions (for `/metrics`, `/healthz` and revocation) in step
-/// with the child's.
-fn track(app: &App, held: &Mutex<HashMap<String, u64>>, call: &[u8], reply: &[u8]) {
-    // Serde writes the tag first: joins and renewals (most calls, and the largest) need no parse.
-    if !call.starts_with(br#"{"call":"session"#) {
-        return;
-    }
-    let Ok(peek) = serde_json::from_slice::<Peek>(call) else {
-        return;
-    };
-    let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
-    match peek.call.as_str() {
-        "sessionOpen" => {
-            if let Ok(crate::protocol::Outcome::SessionOpened { node_id }) =
-                serde_json::from_slice(reply)
-            {
-                let (sid, _) = app.sessions.register(&node_id);
-                held.insert(node_id, sid);
+/// with the child's: `closed` is `None` for an open, the node for a close.
+fn track(app: &App, join: &JoinHandle, held: &Held, closed: Option<String>, reply: &Outcome) {
+    let mut guard = held.lock().unwrap_or_else(|p| p.into_inner());
+    match (closed, reply) {
+        (None, Outcome::SessionOpened { node_id }) => match guard.as_mut() {
+            Some(h) => {
+                let (sid, _) = app.sessions.register(node_id);
+                // A session of this node the child replaced closes without a message of its own.
+                h.insert(node_id.clone(), sid);
             }
-        }
-        "sessionClosed" => {
-            if let Some(n) = peek.node_id {
-                if let Some(sid) = held.remove(&n) {
-                    app.sessions.unregister(&n, sid);
-                }
+            None => {
+                // The child died while this open was in flight: the session is already over.
+                let (join, node_id) = (join.clone(), node_id.clone());
+                tokio::spawn(async move {
+                    join.dispatch(Call::SessionClosed { node_id }).await;
+                });
+            }
+        },
+        (Some(node), _) => {
+            if let Some(sid) = guard.as_mut().and_then(|h| h.remove(&node)) {
+                app.sessions.unregister(&node, sid);
             }
         }
         _ => {}

@@ -535,11 +535,12 @@ impl Tpm {
         } else {
             TpmSt::Sessions
         };
-        let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+        // Zeroized: a secret to seal passes through these buffers.
+        let mut buf = Zeroizing::new(vec![0u8; TPM_MAX_COMMAND_SIZE]);
         let mut w = TpmWriter::new(&mut buf);
         tpm_marshal_command(cmd, tag, sessions, &mut w)
             .map_err(|e| fail(None, format!("cannot marshal the command: {e:?}")))?;
-        let cmd_bytes = w.as_bytes().to_vec();
+        let cmd_bytes = Zeroizing::new(w.as_bytes().to_vec());
         // Zeroized: an unsealed secret passes through this buffer.
         let raw = self
             .t
@@ -757,12 +758,8 @@ impl Tpm {
         };
         let size = match self.run::<_, TpmNvReadPublicResponse>("TPM2_NV_ReadPublic", &cmd, &[]) {
             Ok(r) => r.nv_public.data_size.value() as usize,
-            Err(e)
-                if e.rc
-                    .is_some_and(|rc| rc & 0x3f == TpmRcBase::Handle as u32 & 0x3f) =>
-            {
-                return Ok(None)
-            }
+            // TPM_RC_HANDLE on the first handle: no such index.
+            Err(e) if e.rc == Some(0x18b) => return Ok(None),
             Err(e) => return Err(e),
         };
         let mut data = Vec::with_capacity(size);

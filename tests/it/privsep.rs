@@ -226,6 +226,18 @@ fn killing_the_network_child_loses_nothing_and_it_is_restarted() {
         metrics.contains("bca_privsep_child_restarts_total 1"),
         "{metrics}"
     );
+    // Two gateway rotations, then a child restart: the new child serves the current leaf (the
+    // parent signs only for the current and the previous one).
+    for _ in 0..2 {
+        let o = a.cli(&["pki", "rotate", "gateway"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let third = net_child(&a);
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &third.to_string()])
+        .status();
+    wait_for("a new child", 20, || (net_child(&a) != third).then_some(()));
+    sim.admitted(&token, &machine());
     let _ = agent.kill();
     let _ = agent.wait();
 }

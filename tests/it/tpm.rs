@@ -236,6 +236,26 @@ fn keys_sealed_to_a_tpm_unseal_at_every_start_and_not_on_another_tpm() {
         .tool(&["tpm2_getcap", "handles-transient"], dir.path())
         .trim()
         .is_empty());
+    // A rotation changes the bundle: the escrow made at init is out of date, a new one is not.
+    let rotated = a.cli(&["pki", "rotate", "gateway"]);
+    assert!(
+        rotated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rotated.stderr)
+    );
+    let fresh = escrow_dir.path().join("escrow-2.json");
+    let out = std::process::Command::new(bin())
+        .args(["tpm", "escrow", "--out"])
+        .arg(&fresh)
+        .env("BCA_STATE_DIR", &state)
+        .env("BCA_SECRET", PASSPHRASE)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let doctor = a.cli(&["doctor"]);
     let text = String::from_utf8_lossy(&doctor.stdout);
     assert!(
@@ -279,15 +299,24 @@ fn keys_sealed_to_a_tpm_unseal_at_every_start_and_not_on_another_tpm() {
     assert_eq!(before, sha256_file_tree(&state));
 
     // The way back: the escrow copy, under its passphrase. A wrong one changes nothing.
-    let recover = |pass: &str| {
+    let recover_with = |file: &std::path::Path, pass: &str| {
         std::process::Command::new(bin())
             .args(["tpm", "recover", "--escrow"])
-            .arg(&escrow)
+            .arg(file)
             .env("BCA_STATE_DIR", &state)
             .env("BCA_SECRET", pass)
             .output()
             .unwrap()
     };
+    let out = recover_with(&escrow, PASSPHRASE);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("made before a key rotation"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(before, sha256_file_tree(&state));
+    let recover = |pass: &str| recover_with(&fresh, pass);
     let out = recover("not the passphrase");
     assert!(!out.status.success());
     assert!(
