@@ -19,8 +19,11 @@
 //! # The messages
 //! Frames are `u32` length, `u64` id, one kind byte, a payload. The child sends:
 //! - `Call`: a [`crate::protocol::Call`] as JSON, the join issue's message interface, answered
-//!   with the JoinService's [`crate::protocol::Outcome`] bytes. The parent's JoinService parses
-//!   and checks it as it would any caller's; the child is not trusted more than the network.
+//!   with the JoinService's [`crate::protocol::Outcome`] bytes. The parent relays only the calls
+//!   the network may make (join, renew, session open, seen and closed: never a discovery token)
+//!   and the JoinService checks them as it would any caller's; the child is not trusted more than
+//!   the network. At most 8,192 calls are in flight; more are answered busy, and a child that
+//!   does not read its answers is ended.
 //! - `Sign`: the TLS 1.3 server `CertificateVerify` input for the gateway leaf (named by its
 //!   SHA-256). The parent signs only that structure (64 spaces, the TLS 1.3 server context
 //!   string, a transcript hash), so the key cannot be used by the child as a general signing
