@@ -138,6 +138,17 @@ pub struct TpmFailure {
     pub message: String,
 }
 
+impl TpmFailure {
+    /// A failure bca found itself (no response code).
+    fn new(command: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            command,
+            rc: None,
+            message: message.into(),
+        }
+    }
+}
+
 impl std::fmt::Display for TpmFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: {}", self.command, self.message)
@@ -183,22 +194,20 @@ fn explain(rc: u32) -> String {
 
 /// A response as the TPM sent it: its code, then its parameters for command `R`.
 pub(crate) fn parse<R: TpmUnmarshalBody>(name: &'static str, raw: &[u8]) -> Result<R, TpmFailure> {
-    let fail = |rc: Option<u32>, message: String| TpmFailure {
-        command: name,
-        rc,
-        message,
-    };
+    let fail = |message: String| TpmFailure::new(name, message);
     if raw.len() < 10 {
-        return Err(fail(None, format!("a response of {} bytes", raw.len())));
+        return Err(fail(format!("a response of {} bytes", raw.len())));
     }
     let code = u32::from_be_bytes([raw[6], raw[7], raw[8], raw[9]]);
     if code != 0 {
-        return Err(fail(Some(code), explain(code)));
+        return Err(TpmFailure {
+            rc: Some(code),
+            ..fail(explain(code))
+        });
     }
-    let resp =
-        TpmResponse::cast(raw).map_err(|e| fail(None, format!("a malformed response: {e:?}")))?;
+    let resp = TpmResponse::cast(raw).map_err(|e| fail(format!("a malformed response: {e:?}")))?;
     resp.unmarshal::<R>()
-        .map_err(|e| fail(None, format!("a malformed response: {e:?}")))
+        .map_err(|e| fail(format!("a malformed response: {e:?}")))
 }
 
 /// Every response bca parses, as the fuzzer drives it ([`crate::fuzzing::tpm`]).
@@ -487,10 +496,8 @@ pub struct Identity {
 
 impl Tpm {
     pub fn open(tcti: &Tcti) -> Result<Self, TpmFailure> {
-        let fail = |e: std::io::Error| TpmFailure {
-            command: "open",
-            rc: None,
-            message: format!("cannot reach the TPM at {tcti}: {e}"),
+        let fail = |e: std::io::Error| {
+            TpmFailure::new("open", format!("cannot reach the TPM at {tcti}: {e}"))
         };
         let t = match tcti {
             Tcti::Device(p) => Transport::Device(
@@ -525,11 +532,6 @@ impl Tpm {
         cmd: &C,
         sessions: &[TpmsAuthCommand],
     ) -> Result<R, TpmFailure> {
-        let fail = |rc: Option<u32>, message: String| TpmFailure {
-            command: name,
-            rc,
-            message,
-        };
         let tag = if sessions.is_empty() {
             TpmSt::NoSessions
         } else {
@@ -539,7 +541,7 @@ impl Tpm {
         let mut buf = Zeroizing::new(vec![0u8; TPM_MAX_COMMAND_SIZE]);
         let mut w = TpmWriter::new(&mut buf);
         tpm_marshal_command(cmd, tag, sessions, &mut w)
-            .map_err(|e| fail(None, format!("cannot marshal the command: {e:?}")))?;
+            .map_err(|e| TpmFailure::new(name, format!("cannot marshal the command: {e:?}")))?;
         let cmd_bytes = Zeroizing::new(w.as_bytes().to_vec());
         // Zeroized: an unsealed secret passes through this buffer.
         let raw = self
@@ -547,8 +549,8 @@ impl Tpm {
             .transact(&cmd_bytes)
             .map(Zeroizing::new)
             .map_err(|e| {
-                fail(
-                    None,
+                TpmFailure::new(
+                    name,
                     format!("the TPM at {} did not answer: {e}", self.tcti),
                 )
             })?;
@@ -603,44 +605,52 @@ impl Tpm {
         })
     }
 
-    /// Creates the EK of the low range under the endorsement hierarchy, reads what it needs and
-    /// flushes it.
-    pub fn ek_public(&mut self, alg: EkAlg) -> Result<PublicKey, TpmFailure> {
-        let template = ek_template(alg).map_err(|e| TpmFailure {
-            command: "TPM2_CreatePrimary",
-            rc: None,
-            message: format!("the EK template: {e:?}"),
+    /// Creates a primary key in `hierarchy` from `template`, runs `f` with it, and flushes it
+    /// whatever `f` returned.
+    fn with_primary<T>(
+        &mut self,
+        hierarchy: TpmRh,
+        template: Result<TpmtPublic, tpm2_protocol::TpmError>,
+        f: impl FnOnce(&mut Self, &TpmCreatePrimaryResponse) -> Result<T, TpmFailure>,
+    ) -> Result<T, TpmFailure> {
+        let template = template.map_err(|e| {
+            TpmFailure::new("TPM2_CreatePrimary", format!("the key's template: {e:?}"))
         })?;
         let cmd = TpmCreatePrimaryCommand {
-            handles: [TpmHandle::new(TpmRh::Endorsement.value())],
+            handles: [TpmHandle::new(hierarchy.value())],
             in_sensitive: Tpm2bSensitiveCreate::default(),
             in_public: Tpm2bPublic::from(template),
             outside_info: Tpm2bData::default(),
             creation_pcr: TpmlPcrSelection::default(),
         };
         let r: TpmCreatePrimaryResponse = self.run("TPM2_CreatePrimary", &cmd, &[password()])?;
-        let handle = r.handles[0].value();
-        let out = PublicKey::of(&r.out_public).map_err(|m| TpmFailure {
-            command: "TPM2_CreatePrimary",
-            rc: None,
-            message: m,
-        });
-        // The name the TPM reports must be the one computed from the public area it returned.
-        let out = out.and_then(|k| {
-            if k.name[..] == r.name[..] {
-                Ok(k)
-            } else {
-                Err(TpmFailure {
-                    command: "TPM2_CreatePrimary",
-                    rc: None,
-                    message: "the TPM reported a name that is not its key's".into(),
-                })
-            }
-        });
+        let out = f(self, &r);
+        self.flushed(r.handles[0].value(), out)
+    }
+
+    /// Flushes `handle`, then gives `out`: its error first, else the flush's.
+    fn flushed<T>(&mut self, handle: u32, out: Result<T, TpmFailure>) -> Result<T, TpmFailure> {
         let flushed = self.flush(handle);
         let out = out?;
         flushed?;
         Ok(out)
+    }
+
+    /// Creates the EK of the low range under the endorsement hierarchy, reads what it needs and
+    /// flushes it.
+    pub fn ek_public(&mut self, alg: EkAlg) -> Result<PublicKey, TpmFailure> {
+        self.with_primary(TpmRh::Endorsement, ek_template(alg), |_, r| {
+            let k = PublicKey::of(&r.out_public)
+                .map_err(|m| TpmFailure::new("TPM2_CreatePrimary", m))?;
+            // The name the TPM reports must be the one computed from the public area it returned.
+            if k.name[..] != r.name[..] {
+                return Err(TpmFailure::new(
+                    "TPM2_CreatePrimary",
+                    "the TPM reported a name that is not its key's",
+                ));
+            }
+            Ok(k)
+        })
     }
 
     /// Runs `f` with the storage primary key loaded, and flushes it whatever `f` returned.
@@ -648,34 +658,14 @@ impl Tpm {
         &mut self,
         f: impl FnOnce(&mut Self, u32) -> Result<T, TpmFailure>,
     ) -> Result<T, TpmFailure> {
-        let template = srk_template().map_err(|e| TpmFailure {
-            command: "TPM2_CreatePrimary",
-            rc: None,
-            message: format!("the storage key template: {e:?}"),
-        })?;
-        let cmd = TpmCreatePrimaryCommand {
-            handles: [TpmHandle::new(TpmRh::Owner.value())],
-            in_sensitive: Tpm2bSensitiveCreate::default(),
-            in_public: Tpm2bPublic::from(template),
-            outside_info: Tpm2bData::default(),
-            creation_pcr: TpmlPcrSelection::default(),
-        };
-        let r: TpmCreatePrimaryResponse = self.run("TPM2_CreatePrimary", &cmd, &[password()])?;
-        let srk = r.handles[0].value();
-        let out = f(self, srk);
-        let flushed = self.flush(srk);
-        let out = out?;
-        flushed?;
-        Ok(out)
+        self.with_primary(TpmRh::Owner, srk_template(), |tpm, r| {
+            f(tpm, r.handles[0].value())
+        })
     }
 
     /// Seals `secret` (at most 128 bytes) to this TPM.
     pub fn seal(&mut self, secret: &[u8]) -> Result<SealedBlob, TpmFailure> {
-        let fail = |m: String| TpmFailure {
-            command: "TPM2_Create",
-            rc: None,
-            message: m,
-        };
+        let fail = |m: String| TpmFailure::new("TPM2_Create", m);
         let data = Tpm2bSensitiveData::try_from(secret)
             .map_err(|e| fail(format!("a secret of {} bytes: {e:?}", secret.len())))?;
         let cmd_of = |srk: u32| TpmCreateCommand {
@@ -707,11 +697,7 @@ impl Tpm {
     /// TPM (or after the owner hierarchy was cleared) the load fails: the blob's integrity is
     /// keyed to the storage key's seed.
     pub fn unseal(&mut self, blob: &SealedBlob) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
-        let fail = |m: String| TpmFailure {
-            command: "TPM2_Load",
-            rc: None,
-            message: m,
-        };
+        let fail = |m: String| TpmFailure::new("TPM2_Load", m);
         let private = Tpm2bPrivate::try_from(&blob.private[..])
             .map_err(|e| fail(format!("the sealed blob's private part: {e:?}")))?;
         let (public, rest) = Tpm2bPublic::unmarshal(&blob.public)
@@ -735,10 +721,7 @@ impl Tpm {
             let out = tpm
                 .run::<_, TpmUnsealResponse>("TPM2_Unseal", &cmd, &[password()])
                 .map(|r| Zeroizing::new(r.out_data.to_vec()));
-            let flushed = tpm.flush(item);
-            let out = out?;
-            flushed?;
-            Ok(out)
+            tpm.flushed(item, out)
         })
     }
 
