@@ -273,6 +273,14 @@ impl Default for JoinConfig {
 }
 
 impl Config {
+    /// `config.toml` as bca writes it.
+    pub fn to_file_text(&self) -> Result<String, String> {
+        Ok(format!(
+            "# bca configuration; every key is described in docs/config.md\n{}",
+            toml::to_string_pretty(self).map_err(|e| e.to_string())?
+        ))
+    }
+
     pub fn load(state_dir: &Path) -> Result<Self, String> {
         let p = state_dir.join("config.toml");
         let text = std::fs::read_to_string(&p).map_err(|e| {

@@ -221,10 +221,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         )
         .map_err(ApiError::internal)?,
     }
-    let text = format!(
-        "# bca configuration; every key is described in docs/config.md\n{}",
-        toml::to_string_pretty(&config).map_err(ApiError::internal)?
-    );
+    let text = config.to_file_text().map_err(ApiError::internal)?;
     fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes())
         .map_err(ApiError::internal)?;
     let pins = PublicPki::load(&pki::pki_dir(&o.state_dir))

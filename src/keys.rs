@@ -237,14 +237,53 @@ impl Kek {
         let blob = crate::tpm::Tpm::open(tcti)
             .and_then(|mut t| t.seal(key.as_slice()))
             .map_err(|e| format!("sealing the keys to the TPM: {e}"))?;
-        Ok(Self {
+        Ok(Self::held_by_tpm(blob, key))
+    }
+
+    /// The key `blob` holds in the TPM.
+    fn held_by_tpm(blob: crate::tpm::SealedBlob, key: Zeroizing<[u8; 32]>) -> Self {
+        Self {
             tpm: Some(blob),
             key,
             salt: Vec::new(),
             m_kib: 0,
             t: 0,
             p: 0,
-        })
+        }
+    }
+
+    /// Opens a passphrase-sealed file (`keys/keys.sealed`, or an escrow copy at `path`): the
+    /// bundle, and the key that seals it again.
+    fn open_passphrase(
+        f: &SealedFile,
+        pass: &[u8],
+        path: &Path,
+    ) -> Result<(KeyBundle, Self), String> {
+        if f.version != 1
+            || f.kdf != "argon2id"
+            || f.p != 1
+            || f.m_kib > 4 * 1024 * 1024
+            || f.t > 64
+        {
+            return Err(format!(
+                "{} has parameters this bca does not read",
+                path.display()
+            ));
+        }
+        let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
+        let key = derive(pass, &salt, f.m_kib, f.t, f.p)?;
+        let bundle = open_sealed(f, &key)?;
+        Ok((
+            bundle,
+            Self {
+                tpm: None,
+                key,
+                salt,
+                m_kib: f.m_kib,
+                t: f.t,
+                p: f.p,
+            },
+        ))
     }
 
     fn seal(&self, bundle: &KeyBundle) -> Result<Zeroizing<Vec<u8>>, String> {
@@ -432,15 +471,7 @@ pub fn recover_from_escrow(
             escrow.display()
         )
     })?;
-    let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
-    if f.kdf != "argon2id" || f.p != 1 || f.m_kib > 4 * 1024 * 1024 || f.t > 64 {
-        return Err(format!(
-            "{} has parameters this bca does not read",
-            escrow.display()
-        ));
-    }
-    let key = derive(passphrase, &salt, f.m_kib, f.t, f.p)?;
-    let bundle = open_sealed(&f, &key)?;
+    let (bundle, _) = Kek::open_passphrase(&f, passphrase, escrow)?;
     let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
     crate::app::check_keys_against(&pki, &bundle).map_err(|e| {
         format!(
@@ -453,11 +484,11 @@ pub fn recover_from_escrow(
     crate::fsutil::write_atomic(&sealed, &raw, 0o600)?;
     config.key_protection = KeyProtection::Passphrase;
     config.tpm = None;
-    let text = format!(
-        "# bca configuration; every key is described in docs/config.md\n{}",
-        toml::to_string_pretty(&config).map_err(|e| e.to_string())?
-    );
-    crate::fsutil::write_atomic(&state_dir.join("config.toml"), text.as_bytes(), 0o600)?;
+    crate::fsutil::write_atomic(
+        &state_dir.join("config.toml"),
+        config.to_file_text()?.as_bytes(),
+        0o600,
+    )?;
     let _ = std::fs::remove_file(file_for(state_dir, KeyProtection::Tpm));
     Ok(())
 }
@@ -523,31 +554,7 @@ fn unseal_inner(
                 .ok_or("a passphrase is required (set BCA_SECRET or run on a terminal)")?;
             let f: SealedFile = serde_json::from_slice(&raw)
                 .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
-            if f.version != 1
-                || f.kdf != "argon2id"
-                || f.p != 1
-                || f.m_kib > 4 * 1024 * 1024
-                || f.t > 64
-            {
-                return Err(format!(
-                    "{} has parameters this bca does not read",
-                    path.display()
-                ));
-            }
-            let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
-            let key = derive(pass, &salt, f.m_kib, f.t, f.p)?;
-            let bundle = open_sealed(&f, &key)?;
-            Ok((
-                bundle,
-                Some(Kek {
-                    tpm: None,
-                    key,
-                    salt,
-                    m_kib: f.m_kib,
-                    t: f.t,
-                    p: f.p,
-                }),
-            ))
+            Kek::open_passphrase(&f, pass, &path).map(|(b, k)| (b, Some(k)))
         }
         KeyProtection::Tpm => {
             let tcti = match tcti {
@@ -590,17 +597,7 @@ fn unseal_inner(
                     path.display()
                 )
             })?;
-            Ok((
-                bundle,
-                Some(Kek {
-                    tpm: Some(blob),
-                    key,
-                    salt: Vec::new(),
-                    m_kib: 0,
-                    t: 0,
-                    p: 0,
-                }),
-            ))
+            Ok((bundle, Some(Kek::held_by_tpm(blob, key))))
         }
     }
 }
