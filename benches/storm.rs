@@ -402,22 +402,45 @@ fn cold_start(a: &mut Appliance) -> f64 {
 /// Joins per second through a fresh appliance, `n` joins at `conc` at once.
 fn quick_storm(name: &str, privsep: bool, n: usize, conc: usize) -> f64 {
     let mut a = appliance(name, privsep);
-    let root = api(&a, "tenants/list", json!({}))["items"][0]["id"]
+    let (cfg, machines) = prepare_machines(&a, n);
+    let rt = load_runtime();
+    let t = Instant::now();
+    let ok = join_storm(&rt, &cfg, &machines, conc)
+        .iter()
+        .filter(|r| r.1.is_some())
+        .count();
+    let rate = ok as f64 / t.elapsed().as_secs_f64();
+    let _ = a.child.kill();
+    let _ = a.child.wait();
+    let _ = std::fs::remove_dir_all(&a.dir);
+    rate
+}
+
+/// A pool, tokens (10,000 uses each) and `n` machines prepared as real ones would be before the
+/// clock starts, with the agent configuration they join with.
+fn prepare_machines(a: &Appliance, n: usize) -> (Arc<AgentConfig>, Vec<Arc<Machine>>) {
+    let root = api(a, "tenants/list", json!({}))["items"][0]["id"]
         .as_str()
         .unwrap()
         .to_string();
-    let pool = api(&a, "pools/create", json!({"tenantId": root, "name": "p"}))["id"]
+    let pool = api(
+        a,
+        "pools/create",
+        json!({"tenantId": root, "name": "bench"}),
+    )["id"]
         .as_str()
         .unwrap()
         .to_string();
-    let token = api(
-        &a,
-        "joinTokens/create",
-        json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": "q"}),
-    )["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let tokens: Vec<String> = (0..n.div_ceil(10_000))
+        .map(|i| {
+            let t = api(
+                a,
+                "joinTokens/create",
+                json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": format!("b{i}")}),
+            );
+            t["token"].as_str().unwrap().to_string()
+        })
+        .collect();
     let adir = a.dir.join("agent");
     agent::write_agent_config(
         &a.dir.join("state"),
@@ -429,34 +452,44 @@ fn quick_storm(name: &str, privsep: bool, n: usize, conc: usize) -> f64 {
     let enc = cfg
         .join_encryption_point(&adir.join("config.toml"))
         .unwrap();
-    let machines: Vec<Arc<Machine>> = (0..n).map(|i| Arc::new(machine(i, &token, &enc))).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let machines = (0..n)
+        .map(|i| Arc::new(machine(i, &tokens[i / 10_000], &enc)))
+        .collect();
+    (cfg, machines)
+}
+
+/// The load generator's runtime: two workers.
+fn load_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// Every machine joins, `conc` at once, each on a new connection; latency and answer of each.
+fn join_storm(
+    rt: &tokio::runtime::Runtime,
+    cfg: &Arc<AgentConfig>,
+    machines: &[Arc<Machine>],
+    conc: usize,
+) -> Vec<(Duration, Option<protocol::JoinResponse>)> {
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
-    let t = Instant::now();
-    let ok = rt.block_on(async {
+    rt.block_on(async {
         let mut hs = Vec::new();
-        for m in &machines {
+        for m in machines {
             let (cfg, m, sem) = (cfg.clone(), m.clone(), sem.clone());
             hs.push(tokio::spawn(async move {
                 let _p = sem.acquire_owned().await.unwrap();
-                one_join(cfg, m).await.1.is_some()
+                one_join(cfg, m).await
             }));
         }
-        let mut ok = 0;
+        let mut out = Vec::new();
         for h in hs {
-            ok += h.await.unwrap() as usize;
+            out.push(h.await.unwrap());
         }
-        ok
-    });
-    let rate = ok as f64 / t.elapsed().as_secs_f64();
-    let _ = a.child.kill();
-    let _ = a.child.wait();
-    let _ = std::fs::remove_dir_all(&a.dir);
-    rate
+        out
+    })
 }
 
 /// What privilege separation costs a join: the same storm with the gateway in the confined child
@@ -509,66 +542,14 @@ fn main() {
     let mut a = appliance("main", true);
     // Cold start on an empty state directory; again after the storms (20,000 nodes), below.
     line("cold_start_empty", cold_start(&mut a), "ms");
-    let root = api(&a, "tenants/list", json!({}))["items"][0]["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let pool = api(
-        &a,
-        "pools/create",
-        json!({"tenantId": root, "name": "bench"}),
-    )["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let mut tokens = Vec::new();
-    for i in 0..joins.div_ceil(10_000) {
-        let t = api(
-            &a,
-            "joinTokens/create",
-            json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": format!("b{i}")}),
-        );
-        tokens.push(t["token"].as_str().unwrap().to_string());
-    }
-    let adir = a.dir.join("agent");
-    agent::write_agent_config(
-        &a.dir.join("state"),
-        &format!("https://{}", a.gateway),
-        &adir,
-    )
-    .unwrap();
-    let cfg = Arc::new(AgentConfig::load(&adir.join("config.toml")).unwrap());
-    let enc = cfg
-        .join_encryption_point(&adir.join("config.toml"))
-        .unwrap();
-    let machines: Vec<Arc<Machine>> = (0..joins)
-        .map(|i| Arc::new(machine(i, &tokens[i / 10_000], &enc)))
-        .collect();
-
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let (cfg, machines) = prepare_machines(&a, joins);
+    let rt = load_runtime();
     // Join storm.
-    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let cpu0 = cpu_seconds(a.child.id());
     let t = Instant::now();
-    let results: Vec<(Duration, Option<protocol::JoinResponse>)> = rt.block_on(async {
-        let mut hs = Vec::new();
-        for m in &machines {
-            let (cfg, m, sem) = (cfg.clone(), m.clone(), sem.clone());
-            hs.push(tokio::spawn(async move {
-                let _p = sem.acquire_owned().await.unwrap();
-                one_join(cfg, m).await
-            }));
-        }
-        let mut out = Vec::new();
-        for h in hs {
-            out.push(h.await.unwrap());
-        }
-        out
-    });
+    let results = join_storm(&rt, &cfg, &machines, conc);
+    // The sessions below open at the same concurrency.
+    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let wall = t.elapsed();
     let join_cpu = cpu_seconds(a.child.id()) - cpu0;
     let ok = results.iter().filter(|r| r.1.is_some()).count();
