@@ -511,12 +511,13 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    /// Starts the first child and waits until it reports itself confined; a child that is not
-    /// is an error and `serve` does not start.
+    /// Starts the first child (as `user`, which [`user`] looked up) and waits until it reports
+    /// itself confined; a child that is not is an error and `serve` does not start.
     pub async fn start(
         app: Arc<App>,
         join: JoinHandle,
         listener: std::net::TcpListener,
+        user: Option<(u32, u32)>,
         stop: watch::Receiver<bool>,
     ) -> Result<Self, String> {
         let cert = app
@@ -534,7 +535,7 @@ impl Supervisor {
             chain: chain(&cert),
             node_ca: crate::crypto::b64(&app.pki.node_ca),
             scheme: u16::from(scheme),
-            user: user(&app.config.privsep.user)?,
+            user,
             probe: probe_paths(&app.state_dir),
         };
         let (close_tx, close_rx) = mpsc::unbounded_channel();

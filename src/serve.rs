@@ -168,9 +168,12 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         .clone()
         .unwrap_or_else(|| app.config.admin_socket_path(&app.state_dir));
 
-    if app.config.privsep.enabled {
-        crate::privsep::user(&app.config.privsep.user)?;
-    }
+    // The network child's user, looked up before anything is bound: a bad one changes nothing.
+    let child_user = if app.config.privsep.enabled {
+        crate::privsep::user(&app.config.privsep.user)?
+    } else {
+        None
+    };
     let http = tokio::net::TcpListener::bind(&http_addr)
         .await
         .map_err(|e| format!("cannot listen on {http_addr} (--listen-http): {e}"))?;
@@ -198,6 +201,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
             app.clone(),
             join.handle(),
             std_listener,
+            child_user,
             stop_rx.clone(),
         )
         .await;
