@@ -416,18 +416,29 @@ impl Sim {
         let key = SigningKey::generate();
         let csr = bca::csr::create(&key);
         let sealed = bca::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
+        (Self::request(sealed, &csr, claims, "", role), csr, key)
+    }
+
+    /// A join request's frame body for a sealed token and a CSR.
+    pub fn request(
+        sealed: String,
+        csr: &[u8],
+        claims: &Value,
+        attestor: &str,
+        role: &str,
+    ) -> Vec<u8> {
         let req = Request {
             v: 1,
             join: Some(JoinRequest {
                 sealed_token: sealed,
-                csr: crypto::b64(&csr),
+                csr: crypto::b64(csr),
                 claims: serde_json::from_value(claims.clone()).unwrap(),
-                attestor: String::new(),
+                attestor: attestor.into(),
                 role: role.into(),
             }),
             ..Default::default()
         };
-        (serde_json::to_vec(&req).unwrap(), csr, key)
+        serde_json::to_vec(&req).unwrap()
     }
 
     pub fn join(&self, token: &str, claims: &Value) -> (Vec<u8>, Vec<u8>, SigningKey) {
@@ -584,4 +595,23 @@ pub fn curl(a: &Appliance, path: &str, method: &str) -> (u16, String) {
     let text = String::from_utf8(o.stdout).unwrap();
     let (body, code) = text.rsplit_once('\n').unwrap();
     (code.parse().unwrap(), body.to_string())
+}
+
+/// A runtime for a test's async client calls.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs a command that must succeed; its output (the failure shows the command and its stderr).
+pub fn output_ok(cmd: &mut Command) -> Output {
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
 }

@@ -7,7 +7,7 @@
 
 use crate::common::*;
 use bca::crypto::{self, SigningKey};
-use bca::protocol::{JoinRequest, Reply, Request};
+use bca::protocol::{Reply, Request};
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -41,28 +41,12 @@ struct Waiting {
     request: String,
 }
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 /// A discovery join of a waiting machine, always with its one CSR.
 fn discovery_join(sim: &Sim, m: &Waiting) -> Result<Vec<u8>, bca::error::ApiError> {
     let claims = json!({"productUuid": "00000000-0000-0000-0000-000000000000", "macs": [m.mac], "hostname": "pxe"});
-    let req = Request {
-        v: 1,
-        join: Some(JoinRequest {
-            sealed_token: bca::jwe::seal(&m.token, &sim.enc, &m.csr, bca::clock::now()).unwrap(),
-            csr: crypto::b64(&m.csr),
-            claims: serde_json::from_value(claims).unwrap(),
-            attestor: "discovery".into(),
-            role: "ramdisk".into(),
-        }),
-        ..Default::default()
-    };
-    bca::agent::exchange_raw(&sim.cfg, &serde_json::to_vec(&req).unwrap())
+    let sealed = bca::jwe::seal(&m.token, &sim.enc, &m.csr, bca::clock::now()).unwrap();
+    let req = Sim::request(sealed, &m.csr, &claims, "discovery", "ramdisk");
+    bca::agent::exchange_raw(&sim.cfg, &req)
 }
 
 /// `(serial, node id)` of the certificate in a verified answer.

@@ -105,16 +105,7 @@ fn the_gateway_refuses_old_protocols_and_a_client_certificate_from_another_ca() 
     // A certificate from a CA that is not the node CA: refused in the handshake.
     let dir = a.dir.path();
     let run = |args: &[&str]| {
-        let o = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        output_ok(Command::new("openssl").args(args).current_dir(dir));
     };
     run(&[
         "ecparam",

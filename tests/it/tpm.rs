@@ -66,16 +66,11 @@ impl Swtpm {
 
     /// A tpm2-tools command against this TPM.
     pub fn tool(&self, args: &[&str], cwd: &Path) -> String {
-        let o = Command::new(args[0])
-            .args(&args[1..])
-            .env("TPM2TOOLS_TCTI", self.tcti())
-            .current_dir(cwd)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
+        let o = output_ok(
+            Command::new(args[0])
+                .args(&args[1..])
+                .env("TPM2TOOLS_TCTI", self.tcti())
+                .current_dir(cwd),
         );
         String::from_utf8(o.stdout).unwrap()
     }
