@@ -2,22 +2,31 @@
 //! another user, Landlock, `no_new_privs` and a seccomp allow-list. Called once, on the child's
 //! only thread, before the runtime starts its workers: every thread inherits all four.
 
-use landlock::{Access, AccessFs, AccessNet, Ruleset, RulesetAttr, RulesetStatus, Scope, ABI};
+use landlock::{
+    Access, AccessFs, AccessNet, PathBeneath, Ruleset, RulesetAttr, RulesetCreatedAttr,
+    RulesetStatus, Scope, ABI,
+};
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule,
 };
 use std::collections::BTreeMap;
+use std::os::fd::BorrowedFd;
 
 /// Confines the calling process; returns the uid it now runs as and what Landlock enforced.
-pub fn confine(user: Option<(u32, u32)>) -> Result<(u32, String), String> {
+/// `read_beneath`: directories (held open) whose files may be read; nothing else may.
+pub fn confine(
+    user: Option<(u32, u32)>,
+    read_beneath: &[BorrowedFd<'_>],
+) -> Result<(u32, String), String> {
     if let Some((uid, gid)) = user {
         become_user(uid, gid)?;
     }
+    drop_capabilities()?;
     // After the change of user, which clears it: the child dies with its parent.
     rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
         .map_err(|e| format!("confine: PR_SET_PDEATHSIG: {e}"))?;
-    let landlock = landlock()?;
+    let landlock = landlock(read_beneath)?;
     seccomp()?;
     Ok((nix::unistd::getuid().as_raw(), landlock))
 }
@@ -34,15 +43,40 @@ fn become_user(uid: u32, gid: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// Capabilities a unit grants `serve` (`CAP_NET_BIND_SERVICE`, ambient) would pass to the child
+/// through `execve`: all are dropped, the ambient set first. The child binds no privileged port.
+fn drop_capabilities() -> Result<(), String> {
+    use rustix::thread::{CapabilitySet, CapabilitySets};
+    rustix::thread::clear_ambient_capability_set()
+        .map_err(|e| format!("confine: clearing the ambient capabilities: {e}"))?;
+    rustix::thread::set_capabilities(
+        None,
+        CapabilitySets {
+            effective: CapabilitySet::empty(),
+            permitted: CapabilitySet::empty(),
+            inheritable: CapabilitySet::empty(),
+        },
+    )
+    .map_err(|e| format!("confine: dropping capabilities: {e}"))
+}
+
 /// Every file-system right, TCP bind and connect, signals and abstract sockets outside: all
-/// handled, none granted.
-fn landlock() -> Result<String, String> {
+/// handled; reading files and listing directories granted beneath `read_beneath` only.
+fn landlock(read_beneath: &[BorrowedFd<'_>]) -> Result<String, String> {
     let abi = ABI::V6;
+    let read = AccessFs::ReadFile | AccessFs::ReadDir;
     let status = Ruleset::default()
         .handle_access(AccessFs::from_all(abi))
         .and_then(|r| r.handle_access(AccessNet::from_all(abi)))
         .and_then(|r| r.scope(Scope::from_all(abi)))
         .and_then(|r| r.create())
+        .and_then(|r| {
+            r.add_rules(
+                read_beneath
+                    .iter()
+                    .map(|fd| Ok::<_, landlock::RulesetError>(PathBeneath::new(*fd, read))),
+            )
+        })
         .and_then(|r| r.restrict_self())
         .map_err(|e| format!("confine: Landlock: {e}"))?;
     Ok(match status.ruleset {
@@ -107,6 +141,8 @@ fn allowed() -> Vec<i64> {
         SYS_getsockopt,
         SYS_setsockopt,
         SYS_getsockname,
+        SYS_bind,
+        SYS_connect,
         SYS_getpeername,
         SYS_fcntl,
         SYS_clone3,
@@ -115,6 +151,7 @@ fn allowed() -> Vec<i64> {
         SYS_prctl,
         SYS_membarrier,
         SYS_openat,
+        SYS_openat2,
         SYS_faccessat,
         SYS_faccessat2,
         SYS_uname,
@@ -175,6 +212,26 @@ fn seccomp() -> Result<(), String> {
                 libc::SOCK_STREAM as u64,
             ),
         ])?],
+    );
+    // TFTP gives each transfer a port of its own: UDP sockets (IPv4 or IPv6), bound to an
+    // ephemeral port (a privileged one needs a capability the child has dropped) and connected
+    // to the client. No TCP socket: Landlock refuses TCP bind and connect besides.
+    rules.insert(
+        libc::SYS_socket,
+        [libc::AF_INET, libc::AF_INET6]
+            .into_iter()
+            .map(|family| {
+                rule(&[
+                    (0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, family as u64),
+                    (
+                        1,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::MaskedEq(0xf),
+                        libc::SOCK_DGRAM as u64,
+                    ),
+                ])
+            })
+            .collect::<Result<_, _>>()?,
     );
     // Non-blocking and close-on-exec flags, and asking whether stderr is a terminal (glibc and
     // musl ask differently); no other

@@ -34,7 +34,8 @@ impl Report {
 }
 
 /// Files under `dir` whose mode lets anyone but the owner in. Exceptions: the admin socket may be
-/// 0660 (an admin group), and `pki/` holds only public certificates and the JWK, readable by all
+/// 0660 (an admin group), and `pki/`, `boot/` and `downloads/` hold only public files (certificates
+/// and the JWK, boot files, agent binaries), readable by all
 /// but writable by nobody else.
 fn loose_files(dir: &Path, allow_group: &[&Path], public: bool, out: &mut Vec<String>) {
     let Ok(rd) = std::fs::read_dir(dir) else {
@@ -46,7 +47,13 @@ fn loose_files(dir: &Path, allow_group: &[&Path], public: bool, out: &mut Vec<St
             continue;
         };
         let mode = m.permissions().mode() & 0o777;
-        let public = public || (m.is_dir() && e.file_name() == "pki");
+        // Public by design: the certificates, the boot files and the agent downloads (the network
+        // child, another user when `serve` runs as root, reads the last two).
+        let public = public
+            || (m.is_dir()
+                && ["pki", "boot", "downloads"]
+                    .iter()
+                    .any(|d| e.file_name() == *d));
         let allowed = if public {
             0o055
         } else if allow_group.contains(&p.as_path()) {

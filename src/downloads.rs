@@ -127,21 +127,42 @@ fn add(store: &Store, state_dir: &Path, ctx: &Ctx<'_>, i: AddInput) -> ApiResult
     )
 }
 
-/// The bytes for `GET /api/compute/downloads/bcd/<version>/linux-<arch>`, when recorded.
-pub fn get(store: &Store, state_dir: &Path, rest: &str) -> Option<Vec<u8>> {
+/// `<version>/linux-<arch>` of `GET /api/compute/downloads/bcd/…`, when well-formed.
+pub fn parse_rest(rest: &str) -> Option<(String, String)> {
     let (version, file) = rest.split_once('/')?;
     let arch = file.strip_prefix("linux-")?;
+    (valid_version(version) && ARCHES.contains(&arch)).then(|| (version.into(), arch.into()))
+}
+
+/// The SHA-256 recorded when the file was added.
+pub fn recorded_sha(store: &Store, version: &str, arch: &str) -> Option<String> {
     if !valid_version(version) || !ARCHES.contains(&arch) {
         return None;
     }
-    let sha: String = store
+    store
         .read(|tx| {
             Ok(tx
                 .query_row("SELECT sha256 FROM downloads WHERE product = 'bcd' AND version = ?1 AND arch = ?2", [version, arch], |r| r.get(0))
                 .optional()?)
         })
-        .ok()??;
-    let bytes = std::fs::read(file_path(state_dir, version, arch)).ok()?;
-    // Serve only what was recorded: a file changed on disk is not served.
+        .ok()?
+}
+
+/// The file's bytes, read beneath `<state-dir>/downloads`, when they still have the recorded
+/// SHA-256: a file changed on disk is not served.
+pub fn read_verified(
+    root: &crate::edge::ReadRoot,
+    version: &str,
+    arch: &str,
+    sha: &str,
+) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let rel = Path::new("bcd").join(version).join(format!("linux-{arch}"));
+    let mut bytes = Vec::new();
+    root.open_file(&rel)
+        .ok()?
+        .take(MAX_SIZE)
+        .read_to_end(&mut bytes)
+        .ok()?;
     (crate::crypto::hex(&crate::crypto::sha256(&bytes)) == sha).then_some(bytes)
 }

@@ -57,7 +57,7 @@ pub fn dhcp(data: &[u8]) {
 /// A TFTP packet and, for a read request, the path guard.
 pub fn tftp(data: &[u8]) {
     if let Ok(crate::boot::tftp::Packet::Rrq(r)) = crate::boot::tftp::parse(data) {
-        let _ = crate::boot::tftp::confine(std::path::Path::new("/srv/boot"), &r.filename);
+        let _ = crate::boot::tftp::confine(&r.filename);
     }
 }
 

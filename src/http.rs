@@ -3,13 +3,14 @@
 
 use crate::api::{self, Ctx};
 use crate::app::{App, BASE_PATH};
+use crate::edge::{Answer, Ask, Core, Edge};
 use crate::error::ApiError;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,19 +46,19 @@ fn well_known_path() -> String {
     format!("{BASE_PATH}/.well-known/better-compute")
 }
 
-/// The public listener: only the well-known document for now.
-/// Where a public request came from and arrived at (`None` on the admin socket).
-type Addrs = Option<(std::net::SocketAddr, Option<std::net::SocketAddr>)>;
+/// Where a public request came from and arrived at.
+type Addrs = (std::net::SocketAddr, Option<std::net::SocketAddr>);
 
+/// The public listener: boot scripts and files, the well-known document, `/healthz`, `/metrics`
+/// and agent downloads. It runs on the edge ([`crate::edge`]): what needs the database is asked
+/// of the core.
 async fn public(
-    app: Arc<App>,
+    edge: Arc<Edge>,
     addrs: Addrs,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
-    if let (Some(rest), Some((peer, local))) = (
-        req.uri().path().strip_prefix(&format!("{BASE_PATH}/boot/")),
-        addrs,
-    ) {
+    let (peer, local) = addrs;
+    if let Some(rest) = req.uri().path().strip_prefix(&format!("{BASE_PATH}/boot/")) {
         if req.method() != Method::GET {
             return Ok(error(&ApiError::invalid_input("use GET for boot files")));
         }
@@ -73,7 +74,7 @@ async fn public(
                 .expect("a valid response")
         };
         return Ok(
-            match crate::boot::http::handle(&app, rest, &query, peer, local).await {
+            match crate::boot::http::handle(&edge, rest, &query, peer, local).await {
                 crate::boot::http::BootAnswer::Text(t) => text(200, t),
                 crate::boot::http::BootAnswer::Bytes(b) => Response::builder()
                     .status(200)
@@ -95,11 +96,10 @@ async fn public(
             },
         );
     }
-    if matches!(req.uri().path(), "/healthz" | "/metrics") && addrs.is_some() {
+    if matches!(req.uri().path(), "/healthz" | "/metrics") {
         // The counters and the full report are for the box itself (and a scraper the operator
         // names with `[health] metrics_public = true`); anyone else gets the status alone.
-        let trusted = addrs
-            .is_some_and(|(peer, _)| metrics_allowed(app.config.health.metrics_public, peer.ip()));
+        let trusted = metrics_allowed(edge.metrics_public, peer.ip());
         if req.method() != Method::GET {
             return Ok(error(&ApiError::invalid_input(format!(
                 "use GET for {}",
@@ -112,49 +112,32 @@ async fn public(
                 "no resource at /metrics (served to loopback, or set [health] metrics_public)",
             )));
         }
-        let app2 = app.clone();
-        let res = tokio::task::spawn_blocking(move || {
-            if metrics {
-                Ok(crate::metrics::get()
-                    .render(app2.sessions.len())
-                    .into_bytes())
-            } else {
-                crate::health::report(&app2).map(|v| {
-                    let v = if trusted {
-                        v
+        let ask = if metrics {
+            // The edge's own counters, when it is a process apart from the core.
+            let own =
+                matches!(edge.core, Core::Parent(_)).then(|| crate::metrics::get().edge_counts());
+            Ask::Metrics { edge: own }
+        } else {
+            Ask::Health { trusted }
+        };
+        return Ok(match edge.core.ask(ask).await {
+            Answer::Page { status, body } => Response::builder()
+                .status(status)
+                .header(
+                    "content-type",
+                    if metrics {
+                        "text/plain; version=0.0.4"
                     } else {
-                        json!({"status": v["status"]})
-                    };
-                    let mut b = serde_json::to_vec_pretty(&v).expect("serializes");
-                    b.push(b'\n');
-                    b
-                })
+                        "application/json"
+                    },
+                )
+                .header("cache-control", "no-store")
+                .body(full(Bytes::from(body)))
+                .expect("a valid response"),
+            Answer::Unavailable { message } => {
+                error(&ApiError::new(crate::error::Code::Unavailable, message))
             }
-        })
-        .await;
-        return Ok(match res {
-            Ok(Ok(body)) => {
-                // Load balancers and probes read the status code: 503 while failing.
-                let failing = !metrics
-                    && serde_json::from_slice::<Value>(&body)
-                        .map(|v| v["status"] == "failing")
-                        .unwrap_or(true);
-                Response::builder()
-                    .status(if failing { 503 } else { 200 })
-                    .header(
-                        "content-type",
-                        if metrics {
-                            "text/plain; version=0.0.4"
-                        } else {
-                            "application/json"
-                        },
-                    )
-                    .header("cache-control", "no-store")
-                    .body(full(Bytes::from(body)))
-                    .expect("a valid response")
-            }
-            Ok(Err(e)) => error(&e),
-            Err(e) => error(&ApiError::internal(e)),
+            _ => error(&ApiError::internal("the core gave no page")),
         });
     }
     if req.uri().path() == well_known_path() {
@@ -163,30 +146,45 @@ async fn public(
                 "use GET for the well-known document",
             )));
         }
-        let doc = app
-            .well_known
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        return Ok(respond(200, &doc));
+        return Ok(match edge.core.ask(Ask::WellKnown).await {
+            Answer::Json { value } => respond(200, &value),
+            Answer::Unavailable { message } => {
+                error(&ApiError::new(crate::error::Code::Unavailable, message))
+            }
+            _ => error(&ApiError::internal("the core gave no document")),
+        });
     }
     let downloads = format!("{BASE_PATH}/downloads/bcd/");
-    if let Some(rest) = req
+    if let Some((version, arch)) = req
         .uri()
         .path()
         .strip_prefix(&downloads)
-        .map(str::to_string)
+        .and_then(crate::downloads::parse_rest)
     {
         if req.method() != Method::GET {
             return Ok(error(&ApiError::invalid_input("use GET for downloads")));
         }
-        let app2 = app.clone();
-        let found = tokio::task::spawn_blocking(move || {
-            crate::downloads::get(&app2.store, &app2.state_dir, &rest)
-        })
-        .await
-        .ok()
-        .flatten();
+        let sha = match edge
+            .core
+            .ask(Ask::DownloadSha {
+                version: version.clone(),
+                arch: arch.clone(),
+            })
+            .await
+        {
+            Answer::Sha { sha256 } => sha256,
+            _ => None,
+        };
+        let edge2 = edge.clone();
+        let found = match sha {
+            Some(sha) => tokio::task::spawn_blocking(move || {
+                crate::downloads::read_verified(&edge2.downloads, &version, &arch, &sha)
+            })
+            .await
+            .ok()
+            .flatten(),
+            None => None,
+        };
         if let Some(bytes) = found {
             return Ok(Response::builder()
                 .status(StatusCode::OK)
@@ -240,7 +238,12 @@ async fn admin(
     }
     let path = req.uri().path().to_string();
     if path == well_known_path() {
-        return public(app, None, req).await;
+        let doc = app
+            .well_known
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        return Ok(respond(200, &doc));
     }
     let Some(method) = path
         .strip_prefix(&format!("{BASE_PATH}/"))
@@ -318,16 +321,16 @@ fn builder() -> hyper::server::conn::http1::Builder {
     b
 }
 
-pub async fn serve_public(listener: TcpListener, app: Arc<App>, mut stop: watch::Receiver<bool>) {
+pub async fn serve_public(listener: TcpListener, edge: Arc<Edge>, mut stop: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             acc = listener.accept() => {
                 let Ok((stream, peer)) = acc else { continue };
                 let local = stream.local_addr().ok();
-                let app = app.clone();
+                let edge = edge.clone();
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| public(app.clone(), Some((peer, local)), req));
+                    let svc = hyper::service::service_fn(move |req| public(edge.clone(), (peer, local), req));
                     let _ = builder().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }

@@ -22,6 +22,7 @@ pub mod devsim;
 pub mod discovery;
 pub mod doctor;
 pub mod downloads;
+pub mod edge;
 pub mod error;
 pub mod fsutil;
 pub mod fuzzing;

@@ -46,6 +46,21 @@ struct Skews {
 
 const SKEW_NODES: usize = 256;
 
+/// The edge's counters (DHCP, TFTP, boot HTTP) as the network child reports them with a
+/// `/metrics` request: they live in its memory, and restart from zero with it (a counter reset,
+/// which Prometheus expects).
+#[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EdgeCounts {
+    pub dhcp_requests: u64,
+    pub dhcp_answers: u64,
+    pub tftp_transfers: u64,
+    pub tftp_failures: u64,
+    pub tftp_refused_busy: u64,
+    pub tftp_bytes: u64,
+    pub boot_http_requests: u64,
+}
+
 pub fn get() -> &'static Metrics {
     static M: OnceLock<Metrics> = OnceLock::new();
     M.get_or_init(Metrics::default)
@@ -97,7 +112,24 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition (format 0.0.4).
-    pub fn render(&self, sessions: usize) -> String {
+    /// This process's edge counters.
+    pub fn edge_counts(&self) -> EdgeCounts {
+        EdgeCounts {
+            dhcp_requests: self.dhcp_requests.load(Relaxed),
+            dhcp_answers: self.dhcp_answers.load(Relaxed),
+            tftp_transfers: self.tftp_transfers.load(Relaxed),
+            tftp_failures: self.tftp_failures.load(Relaxed),
+            tftp_refused_busy: self.tftp_refused_busy.load(Relaxed),
+            tftp_bytes: self.tftp_bytes.load(Relaxed),
+            boot_http_requests: self.boot_http_requests.load(Relaxed),
+        }
+    }
+
+    /// The Prometheus text; `edge` adds the network child's counters to this process's.
+    pub fn render(&self, sessions: usize, edge: Option<&EdgeCounts>) -> String {
+        let own = self.edge_counts();
+        let child = edge.copied().unwrap_or_default();
+        let e = |f: fn(&EdgeCounts) -> u64| (f(&own) + f(&child)) as f64;
         let mut o = String::new();
         // A summary's `_count` and `_sum` ride in the label slot as name suffixes.
         let mut counter = |name: &str, help: &str, kind: &str, samples: &[(String, f64)]| {
@@ -150,35 +182,35 @@ impl Metrics {
             "dhcp_requests_total",
             "DHCP packets received.",
             "counter",
-            &[(String::new(), l(&self.dhcp_requests))],
+            &[(String::new(), e(|c| c.dhcp_requests))],
         );
         counter(
             "dhcp_answers_total",
             "DHCP answers sent.",
             "counter",
-            &[(String::new(), l(&self.dhcp_answers))],
+            &[(String::new(), e(|c| c.dhcp_answers))],
         );
         counter(
             "tftp_transfers_total",
             "TFTP transfers, by result.",
             "counter",
             &[
-                ("{result=\"complete\"}".into(), l(&self.tftp_transfers)),
-                ("{result=\"failed\"}".into(), l(&self.tftp_failures)),
-                ("{result=\"busy\"}".into(), l(&self.tftp_refused_busy)),
+                ("{result=\"complete\"}".into(), e(|c| c.tftp_transfers)),
+                ("{result=\"failed\"}".into(), e(|c| c.tftp_failures)),
+                ("{result=\"busy\"}".into(), e(|c| c.tftp_refused_busy)),
             ],
         );
         counter(
             "tftp_bytes_total",
             "Bytes of file data sent over TFTP.",
             "counter",
-            &[(String::new(), l(&self.tftp_bytes))],
+            &[(String::new(), e(|c| c.tftp_bytes))],
         );
         counter(
             "boot_http_requests_total",
             "Boot scripts and files served over HTTP.",
             "counter",
-            &[(String::new(), l(&self.boot_http_requests))],
+            &[(String::new(), e(|c| c.boot_http_requests))],
         );
         counter(
             "privsep_child_restarts_total",

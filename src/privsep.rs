@@ -1,17 +1,24 @@
-//! Privilege separation: the gateway (TLS handshakes, frames, sessions) runs in a child process
-//! of the same binary, `bca net-child`, that holds no private key, cannot open a file or write the
-//! database, and asks the key-holding parent for everything else over a socketpair.
+//! Privilege separation: everything that parses what the network sends runs in a child process
+//! of the same binary, `bca net-child`, that holds no private key, cannot open the database or a
+//! key, and asks the key-holding parent for everything else over a socketpair: the gateway (TLS
+//! handshakes, frames, sessions), DHCP, TFTP and the public HTTP listener (boot scripts and
+//! files, the well-known document, `/healthz`, `/metrics`, downloads; see [`crate::edge`]).
+//! The admin socket (local, callers identified by `SO_PEERCRED`) stays in the parent.
 //!
 //! # The child
-//! `serve` binds the gateway's listener itself and passes it to the child (`SCM_RIGHTS`), so
-//! connections wait in the kernel's backlog while a child restarts. Before it reads a byte from
-//! the network the child confines itself, in this order:
+//! `serve` binds every listener itself (the gateway, the HTTP listener, DHCP on 67 and 4011 and
+//! TFTP on 69, which need the privilege to bind them) and opens the boot root and
+//! `<state-dir>/downloads`; it passes all of them to the child (`SCM_RIGHTS`), so connections
+//! wait in the kernel's backlog while a child restarts. Before it reads a byte from the network
+//! the child confines itself, in this order:
 //! 1. when `serve` runs as root: the `[privsep] user` (default `nobody`), its group and no other;
-//! 2. Landlock: no file may be opened, read, written or listed, no TCP port bound or connected,
-//!    no signal sent and no abstract socket reached outside the child;
+//!    every capability dropped, the ambient ones a unit grants too;
+//! 2. Landlock: no file may be opened, written or listed except reading beneath the two
+//!    directories it was handed, no TCP port bound or connected, no signal sent and no abstract
+//!    socket reached outside the child;
 //! 3. `no_new_privs` and a seccomp filter that allows the system calls a tokio + rustls server
-//!    needs and kills the process on any other: no `execve`, no `socket`, `bind`, `connect`, no
-//!    `fork` (`clone` only with `CLONE_THREAD`), no `ptrace`, no `mount`;
+//!    needs and kills the process on any other: no `execve`, no `socket` but UDP (TFTP's port per
+//!    transfer), no `fork` (`clone` only with `CLONE_THREAD`), no `ptrace`, no `mount`;
 //! 4. it then tries to open the database, `config.toml`, the state directory and every key file
 //!    (the parent names them) and reports each result. The parent refuses a child that opened
 //!    one: `serve` fails rather than run an unconfined child.
@@ -24,6 +31,11 @@
 //!   and the JoinService checks them as it would any caller's; the child is not trusted more than
 //!   the network. At most 8,192 calls are in flight; more are answered busy, and a child that
 //!   does not read its answers is ended.
+//! - `Ask`: one of the edge's questions ([`crate::edge::Ask`]: a DHCP address, a boot lease row,
+//!   a boot script, a per-boot archive, the health report, the metrics, the well-known document,
+//!   a download's recorded SHA-256), answered with an [`crate::edge::Answer`]. A boot script mints
+//!   a discovery token in the parent, as it would for any machine fetching it; the child never
+//!   sees a key or the database.
 //! - `Sign`: the TLS 1.3 server `CertificateVerify` input for the gateway leaf (named by its
 //!   SHA-256). The parent signs only that structure (64 spaces, the TLS 1.3 server context
 //!   string, a transcript hash), so the key cannot be used by the child as a general signing
@@ -73,6 +85,7 @@ enum Kind {
     Close = 6,
     Cert = 7,
     Stop = 8,
+    Ask = 9,
 }
 
 impl Kind {
@@ -86,6 +99,7 @@ impl Kind {
             6 => Self::Close,
             7 => Self::Cert,
             8 => Self::Stop,
+            9 => Self::Ask,
             _ => return None,
         })
     }
@@ -158,6 +172,12 @@ struct Init {
     user: Option<(u32, u32)>,
     /// Files the child must fail to open.
     probe: Vec<PathBuf>,
+    boot: crate::boot::BootConfig,
+    metrics_public: bool,
+    /// The boot root and the downloads directory, for messages (the child gets descriptors).
+    roots: (PathBuf, PathBuf),
+    /// Whether DHCP (and proxyDHCP) and TFTP sockets follow the directories.
+    boot_sockets: bool,
 }
 
 /// What a child reports once confined.
@@ -226,6 +246,16 @@ impl Link {
     pub async fn call(&self, msg: Vec<u8>) -> Vec<u8> {
         let (tx, rx) = oneshot::channel();
         if self.wait(Kind::Call, &msg, Waiter::Async(tx)).is_none() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// One of the edge's questions ([`crate::edge::Ask`], JSON); empty bytes when the parent is
+    /// gone.
+    pub async fn ask(&self, msg: Vec<u8>) -> Vec<u8> {
+        let (tx, rx) = oneshot::channel();
+        if self.wait(Kind::Ask, &msg, Waiter::Async(tx)).is_none() {
             return Vec::new();
         }
         rx.await.unwrap_or_default()
@@ -348,9 +378,12 @@ fn remote_certified(
     Ok(CertifiedKey::new(chain, Arc::new(key)))
 }
 
+/// The descriptors passed to a child: two listeners, two directories, three UDP sockets.
+const MAX_FDS: usize = 8;
+
 fn recv_fds(sock: &UnixStream) -> Result<Vec<OwnedFd>, String> {
     use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
-    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut cmsg = RecvAncillaryBuffer::new(&mut space);
     let mut b = [0u8; 1];
     rustix::net::recvmsg(
@@ -371,7 +404,7 @@ fn recv_fds(sock: &UnixStream) -> Result<Vec<OwnedFd>, String> {
 
 fn send_fds(sock: &UnixStream, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(), String> {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut cmsg = SendAncillaryBuffer::new(&mut space);
     if !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err("privsep: too many descriptors".into());
@@ -395,18 +428,34 @@ pub fn child_main() -> Result<(), String> {
         .try_clone_to_owned()
         .map(UnixStream::from)
         .map_err(|e| format!("privsep: standard input: {e}"))?;
-    let listener = recv_fds(&sock)?
-        .into_iter()
-        .next()
-        .map(std::net::TcpListener::from)
-        .ok_or("privsep: no listener was passed (bca net-child is started by bca serve only)")?;
+    let mut fds = recv_fds(&sock)?.into_iter();
     let init: Init = match read_sync(&mut &sock).map_err(|e| e.to_string())? {
         Some((_, Kind::Init, p)) => {
             serde_json::from_slice(&p).map_err(|e| format!("privsep: the init message: {e}"))?
         }
         _ => return Err("privsep: no init message".into()),
     };
-    let (uid, landlock) = crate::confine::confine(init.user)?;
+    let mut next = |what: &str| {
+        fds.next().ok_or_else(|| {
+            format!("privsep: no {what} was passed (bca net-child is started by bca serve only)")
+        })
+    };
+    let listener = std::net::TcpListener::from(next("gateway listener")?);
+    let http = std::net::TcpListener::from(next("HTTP listener")?);
+    let boot_root = crate::edge::ReadRoot::from_fd(next("boot root")?, init.roots.0.clone());
+    let downloads =
+        crate::edge::ReadRoot::from_fd(next("downloads directory")?, init.roots.1.clone());
+    let boot_sockets = if init.boot_sockets {
+        let dhcp = std::net::UdpSocket::from(next("DHCP socket")?);
+        let proxy = (init.boot.mode == "proxy")
+            .then(|| next("proxyDHCP socket").map(std::net::UdpSocket::from))
+            .transpose()?;
+        let tftp = std::net::UdpSocket::from(next("TFTP socket")?);
+        Some(crate::boot::server::BootSockets { dhcp, proxy, tftp })
+    } else {
+        None
+    };
+    let (uid, landlock) = crate::confine::confine(init.user, &[boot_root.fd(), downloads.fd()])?;
     let probes = init
         .probe
         .iter()
@@ -489,8 +538,25 @@ pub fn child_main() -> Result<(), String> {
             .map_err(|e| format!("privsep: the listener: {e}"))?;
         let listener = tokio::net::TcpListener::from_std(listener)
             .map_err(|e| format!("privsep: the listener: {e}"))?;
+        http.set_nonblocking(true)
+            .map_err(|e| format!("privsep: the HTTP listener: {e}"))?;
+        let http = tokio::net::TcpListener::from_std(http)
+            .map_err(|e| format!("privsep: the HTTP listener: {e}"))?;
+        let http_base = crate::boot::http::http_url(&init.boot, http.local_addr().ok());
+        let edge = Arc::new(crate::edge::Edge {
+            core: crate::edge::Core::Parent(link.clone()),
+            boot: init.boot,
+            metrics_public: init.metrics_public,
+            boot_root: Arc::new(boot_root),
+            downloads,
+        });
+        if let Some(s) = boot_sockets {
+            crate::boot::server::run(edge.clone(), s, http_base, stop_rx.clone())?;
+        }
+        let public = tokio::spawn(crate::http::serve_public(http, edge, stop_rx.clone()));
         let gw = Gateway::with_parts(init.sessions, registry.clone(), tls, Relay::Parent(link));
         gw.serve(listener, stop_rx).await;
+        let _ = public.await;
         // Sessions end on the same stop and report themselves closed.
         for _ in 0..50 {
             if registry.is_empty() {
@@ -505,6 +571,33 @@ pub fn child_main() -> Result<(), String> {
 // ---------------------------------------------------------------------------------------------
 // The parent.
 
+/// What the child serves, opened by `serve`: kept by the parent across restarts.
+pub struct Sockets {
+    pub gateway: std::net::TcpListener,
+    pub http: std::net::TcpListener,
+    pub boot_root: crate::edge::ReadRoot,
+    pub downloads: crate::edge::ReadRoot,
+    pub boot: Option<crate::boot::server::BootSockets>,
+}
+
+impl Sockets {
+    /// In the order the child takes them.
+    fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        let mut v = vec![
+            self.gateway.as_fd(),
+            self.http.as_fd(),
+            self.boot_root.fd(),
+            self.downloads.fd(),
+        ];
+        if let Some(b) = &self.boot {
+            v.push(b.dhcp.as_fd());
+            v.extend(b.proxy.as_ref().map(|p| p.as_fd()));
+            v.push(b.tftp.as_fd());
+        }
+        v
+    }
+}
+
 /// The running boundary, as `serve` holds it.
 pub struct Supervisor {
     task: tokio::task::JoinHandle<()>,
@@ -516,7 +609,7 @@ impl Supervisor {
     pub async fn start(
         app: Arc<App>,
         join: JoinHandle,
-        listener: std::net::TcpListener,
+        sockets: Sockets,
         user: Option<(u32, u32)>,
         stop: watch::Receiver<bool>,
     ) -> Result<Self, String> {
@@ -537,11 +630,18 @@ impl Supervisor {
             scheme: u16::from(scheme),
             user,
             probe: probe_paths(&app.state_dir),
+            boot: app.config.boot.clone(),
+            metrics_public: app.config.health.metrics_public,
+            roots: (
+                sockets.boot_root.path().to_path_buf(),
+                sockets.downloads.path().to_path_buf(),
+            ),
+            boot_sockets: sockets.boot.is_some(),
         };
         let (close_tx, close_rx) = mpsc::unbounded_channel();
         app.sessions.set_forward(close_tx);
-        let first = spawn(&init, &listener).await?;
-        let task = tokio::spawn(supervise(app, join, listener, init, first, close_rx, stop));
+        let first = spawn(&init, &sockets).await?;
+        let task = tokio::spawn(supervise(app, join, sockets, init, first, close_rx, stop));
         Ok(Self { task })
     }
 
@@ -594,7 +694,7 @@ fn probe_paths(state_dir: &std::path::Path) -> Vec<PathBuf> {
 
 type Child = (tokio::process::Child, tokio::net::UnixStream);
 
-async fn spawn(init: &Init, listener: &std::net::TcpListener) -> Result<Child, String> {
+async fn spawn(init: &Init, sockets: &Sockets) -> Result<Child, String> {
     let (ours, theirs) = UnixStream::pair().map_err(|e| format!("privsep: a socketpair: {e}"))?;
     // `/proc/self/exe`: the same binary even when a package upgrade has replaced the file.
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
@@ -615,7 +715,7 @@ async fn spawn(init: &Init, listener: &std::net::TcpListener) -> Result<Child, S
     // Our copy of the child's end: without it, a child that dies early is an end of stream.
     drop(cmd);
     let started = async {
-        send_fds(&ours, &[listener.as_fd()])?;
+        send_fds(&ours, &sockets.fds())?;
         (&ours)
             .write_all(&encode(
                 0,
@@ -669,7 +769,7 @@ async fn spawn(init: &Init, listener: &std::net::TcpListener) -> Result<Child, S
 async fn supervise(
     app: Arc<App>,
     join: JoinHandle,
-    listener: std::net::TcpListener,
+    sockets: Sockets,
     mut init: Init,
     first: Child,
     mut close_rx: mpsc::UnboundedReceiver<String>,
@@ -682,7 +782,7 @@ async fn supervise(
     loop {
         let (mut child, stream) = match next.take() {
             Some(c) => c,
-            None => match respawn(&mut init, &cert, &listener).await {
+            None => match respawn(&mut init, &cert, &sockets).await {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %e, "privsep: the network child did not start; retrying");
@@ -731,13 +831,9 @@ async fn supervise(
 }
 
 /// A new child, given the chain of now: the gateway leaf may have been rotated since the start.
-async fn respawn(
-    init: &mut Init,
-    cert: &GatewayCert,
-    listener: &std::net::TcpListener,
-) -> Result<Child, String> {
+async fn respawn(init: &mut Init, cert: &GatewayCert, sockets: &Sockets) -> Result<Child, String> {
     init.chain = chain(cert);
-    spawn(init, listener).await
+    spawn(init, sockets).await
 }
 
 /// Waits out the backoff and doubles it; true when told to stop meanwhile.
@@ -841,6 +937,23 @@ async fn broker(
                             let _ = out.try_send(encode(id, Kind::Reply, &outcome(&reply)));
                         });
                     }
+                    Kind::Ask => {
+                        let Ok(ask) = serde_json::from_slice::<crate::edge::Ask>(&p) else {
+                            tracing::warn!("privsep: the network child asked something unknown; refused");
+                            send(answer_frame(id, &crate::edge::Answer::Unavailable { message: "not a question".into() }));
+                            continue;
+                        };
+                        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                            send(answer_frame(id, &crate::edge::Answer::Unavailable { message: "busy".into() }));
+                            continue;
+                        };
+                        let (app, out) = (app.clone(), out_tx.clone());
+                        tokio::spawn(async move {
+                            let _permit = permit;
+                            let a = crate::edge::answer(&app, ask).await;
+                            let _ = out.try_send(answer_frame(id, &a));
+                        });
+                    }
                     Kind::Sign => {
                         let r = match sign(cert, &p) {
                             Ok(sig) => [&[0u8][..], &sig].concat(),
@@ -896,6 +1009,23 @@ const MAX_IN_FLIGHT: usize = 8192;
 const OUT_QUEUE: usize = 2 * MAX_IN_FLIGHT;
 
 type Held = Arc<Mutex<Option<HashMap<String, u64>>>>;
+
+/// An answer to an `Ask`; one too large for a frame is answered unavailable instead (the child
+/// ends on a frame it cannot read).
+fn answer_frame(id: u64, a: &crate::edge::Answer) -> Vec<u8> {
+    let b = serde_json::to_vec(a).expect("serializes");
+    if b.len() + 9 > MAX {
+        let too = crate::edge::Answer::Unavailable {
+            message: "the answer is too large to pass to the network child".into(),
+        };
+        return encode(
+            id,
+            Kind::Reply,
+            &serde_json::to_vec(&too).expect("serializes"),
+        );
+    }
+    encode(id, Kind::Reply, &b)
+}
 
 fn outcome(o: &Outcome) -> Vec<u8> {
     serde_json::to_vec(o).expect("serializes")

@@ -181,6 +181,12 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         .await
         .map_err(|e| format!("cannot listen on {gw_addr} (--listen-gateway): {e}"))?;
     let gw_local = gateway.local_addr().ok();
+    let http_local = http.local_addr().ok();
+    // The edge reads files beneath these two only (the network child by Landlock's leave).
+    let boot_root = crate::edge::ReadRoot::open(&crate::boot::http::boot_root(&app))?;
+    let downloads = crate::edge::ReadRoot::open(&app.state_dir.join("downloads"))?;
+    let http_base = crate::boot::http::http_url(&app.config.boot, http_local);
+    let boot_sockets = crate::boot::server::bind(&app.config.boot, &http_base, boot_root.path())?;
     let admin = bind_admin(&admin_path, app.config.admin_group).await?;
 
     let app = Arc::new(app);
@@ -191,33 +197,53 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     let _ = app.join.set(join.handle());
     let gw = crate::gateway::Gateway::new(app.clone(), &gateway_key, Some(join.handle()))?;
     drop(gateway_key);
-    // The gateway runs in a confined child unless privilege separation is off; the parent keeps
-    // the listener, so connections wait in its backlog while a child restarts.
-    let (privsep, gateway_listener) = if app.config.privsep.enabled {
-        let std_listener = gateway
-            .into_std()
-            .map_err(|e| format!("the gateway listener: {e}"))?;
+    let mut tasks = tokio::task::JoinSet::new();
+    // The network edge (gateway, HTTP, DHCP, TFTP) runs in a confined child unless privilege
+    // separation is off; the parent keeps the sockets, so connections wait in their backlogs
+    // while a child restarts.
+    if app.config.privsep.enabled {
+        let into_std = |l: tokio::net::TcpListener, what: &str| {
+            l.into_std()
+                .map_err(|e| format!("the {what} listener: {e}"))
+        };
+        let sockets = crate::privsep::Sockets {
+            gateway: into_std(gateway, "gateway")?,
+            http: into_std(http, "HTTP")?,
+            boot_root,
+            downloads,
+            boot: boot_sockets,
+        };
         let sup = crate::privsep::Supervisor::start(
             app.clone(),
             join.handle(),
-            std_listener,
+            sockets,
             child_user,
             stop_rx.clone(),
         )
         .await;
         match sup {
-            Ok(sup) => (Some(sup), None),
+            Ok(sup) => {
+                tasks.spawn(sup.wait());
+            }
             Err(e) => {
                 join.stop().await;
                 return Err(e);
             }
         }
     } else {
-        (None, Some(gateway))
-    };
-
-    // Every listener is bound before the readiness line.
-    crate::boot::server::start(app.clone(), http.local_addr().ok(), stop_rx.clone())?;
+        let edge = Arc::new(crate::edge::Edge {
+            core: crate::edge::Core::Local(app.clone()),
+            boot: app.config.boot.clone(),
+            metrics_public: app.config.health.metrics_public,
+            boot_root: Arc::new(boot_root),
+            downloads,
+        });
+        if let Some(s) = boot_sockets {
+            crate::boot::server::run(edge.clone(), s, http_base, stop_rx.clone())?;
+        }
+        tasks.spawn(crate::http::serve_public(http, edge, stop_rx.clone()));
+        tasks.spawn(gw.serve(gateway, stop_rx.clone()));
+    }
     // Signal handlers first: whoever reads the readiness line may stop us at once.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| e.to_string())?;
@@ -225,7 +251,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         .map_err(|e| e.to_string())?;
     let ready = serde_json::json!({
         "ready": true,
-        "http": http.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+        "http": http_local.map(|a| a.to_string()).unwrap_or_default(),
         "gateway": gw_local.map(|a| a.to_string()).unwrap_or_default(),
         "admin": admin_path.display().to_string(),
         "site": app.config.site_id,
@@ -233,26 +259,11 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     tracing::info!(http = %ready["http"], gateway = %ready["gateway"], admin = %admin_path.display(), "serving");
     println!("{ready}");
 
-    let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(crate::http::serve_public(
-        http,
-        app.clone(),
-        stop_rx.clone(),
-    ));
     tasks.spawn(crate::http::serve_admin(
         admin,
         app.clone(),
         stop_rx.clone(),
     ));
-    match (privsep, gateway_listener) {
-        (Some(p), _) => {
-            tasks.spawn(p.wait());
-        }
-        (None, Some(l)) => {
-            tasks.spawn(gw.serve(l, stop_rx.clone()));
-        }
-        (None, None) => unreachable!("the listener is the child's or ours"),
-    }
     tasks.spawn(housekeeping(app.clone(), stop_rx.clone()));
 
     tokio::select! {

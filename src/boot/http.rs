@@ -14,6 +14,7 @@
 
 use crate::app::{App, BASE_PATH};
 use crate::boot::cpio::Cpio;
+use crate::edge::{Answer, Ask, Edge};
 use crate::protocol::{Call, Outcome};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -44,17 +45,14 @@ pub struct FileBody {
 }
 
 impl FileBody {
-    /// Opens a regular file; `suffix` follows its bytes.
-    pub async fn open(path: &std::path::Path, suffix: Vec<u8>) -> Option<Self> {
-        let file = tokio::fs::File::open(path).await.ok()?;
-        let m = file.metadata().await.ok()?;
-        if !m.is_file() {
-            return None;
-        }
+    /// Opens `name` beneath `root` (a regular file only).
+    pub fn open(root: &crate::edge::ReadRoot, name: &str) -> Option<Self> {
+        let file = root.open_file(std::path::Path::new(name)).ok()?;
+        let len = file.metadata().ok()?.len();
         Some(Self {
-            file: Some(file),
-            remaining: m.len(),
-            suffix: (!suffix.is_empty()).then(|| bytes::Bytes::from(suffix)),
+            file: Some(tokio::fs::File::from_std(file)),
+            remaining: len,
+            suffix: None,
             buf: Vec::new(),
         })
     }
@@ -126,12 +124,12 @@ pub fn boot_root(app: &App) -> PathBuf {
 }
 
 /// The URL iPXE reaches the HTTP listener at.
-pub fn http_url(app: &App, local: Option<SocketAddr>) -> String {
-    if let Some(u) = &app.config.boot.http_url {
+pub fn http_url(boot: &crate::boot::BootConfig, local: Option<SocketAddr>) -> String {
+    if let Some(u) = &boot.http_url {
         return u.trim_end_matches('/').to_string();
     }
     let port = local.map(|a| a.port()).unwrap_or(80);
-    match app.config.boot.server_ip {
+    match boot.server_ip {
         Some(ip) => format!("http://{ip}:{port}"),
         None => format!(
             "http://{}",
@@ -176,14 +174,16 @@ pub fn lease(
         .ok()
 }
 
+/// The network side of the boot HTTP paths: parses the request, reads files beneath the boot
+/// root, and asks the core for what needs the database (the script, a per-boot archive).
 pub async fn handle(
-    app: &Arc<App>,
+    edge: &Edge,
     rest: &str,
     query: &str,
     peer: SocketAddr,
     local: Option<SocketAddr>,
 ) -> BootAnswer {
-    let base = http_url(app, local);
+    let base = http_url(&edge.boot, local);
     if rest == "chain.ipxe" {
         return BootAnswer::Text(chain_script(&base));
     }
@@ -197,7 +197,16 @@ pub async fn handle(
                 "#!ipxe\necho bca: this script needs ?mac=<the booting NIC's MAC>\nexit 1\n".into(),
             );
         };
-        return script(app, &mac, peer, &base).await;
+        let ask = Ask::BootScript {
+            mac,
+            peer: peer.ip().to_string(),
+            base,
+        };
+        return match edge.core.ask(ask).await {
+            Answer::Text { text } => BootAnswer::Text(text),
+            Answer::Unavailable { message } => BootAnswer::Unavailable(message),
+            _ => BootAnswer::Unavailable("the core gave no script".into()),
+        };
     }
     if let Some(r) = rest.strip_prefix("per-boot/") {
         // `<nonce>.cpio` is the archive alone; `<nonce>/initrd.img` the ramdisk with the archive
@@ -208,20 +217,26 @@ pub async fn handle(
             (None, Some(n)) => (n, true),
             _ => return BootAnswer::NotFound,
         };
-        let archive = {
-            let now = crate::clock::now();
-            let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
-            map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
-            map.remove(nonce)
+        if nonce.len() != 32 || !nonce.bytes().all(|c| c.is_ascii_hexdigit()) {
+            return BootAnswer::NotFound;
+        }
+        let archive = match edge
+            .core
+            .ask(Ask::BootArchive {
+                nonce: nonce.into(),
+            })
+            .await
+        {
+            Answer::Bytes { b64: Some(b) } => crate::crypto::b64_decode(&b),
+            _ => None,
         };
-        let Some((archive, _)) = archive else {
+        let Some(archive) = archive else {
             return BootAnswer::NotFound;
         };
         if !combined {
             return BootAnswer::Bytes(archive);
         }
-        let path = boot_root(app).join("initrd.img");
-        let Some(mut body) = FileBody::open(&path, Vec::new()).await else {
+        let Some(mut body) = FileBody::open(&edge.boot_root, "initrd.img") else {
             return BootAnswer::NotFound;
         };
         // The kernel skips zero padding between concatenated archives; the padding is computed
@@ -235,8 +250,7 @@ pub async fn handle(
         if !valid_file_name(name) {
             return BootAnswer::NotFound;
         }
-        let path = boot_root(app).join(name);
-        return match FileBody::open(&path, Vec::new()).await {
+        return match FileBody::open(&edge.boot_root, name) {
             Some(b) => BootAnswer::Stream(b),
             None => BootAnswer::NotFound,
         };
@@ -244,11 +258,27 @@ pub async fn handle(
     BootAnswer::NotFound
 }
 
-async fn script(app: &Arc<App>, mac: &str, peer: SocketAddr, base: &str) -> BootAnswer {
+/// A per-boot archive, once: taken out of the waiting ones.
+pub fn take_archive(app: &App, nonce: &str) -> Option<Vec<u8>> {
+    let now = crate::clock::now();
+    let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
+    map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
+    map.remove(nonce).map(|(a, _)| a)
+}
+
+/// The core's side of `boot.ipxe`: records the boot, mints the discovery token through the
+/// JoinService and keeps the per-boot archive for one fetch. `peer` is the client's address as
+/// the edge saw it.
+pub async fn script(app: &Arc<App>, mac: &str, peer: &str, base: &str) -> Result<String, String> {
+    let mac = crate::discovery::loose_mac(mac).ok_or("not a MAC address")?;
+    let mac = mac.as_str();
+    let ip = peer
+        .parse::<std::net::IpAddr>()
+        .map_err(|_| "not an IP address")?
+        .to_string();
     let Some(join) = app.join.get() else {
-        return BootAnswer::Unavailable("the JoinService is not running".into());
+        return Err("the JoinService is not running".into());
     };
-    let ip = peer.ip().to_string();
     let app2 = app.clone();
     let mac2 = mac.to_string();
     let epoch =
@@ -266,14 +296,11 @@ async fn script(app: &Arc<App>, mac: &str, peer: SocketAddr, base: &str) -> Boot
     match serde_json::from_slice::<Outcome>(&out) {
         Ok(Outcome::LocalBoot) => {
             tracing::info!(%mac, "boot: adopted node; local disk");
-            BootAnswer::Text("#!ipxe\necho bca: this machine is an adopted node; booting its local disk\nsanboot --no-describe --drive 0x80 || exit\n".into())
+            Ok("#!ipxe\necho bca: this machine is an adopted node; booting its local disk\nsanboot --no-describe --drive 0x80 || exit\n".into())
         }
         Ok(Outcome::DiscoveryToken { token }) => {
             let token = zeroize::Zeroizing::new(token);
-            let archive = match per_boot_archive(app, mac, epoch, &token) {
-                Ok(a) => a,
-                Err(e) => return BootAnswer::Unavailable(e),
-            };
+            let archive = per_boot_archive(app, mac, epoch, &token)?;
             let mut n = [0u8; 16];
             crate::crypto::fill_random(&mut n);
             let nonce = crate::crypto::hex(&n);
@@ -283,14 +310,14 @@ async fn script(app: &Arc<App>, mac: &str, peer: SocketAddr, base: &str) -> Boot
                 .insert(nonce.clone(), (archive, crate::clock::now()));
             tracing::info!(%mac, "boot: discovery ramdisk");
             let args = &app.config.boot.kernel_args;
-            BootAnswer::Text(format!(
+            Ok(format!(
                 "#!ipxe\necho bca: discovery ramdisk for {mac}\n\
                  kernel {base}{BASE_PATH}/boot/files/vmlinuz {args} initrd=initrd.img\n\
                  initrd --name initrd.img {base}{BASE_PATH}/boot/per-boot/{nonce}/initrd.img\n\
                  boot\n"
             ))
         }
-        _ => BootAnswer::Unavailable("no discovery token could be minted".into()),
+        _ => Err("no discovery token could be minted".into()),
     }
 }
 

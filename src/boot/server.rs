@@ -3,15 +3,22 @@
 
 use crate::app::App;
 use crate::boot::dhcp::{self, Files, ReplyCtx};
+use crate::boot::BootConfig;
+use crate::edge::{Answer, Ask, Edge, ReadRoot};
 use dhcproto::{Encodable, Encoder};
 use socket2::{Domain, Protocol, Socket, Type};
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::Path;
 use std::sync::Arc;
 use tokio::net::UdpSocket;
 use tokio::sync::watch;
 
-fn udp(addr: &str, interface: Option<&str>, broadcast: bool) -> Result<UdpSocket, String> {
+fn udp(
+    addr: &str,
+    interface: Option<&str>,
+    broadcast: bool,
+) -> Result<std::net::UdpSocket, String> {
     let addr: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     let s =
         Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP)).map_err(|e| e.to_string())?;
@@ -28,16 +35,15 @@ fn udp(addr: &str, interface: Option<&str>, broadcast: bool) -> Result<UdpSocket
     let _ = s.set_recv_buffer_size(4 << 20);
     s.bind(&addr.into())
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    UdpSocket::from_std(s.into()).map_err(|e| e.to_string())
+    Ok(s.into())
 }
 
-fn files(app: &App) -> Files {
-    let root = crate::boot::http::boot_root(app);
+fn files(root: &ReadRoot) -> Files {
     Files {
-        undionly: root.join("undionly.kpxe").is_file(),
-        ipxe_efi: root.join("ipxe.efi").is_file(),
-        snponly: root.join("snponly.efi").is_file(),
-        arm64: root.join("ipxe-arm64.efi").is_file(),
+        undionly: root.is_file("undionly.kpxe"),
+        ipxe_efi: root.is_file("ipxe.efi"),
+        snponly: root.is_file("snponly.efi"),
+        arm64: root.is_file("ipxe-arm64.efi"),
     }
 }
 
@@ -152,6 +158,19 @@ fn offer(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
     Some(ip)
 }
 
+/// Full DHCP mode's address for a MAC: an OFFER's (`discover`) or a REQUEST's durable lease.
+/// `None` in proxy mode, where the site's DHCP server gives addresses.
+pub fn address(app: &App, mac: &str, discover: bool, now: i64) -> Option<Ipv4Addr> {
+    if app.config.boot.mode != "dhcp" {
+        return None;
+    }
+    if discover {
+        offer(app, mac, now)
+    } else {
+        allocate(app, mac, now)
+    }
+}
+
 /// A REQUEST: the durable lease, committed before the ACK goes out, on the address offered to
 /// this MAC when it is still free.
 fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
@@ -185,13 +204,13 @@ fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
 }
 
 async fn answer(
-    app: &Arc<App>,
+    edge: &Edge,
     buf: &[u8],
     port_4011: bool,
     http_base: &str,
 ) -> Option<(Vec<u8>, dhcproto::v4::Message)> {
     let req = dhcp::decode(buf)?;
-    let b = &app.config.boot;
+    let b = &edge.boot;
     let proxy = b.mode == "proxy";
     let mac = dhcp::mac_of(&req)?;
     let discover = matches!(
@@ -203,21 +222,16 @@ async fn answer(
     let lease = if proxy {
         None
     } else {
-        let app2 = app.clone();
-        let mac2 = mac.clone();
-        tokio::task::spawn_blocking(move || {
-            let now = crate::clock::now();
-            if discover {
-                offer(&app2, &mac2, now)
-            } else {
-                allocate(&app2, &mac2, now)
-            }
-        })
-        .await
-        .ok()
-        .flatten()
+        let ask = Ask::DhcpAddress {
+            mac: mac.clone(),
+            discover,
+        };
+        match edge.core.ask(ask).await {
+            Answer::Address { ip } => ip,
+            _ => None,
+        }
     };
-    let files = files(app);
+    let files = files(&edge.boot_root);
     let ctx = ReplyCtx {
         server_ip: b.server_ip?,
         http_base,
@@ -238,18 +252,15 @@ async fn answer(
             .fname_str()
             .and_then(|r| r.ok())
             .map(|s| s.trim_end_matches('\0').to_string());
-        let app2 = app.clone();
-        let ip = lease.map(|l| l.to_string());
-        tokio::task::spawn_blocking(move || {
-            crate::boot::http::lease(
-                &app2,
-                &c.mac,
-                ip,
-                Some(c.arch),
-                if c.ipxe { "dhcp-ipxe" } else { "dhcp" },
-                file.as_deref(),
-            )
-        });
+        let ask = Ask::BootLease {
+            mac: c.mac,
+            ip: lease.map(|l| l.to_string()),
+            arch: Some(c.arch),
+            stage: if c.ipxe { "dhcp-ipxe" } else { "dhcp" }.into(),
+            file,
+        };
+        let core = edge.core.clone();
+        tokio::spawn(async move { core.ask(ask).await });
     }
     Some((out, req))
 }
@@ -258,7 +269,7 @@ async fn answer(
 /// lease's commit, so a burst is not lost to a full receive buffer.
 const DHCP_IN_FLIGHT: usize = 512;
 
-async fn dhcp_loop(app: Arc<App>, sock: UdpSocket, port_4011: bool, http_base: String) {
+async fn dhcp_loop(edge: Arc<Edge>, sock: UdpSocket, port_4011: bool, http_base: String) {
     let sock = Arc::new(sock);
     let http_base: Arc<str> = http_base.into();
     let limit = Arc::new(tokio::sync::Semaphore::new(DHCP_IN_FLIGHT));
@@ -274,16 +285,16 @@ async fn dhcp_loop(app: Arc<App>, sock: UdpSocket, port_4011: bool, http_base: S
             return;
         };
         let packet = buf[..n].to_vec();
-        let (app, sock, http_base) = (app.clone(), sock.clone(), http_base.clone());
+        let (edge, sock, http_base) = (edge.clone(), sock.clone(), http_base.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            answer_one(&app, &sock, &packet, peer, port_4011, &http_base).await;
+            answer_one(&edge, &sock, &packet, peer, port_4011, &http_base).await;
         });
     }
 }
 
 async fn answer_one(
-    app: &Arc<App>,
+    edge: &Edge,
     sock: &UdpSocket,
     packet: &[u8],
     peer: SocketAddr,
@@ -292,7 +303,7 @@ async fn answer_one(
 ) {
     let m = crate::metrics::get();
     {
-        let Some((out, req)) = answer(app, packet, port_4011, http_base).await else {
+        let Some((out, req)) = answer(edge, packet, port_4011, http_base).await else {
             return;
         };
         m.dhcp_answers
@@ -312,50 +323,67 @@ async fn answer_one(
     }
 }
 
-/// Starts DHCP and TFTP when `[boot] enabled`; the HTTP side is served by the public listener.
-pub fn start(
-    app: Arc<App>,
-    http_local: Option<SocketAddr>,
-    stop: watch::Receiver<bool>,
-) -> Result<(), String> {
-    let b = app.config.boot.clone();
+/// The boot server's sockets, bound by the core (ports 67 and 69 need the privilege to bind
+/// them, the interface `SO_BINDTODEVICE`) and served by the edge.
+pub struct BootSockets {
+    pub dhcp: std::net::UdpSocket,
+    pub proxy: Option<std::net::UdpSocket>,
+    pub tftp: std::net::UdpSocket,
+}
+
+/// Binds DHCP and TFTP when `[boot] enabled`, and writes `chain.ipxe` into the boot root.
+pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootSockets>, String> {
     if !b.enabled {
-        return Ok(());
+        return Ok(None);
     }
     let iface = b.interface.as_deref();
-    let http_base = crate::boot::http::http_url(&app, http_local);
-    let mut tasks = Vec::new();
-    let main = udp(&b.listen_dhcp, iface, true)?;
-    tasks.push(tokio::spawn(dhcp_loop(
-        app.clone(),
-        main,
+    let dhcp = udp(&b.listen_dhcp, iface, true)?;
+    let proxy = (b.mode == "proxy")
+        .then(|| udp(&b.listen_proxy, iface, true))
+        .transpose()?;
+    let tftp = udp(&b.listen_tftp, iface, false)?;
+    // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
+    std::fs::write(
+        root.join("chain.ipxe"),
+        crate::boot::http::chain_script(http_base),
+    )
+    .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
+    Ok(Some(BootSockets { dhcp, proxy, tftp }))
+}
+
+/// Serves DHCP and TFTP on the bound sockets until `stop`; the HTTP side is served by the public
+/// listener.
+pub fn run(
+    edge: Arc<Edge>,
+    sockets: BootSockets,
+    http_base: String,
+    stop: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let b = edge.boot.clone();
+    let tokio_udp = |s: std::net::UdpSocket| {
+        s.set_nonblocking(true)
+            .and_then(|_| UdpSocket::from_std(s))
+            .map_err(|e| format!("the boot server's socket: {e}"))
+    };
+    let mut tasks = vec![tokio::spawn(dhcp_loop(
+        edge.clone(),
+        tokio_udp(sockets.dhcp)?,
         false,
         http_base.clone(),
-    )));
-    if b.mode == "proxy" {
-        let s = udp(&b.listen_proxy, iface, true)?;
+    ))];
+    if let Some(p) = sockets.proxy {
         tasks.push(tokio::spawn(dhcp_loop(
-            app.clone(),
-            s,
+            edge.clone(),
+            tokio_udp(p)?,
             true,
             http_base.clone(),
         )));
     }
-    let tftp = udp(&b.listen_tftp, iface, false)?;
-    let root = crate::boot::http::boot_root(&app);
-    std::fs::create_dir_all(&root)
-        .map_err(|e| format!("cannot create the boot root {}: {e}", root.display()))?;
-    // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
-    std::fs::write(
-        root.join("chain.ipxe"),
-        crate::boot::http::chain_script(&http_base),
-    )
-    .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
     let on_transfer: crate::boot::tftp::OnTransfer =
         Arc::new(|peer, file| tracing::info!(%peer, %file, "tftp: sent"));
     tasks.push(tokio::spawn(crate::boot::tftp::serve(
-        tftp,
-        root,
+        tokio_udp(sockets.tftp)?,
+        edge.boot_root.clone(),
         (b.tftp_max_transfers, b.tftp_max_per_source),
         on_transfer,
     )));

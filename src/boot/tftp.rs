@@ -3,6 +3,7 @@
 //! (RFC 7440). Each transfer gets a new port. Names are confined to the boot root. The packet
 //! codec and the path guard are pure functions; the server streams files block by block.
 
+use crate::edge::ReadRoot;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -97,14 +98,15 @@ pub fn parse(b: &[u8]) -> Result<Packet, TftpError> {
     }
 }
 
-/// A name confined to `root`: relative, no `..`, no empty or hidden components.
-pub fn confine(root: &Path, name: &str) -> Option<PathBuf> {
+/// A name confined to the boot root, as a path relative to it: no `..`, no empty or hidden
+/// components.
+pub fn confine(name: &str) -> Option<PathBuf> {
     let name = name.replace('\\', "/");
     let p = Path::new(&name);
     if name.is_empty() || name.len() > 255 || p.is_absolute() {
         return None;
     }
-    let mut out = root.to_path_buf();
+    let mut out = PathBuf::new();
     for c in p.components() {
         match c {
             Component::Normal(s) if !s.to_string_lossy().starts_with('.') => out.push(s),
@@ -160,7 +162,7 @@ pub type OnTransfer = Arc<dyn Fn(std::net::SocketAddr, &str) + Send + Sync>;
 /// `limits`: transfers at once in all, and from one source address.
 pub async fn serve(
     socket: UdpSocket,
-    root: PathBuf,
+    root: Arc<ReadRoot>,
     limits: (usize, usize),
     on_transfer: OnTransfer,
 ) {
@@ -250,8 +252,8 @@ pub async fn serve(
 }
 
 /// Sends one file; the number of file bytes sent when the last block is acknowledged.
-async fn transfer(sock: &UdpSocket, root: &Path, req: &ReadRequest) -> Result<u64, String> {
-    let Some(path) = confine(root, &req.filename) else {
+async fn transfer(sock: &UdpSocket, root: &ReadRoot, req: &ReadRequest) -> Result<u64, String> {
+    let Some(path) = confine(&req.filename) else {
         let _ = sock
             .send(&error_packet(
                 2,
@@ -263,7 +265,7 @@ async fn transfer(sock: &UdpSocket, root: &Path, req: &ReadRequest) -> Result<u6
     // Blocks are read with positional reads of one window at a time: boot files sit in the page
     // cache, where a `pread` costs microseconds (tokio's async file would hop to a blocking thread
     // for every block).
-    let file = match std::fs::File::open(&path) {
+    let file = match root.open_file(&path) {
         Ok(f) => f,
         Err(_) => {
             let _ = sock.send(&error_packet(1, "file not found")).await;
@@ -419,15 +421,11 @@ mod tests {
 
     #[test]
     fn the_path_guard() {
-        let root = Path::new("/srv/boot");
         assert_eq!(
-            confine(root, "undionly.kpxe"),
-            Some(PathBuf::from("/srv/boot/undionly.kpxe"))
+            confine("undionly.kpxe"),
+            Some(PathBuf::from("undionly.kpxe"))
         );
-        assert_eq!(
-            confine(root, "efi/ipxe.efi"),
-            Some(PathBuf::from("/srv/boot/efi/ipxe.efi"))
-        );
+        assert_eq!(confine("efi/ipxe.efi"), Some(PathBuf::from("efi/ipxe.efi")));
         for bad in [
             "../etc/passwd",
             "/etc/passwd",
@@ -438,7 +436,7 @@ mod tests {
             "..\\x",
             "a\\..\\..\\b",
         ] {
-            assert_eq!(confine(root, bad), None, "{bad}");
+            assert_eq!(confine(bad), None, "{bad}");
         }
     }
 

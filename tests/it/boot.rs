@@ -8,10 +8,18 @@ use std::process::Command;
 
 /// An appliance with `[boot]` on loopback ports and an iPXE binary in its boot root.
 fn boot_appliance(mode: &str) -> (Appliance, u16, u16) {
+    boot_appliance_with(mode, true)
+}
+
+/// [`boot_appliance`], with the network edge in a confined child (`privsep`) or in one process.
+pub fn boot_appliance_with(mode: &str, privsep: bool) -> (Appliance, u16, u16) {
     let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());
     let mut a = Appliance::start();
     let cfg = a.state().join("config.toml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    if !privsep {
+        text = replace_table(&text, "privsep", "[privsep]\nenabled = false\n");
+    }
     let boot = format!(
         "[boot]\nenabled = true\nmode = \"{mode}\"\nserver_ip = \"127.0.0.1\"\nlisten_dhcp = \"127.0.0.1:{dhcp}\"\n\
          listen_proxy = \"127.0.0.1:{proxy}\"\nlisten_tftp = \"127.0.0.1:{tftp}\"\nrange_start = \"127.0.0.100\"\nrange_end = \"127.0.0.110\"\n"
@@ -135,4 +143,54 @@ fn the_proxy_answers_the_uefi_boot_server_request_on_4011() {
     assert_eq!(leases["items"][0]["file"], "snponly.efi");
     s.send_to(&buf, ("127.0.0.1", proxy)).unwrap();
     assert!(s.recv(&mut rb).is_ok());
+}
+
+/// A TFTP download by curl: the bytes, or curl's exit code (68: the server said "file not found").
+fn tftp_get(port: u16, name: &str) -> Result<Vec<u8>, i32> {
+    let o = Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "10",
+            &format!("tftp://127.0.0.1:{port}/{name}"),
+        ])
+        .output()
+        .unwrap();
+    if o.status.success() {
+        Ok(o.stdout)
+    } else {
+        Err(o.status.code().unwrap_or(-1))
+    }
+}
+
+#[test]
+fn boot_files_are_read_beneath_the_boot_root_and_links_out_of_it_are_refused() {
+    for privsep in [true, false] {
+        let (a, _, tftp) = boot_appliance_with("proxy", privsep);
+        let root = a.state().join("boot");
+        // Links out of the boot root, to the database and the config, and one that stays inside.
+        std::os::unix::fs::symlink(a.state().join("bca.db"), root.join("db.bin")).unwrap();
+        std::os::unix::fs::symlink("../config.toml", root.join("up.bin")).unwrap();
+        std::os::unix::fs::symlink("snponly.efi", root.join("inside.bin")).unwrap();
+        let before = a.snapshot();
+        assert_eq!(
+            tftp_get(tftp, "inside.bin").unwrap(),
+            b"efi",
+            "privsep {privsep}"
+        );
+        assert_eq!(
+            curl(&a, "/api/compute/boot/files/inside.bin", "GET"),
+            (200, "efi".into())
+        );
+        // Refused as a missing file is: nothing says what the link pointed at.
+        for bad in ["db.bin", "up.bin", "missing.bin"] {
+            assert_eq!(tftp_get(tftp, bad), Err(68), "{bad}");
+            let (status, body) = curl(&a, &format!("/api/compute/boot/files/{bad}"), "GET");
+            assert_eq!(status, 404, "{bad}: {body}");
+            assert!(body.contains("NOT_FOUND"), "{body}");
+        }
+        // The server keeps serving, and nothing changed.
+        assert_eq!(tftp_get(tftp, "snponly.efi").unwrap(), b"efi");
+        assert_eq!(a.snapshot(), before);
+    }
 }

@@ -116,17 +116,42 @@ fn the_network_child_is_confined_and_holds_no_key() {
     assert_eq!(status_field(child, "NoNewPrivs"), "1");
     assert_eq!(status_field(child, "Seccomp"), "2");
 
-    // It holds no descriptor of the state directory: no database, no key file.
+    // Of the state directory it holds two directories, read-only: the boot root and the
+    // downloads. No database, no key file, no config.
     let state = std::fs::canonicalize(a.state()).unwrap();
-    let fds: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{child}/fd"))
+    let fds: Vec<(PathBuf, String)> = std::fs::read_dir(format!("/proc/{child}/fd"))
         .unwrap()
         .flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter_map(|e| {
+            let target = std::fs::read_link(e.path()).ok()?;
+            let info = std::fs::read_to_string(format!(
+                "/proc/{child}/fdinfo/{}",
+                e.file_name().to_string_lossy()
+            ))
+            .ok()?;
+            let flags = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))?
+                .trim()
+                .to_string();
+            Some((target, flags))
+        })
         .collect();
-    assert!(
-        fds.iter().all(|f| !f.starts_with(&state)),
+    let inside: Vec<&(PathBuf, String)> =
+        fds.iter().filter(|(f, _)| f.starts_with(&state)).collect();
+    let mut names: Vec<PathBuf> = inside.iter().map(|(f, _)| f.clone()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        vec![state.join("boot"), state.join("downloads")],
         "the child holds {fds:?}"
     );
+    for (f, flags) in inside {
+        // O_ACCMODE is O_RDONLY (octal flags).
+        let mode = u32::from_str_radix(flags, 8).unwrap() & 0o3;
+        assert_eq!(mode, 0, "{} is open with flags {flags}", f.display());
+    }
+    let fds: Vec<PathBuf> = fds.into_iter().map(|(f, _)| f).collect();
     assert!(fds
         .iter()
         .any(|f| f.to_string_lossy().starts_with("socket:")));
@@ -274,4 +299,107 @@ fn a_privsep_user_that_cannot_be_used_is_a_clear_error() {
         };
         assert_eq!(keep(&before), keep(&after));
     }
+}
+
+#[test]
+fn dhcp_tftp_and_http_are_parsed_in_the_child_and_survive_its_death() {
+    let (a, proxy, tftp) = crate::boot::boot_appliance_with("proxy", true);
+    let child = net_child(&a);
+    let fetch = |name: &str| {
+        std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "3",
+                &format!("tftp://127.0.0.1:{tftp}/{name}"),
+            ])
+            .output()
+            .unwrap()
+    };
+    assert!(fetch("snponly.efi").status.success());
+    // A frozen child answers nothing: the key-holding parent reads no DHCP, TFTP or HTTP.
+    let signal = |sig: &str, pid: u32| {
+        assert!(std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success());
+    };
+    signal("-STOP", child);
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_millis(1500)))
+        .unwrap();
+    let mut req = Vec::new();
+    {
+        use dhcproto::{Encodable, Encoder};
+        let mut m = dhcproto::v4::Message::default();
+        m.set_opcode(dhcproto::v4::Opcode::BootRequest)
+            .set_xid(0x5eed)
+            .set_chaddr(&[0x52, 0x54, 0, 0x12, 0x34, 0x56]);
+        m.opts_mut().insert(dhcproto::v4::DhcpOption::MessageType(
+            dhcproto::v4::MessageType::Request,
+        ));
+        m.opts_mut()
+            .insert(dhcproto::v4::DhcpOption::ClassIdentifier(
+                b"PXEClient:Arch:00007:UNDI:003016".to_vec(),
+            ));
+        m.opts_mut()
+            .insert(dhcproto::v4::DhcpOption::ClientSystemArchitecture(
+                dhcproto::v4::Architecture::from(7),
+            ));
+        m.encode(&mut Encoder::new(&mut req)).unwrap();
+    }
+    s.send_to(&req, ("127.0.0.1", proxy)).unwrap();
+    let mut rb = [0u8; 1500];
+    assert!(
+        s.recv(&mut rb).is_err(),
+        "someone answered for a frozen child"
+    );
+    assert!(!fetch("snponly.efi").status.success());
+    let (status, _) = {
+        let o = std::process::Command::new("curl")
+            .args([
+                "-s",
+                "--max-time",
+                "2",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+            ])
+            .arg(format!("http://{}/api/compute/boot/chain.ipxe", a.http))
+            .output()
+            .unwrap();
+        (String::from_utf8_lossy(&o.stdout).to_string(), ())
+    };
+    assert_eq!(
+        status, "000",
+        "the HTTP listener answered for a frozen child"
+    );
+
+    // Killed, it is restarted, and the request that waited in the socket is answered.
+    signal("-KILL", child);
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let n = s
+        .recv(&mut rb)
+        .expect("the queued request is answered by the new child");
+    use dhcproto::Decodable;
+    let ack = dhcproto::v4::Message::decode(&mut dhcproto::Decoder::new(&rb[..n])).unwrap();
+    assert_eq!(ack.xid(), 0x5eed);
+    assert_ne!(net_child(&a), child);
+    assert_eq!(fetch("snponly.efi").stdout, b"efi");
+    // The new child's counters reach /metrics through the parent; the boot lease is recorded.
+    let (_, metrics) = curl(&a, "/metrics", "GET");
+    assert!(metrics.contains("bca_dhcp_answers_total 1"), "{metrics}");
+    assert!(
+        metrics.contains("bca_tftp_transfers_total{result=\"complete\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("bca_privsep_child_restarts_total 1"),
+        "{metrics}"
+    );
+    let leases = a.cli_json(&["boot", "leases", "--mac", "52:54:00:12:34:56"]);
+    assert_eq!(leases["items"][0]["file"], "snponly.efi", "{leases}");
 }

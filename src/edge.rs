@@ -1,0 +1,290 @@
+//! The network edge besides the gateway: the public HTTP listener (boot scripts and files, the
+//! well-known document, `/healthz`, `/metrics`, agent downloads), DHCP and TFTP. With privilege
+//! separation on, all of it runs in the network child ([`crate::privsep`]), which parses every
+//! byte those sockets receive; what needs the database or a key is asked of the core as one of a
+//! few structured questions ([`Ask`]), answered by [`answer`] in the key-holding process.
+//!
+//! Files are read beneath two directories the core opens and hands over as descriptors
+//! ([`ReadRoot`]): the boot root and `<state-dir>/downloads`. The child's Landlock rules allow
+//! reading beneath those two and nothing else, so a name that escapes them (a symlink to a key, a
+//! `..` the path guard missed) is refused by the kernel. Boot files are therefore copied into the
+//! boot root, not linked from elsewhere.
+
+use crate::app::App;
+use crate::boot::BootConfig;
+use serde::{Deserialize, Serialize};
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+/// A directory files are read beneath, held open: the network child cannot reach it by path.
+#[derive(Debug)]
+pub struct ReadRoot {
+    dir: OwnedFd,
+    path: PathBuf,
+}
+
+impl ReadRoot {
+    /// Opens (creating it when missing) a directory to read beneath.
+    pub fn open(path: &Path) -> Result<Self, String> {
+        std::fs::create_dir_all(path)
+            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        let dir = std::fs::File::open(path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        if !dir.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+            return Err(format!("{} is not a directory", path.display()));
+        }
+        Ok(Self {
+            dir: dir.into(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// A directory passed by the core; `path` is for messages only.
+    pub fn from_fd(dir: OwnedFd, path: PathBuf) -> Self {
+        Self { dir, path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.dir.as_fd()
+    }
+
+    /// Opens `rel` (relative, no `..`) for reading; only a regular file is returned.
+    pub fn open_file(&self, rel: &Path) -> std::io::Result<std::fs::File> {
+        let inside = !rel.as_os_str().is_empty()
+            && rel.components().all(|c| matches!(c, Component::Normal(_)));
+        if !inside {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "names stay beneath the directory",
+            ));
+        }
+        use rustix::fs::{Mode, OFlags, ResolveFlags};
+        // The kernel keeps the lookup beneath the directory, symlinks included: a link in the
+        // boot root to a key file is refused here, and by Landlock again in the network child.
+        let fd = rustix::fs::openat2(
+            &self.dir,
+            rel,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        )?;
+        let f = std::fs::File::from(fd);
+        if !f.metadata()?.is_file() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "not a regular file",
+            ));
+        }
+        Ok(f)
+    }
+
+    pub fn is_file(&self, rel: &str) -> bool {
+        self.open_file(Path::new(rel)).is_ok()
+    }
+}
+
+/// What the edge asks of the core. Each is checked there as any caller's would be: the child is
+/// trusted no more than the network it parses.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "ask", rename_all = "camelCase")]
+pub enum Ask {
+    /// Full DHCP mode: an OFFER's address (`discover`) or a REQUEST's durable lease.
+    DhcpAddress {
+        mac: String,
+        discover: bool,
+    },
+    /// Who booted what (a boot lease row).
+    BootLease {
+        mac: String,
+        ip: Option<String>,
+        arch: Option<u16>,
+        stage: String,
+        file: Option<String>,
+    },
+    /// The per-machine iPXE script (for a discovery boot, with a fresh per-boot archive).
+    BootScript {
+        mac: String,
+        peer: String,
+        base: String,
+    },
+    /// A per-boot archive, served once.
+    BootArchive {
+        nonce: String,
+    },
+    /// `/healthz`: the full report when `trusted`, the status alone otherwise.
+    Health {
+        trusted: bool,
+    },
+    /// `/metrics`, with the edge's own counters when it runs apart.
+    Metrics {
+        edge: Option<crate::metrics::EdgeCounts>,
+    },
+    WellKnown,
+    /// The recorded SHA-256 of an agent download.
+    DownloadSha {
+        version: String,
+        arch: String,
+    },
+}
+
+impl Ask {
+    fn name(&self) -> &'static str {
+        match self {
+            Ask::DhcpAddress { .. } => "dhcpAddress",
+            Ask::BootLease { .. } => "bootLease",
+            Ask::BootScript { .. } => "bootScript",
+            Ask::BootArchive { .. } => "bootArchive",
+            Ask::Health { .. } => "health",
+            Ask::Metrics { .. } => "metrics",
+            Ask::WellKnown => "wellKnown",
+            Ask::DownloadSha { .. } => "downloadSha",
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "answer", rename_all = "camelCase")]
+pub enum Answer {
+    Address {
+        ip: Option<Ipv4Addr>,
+    },
+    Done,
+    /// A text body (an iPXE script).
+    Text {
+        text: String,
+    },
+    /// Base64 bytes, or none (not found).
+    Bytes {
+        b64: Option<String>,
+    },
+    /// A page: its status and body.
+    Page {
+        status: u16,
+        body: String,
+    },
+    Json {
+        value: serde_json::Value,
+    },
+    Sha {
+        sha256: Option<String>,
+    },
+    /// The core cannot answer now (the message says why; never a secret).
+    Unavailable {
+        message: String,
+    },
+}
+
+/// Who answers the edge's questions: the core itself, or the core across the socketpair.
+#[derive(Clone)]
+pub enum Core {
+    Local(Arc<App>),
+    Parent(Arc<crate::privsep::Link>),
+}
+
+impl Core {
+    pub async fn ask(&self, a: Ask) -> Answer {
+        match self {
+            Core::Local(app) => answer(app, a).await,
+            Core::Parent(link) => {
+                let what = a.name();
+                let bytes = link.ask(serde_json::to_vec(&a).expect("serializes")).await;
+                serde_json::from_slice(&bytes).unwrap_or_else(|_| Answer::Unavailable {
+                    message: format!("the core did not answer ({what})"),
+                })
+            }
+        }
+    }
+}
+
+/// What the edge needs to run: who answers it, the `[boot]` settings and the two directories.
+pub struct Edge {
+    pub core: Core,
+    pub boot: BootConfig,
+    pub metrics_public: bool,
+    pub boot_root: Arc<ReadRoot>,
+    pub downloads: ReadRoot,
+}
+
+/// The core's side: answers one question. Blocking work runs off the runtime's workers.
+pub async fn answer(app: &Arc<App>, a: Ask) -> Answer {
+    let app2 = app.clone();
+    match a {
+        Ask::BootScript { mac, peer, base } => {
+            match crate::boot::http::script(app, &mac, &peer, &base).await {
+                Ok(text) => Answer::Text { text },
+                Err(message) => Answer::Unavailable { message },
+            }
+        }
+        Ask::WellKnown => Answer::Json {
+            value: app
+                .well_known
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        },
+        Ask::BootArchive { nonce } => Answer::Bytes {
+            b64: crate::boot::http::take_archive(app, &nonce).map(|a| crate::crypto::b64(&a)),
+        },
+        a => tokio::task::spawn_blocking(move || answer_blocking(&app2, a))
+            .await
+            .unwrap_or_else(|e| Answer::Unavailable {
+                message: format!("the core failed: {e}"),
+            }),
+    }
+}
+
+fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
+    match a {
+        Ask::DhcpAddress { mac, discover } => Answer::Address {
+            ip: crate::discovery::loose_mac(&mac).and_then(|mac| {
+                crate::boot::server::address(app, &mac, discover, crate::clock::now())
+            }),
+        },
+        Ask::BootLease {
+            mac,
+            ip,
+            arch,
+            stage,
+            file,
+        } => {
+            let known = ["dhcp", "dhcp-ipxe"].contains(&stage.as_str());
+            let ip = ip.filter(|i| i.parse::<std::net::IpAddr>().is_ok());
+            let file = file.filter(|f| f.len() <= 255 && !f.contains(['\0', '\n']));
+            if let (Some(mac), true) = (crate::discovery::loose_mac(&mac), known) {
+                crate::boot::http::lease(app, &mac, ip, arch, &stage, file.as_deref());
+            }
+            Answer::Done
+        }
+        Ask::Health { trusted } => match crate::health::report(app) {
+            Ok(v) => {
+                // Load balancers and probes read the status code: 503 while failing.
+                let status = if v["status"] == "failing" { 503 } else { 200 };
+                let v = if trusted {
+                    v
+                } else {
+                    serde_json::json!({"status": v["status"]})
+                };
+                let mut b = serde_json::to_string_pretty(&v).expect("serializes");
+                b.push('\n');
+                Answer::Page { status, body: b }
+            }
+            Err(e) => Answer::Unavailable { message: e.message },
+        },
+        Ask::Metrics { edge } => Answer::Page {
+            status: 200,
+            body: crate::metrics::get().render(app.sessions.len(), edge.as_ref()),
+        },
+        Ask::DownloadSha { version, arch } => Answer::Sha {
+            sha256: crate::downloads::recorded_sha(&app.store, &version, &arch),
+        },
+        Ask::BootScript { .. } | Ask::WellKnown | Ask::BootArchive { .. } => {
+            unreachable!("answered on the runtime")
+        }
+    }
+}
