@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 
 /// The pid of `serve`'s network child.
 fn net_child(a: &Appliance) -> u32 {
-    let parent = a.child.as_ref().unwrap().id();
+    net_child_of(a.child.as_ref().unwrap().id())
+}
+
+fn net_child_of(parent: u32) -> u32 {
     wait_for("the network child", 20, || {
         let tasks = std::fs::read_dir(format!("/proc/{parent}/task")).ok()?;
         tasks
@@ -402,4 +405,67 @@ fn dhcp_tftp_and_http_are_parsed_in_the_child_and_survive_its_death() {
     );
     let leases = a.cli_json(&["boot", "leases", "--mac", "52:54:00:12:34:56"]);
     assert_eq!(leases["items"][0]["file"], "snponly.efi", "{leases}");
+}
+
+#[test]
+fn under_the_units_ambient_capability_the_child_holds_none() {
+    // The packaged unit's situation: serve runs as an unprivileged user with the ambient
+    // CAP_NET_BIND_SERVICE, which execve would pass on to the child.
+    let (dir, out) = init_dir("file", &[]);
+    assert!(out.status.success());
+    let state = dir.path().join("state");
+    assert!(std::process::Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(dir.path())
+        .status()
+        .unwrap()
+        .success());
+    let mut serve = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=+net_bind_service",
+            "--ambient-caps=+net_bind_service",
+            bin(),
+            "serve",
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
+        .env("BCA_STATE_DIR", &state)
+        .env("BCA_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(
+        line.contains("\"ready\":true"),
+        "serve did not start: {line:?}"
+    );
+    let parent = serve.id();
+    // Stopped however the test ends: a serve left running would hold the test's output open.
+    struct Stop(std::process::Child);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &self.0.id().to_string()])
+                .status();
+            let _ = self.0.wait();
+        }
+    }
+    let _serve = Stop(serve);
+    let child = net_child_of(parent);
+    let bind_service = format!("{:016x}", 1u64 << 10);
+    assert_eq!(status_field(parent, "CapAmb"), bind_service);
+    for field in ["CapAmb", "CapEff", "CapPrm", "CapInh"] {
+        assert_eq!(status_field(child, field), "0000000000000000", "{field}");
+    }
+    assert_eq!(status_field(child, "Seccomp"), "2");
 }
