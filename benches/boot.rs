@@ -174,8 +174,10 @@ fn setup() -> Result<Lab, String> {
     let boot_section = format!(
         "[boot]\nenabled = true\nmode = \"dhcp\"\ninterface = \"bb0\"\nserver_ip = \"{SRV}\"\n\
          range_start = \"10.77.0.10\"\nrange_end = \"10.77.3.250\"\nnetmask = \"255.255.252.0\"\n\
-         tftp_max_transfers = 4096\nlisten_tftp = \"{SRV}:69\"\n"
+         tftp_max_transfers = 4096\ntftp_max_per_source = 4096\nlisten_tftp = \"{SRV}:69\"\n"
     );
+    // The simulated clients share one address (they differ by port): the per-source limit, 16
+    // transfers by default, is lifted as it would not bind a real rack of machines.
     let text = format!("{head}{}{boot_section}{}", &text[..i], &text[end..]);
     std::fs::write(&cfg, text).map_err(|e| e.to_string())?;
     let mut serve = Command::new("ip");

@@ -151,6 +151,11 @@ pub struct InitArgs {
     /// off the box.
     #[arg(long)]
     pub escrow: Option<PathBuf>,
+    /// With --key-protection tpm: also bind the keys to these PCRs' values now (SHA-256 bank,
+    /// e.g. 7 for Secure Boot's state, or 0,2,7); a firmware change that moves them needs
+    /// `bca tpm reseal --escrow FILE`.
+    #[arg(long, value_name = "LIST")]
+    pub tpm_pcrs: Option<String>,
 }
 
 #[derive(Args, Default)]
@@ -496,6 +501,20 @@ pub enum TpmCmd {
     Recover {
         #[arg(long)]
         escrow: PathBuf,
+    },
+    /// After a firmware or boot change moved the PCRs the keys are bound to: seal them to the
+    /// TPM again, to the PCRs' values now, from the escrow copy (its passphrase from BCA_SECRET or
+    /// a prompt). Run it with the server stopped.
+    Reseal {
+        #[arg(long)]
+        escrow: PathBuf,
+        /// The PCRs to bind to from now on (e.g. 7 or 0,2,7; none: no binding); default: the
+        /// ones the keys were bound to.
+        #[arg(long, value_name = "LIST")]
+        tpm_pcrs: Option<String>,
+        /// The TPM, instead of the one config.toml names.
+        #[arg(long)]
+        tpm: Option<String>,
     },
     /// Which TPM, its manufacturer and firmware, its endorsement keys (names as tpm2-tools
     /// prints them, public-key hashes) and whether their certificates certify them.
@@ -921,16 +940,45 @@ fn run(cli: Cli) -> ApiResult<()> {
             println!("wrote {} (0600): keep it off this box", out.display());
             Ok(())
         }
+        Command::Tpm(TpmCmd::Reseal {
+            escrow,
+            tpm_pcrs,
+            tpm,
+        }) => {
+            let state_dir = conn.state_dir();
+            let pcrs = tpm_pcrs
+                .as_deref()
+                .map(crate::tpm::parse_pcrs)
+                .transpose()
+                .map_err(|e| ApiError::invalid_input(format!("--tpm-pcrs: {e}")))?;
+            let tcti: Option<crate::tpm::Tcti> = tpm
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))?;
+            not_serving(&state_dir)?;
+            let pass = crate::keys::passphrase_from_env_or_prompt(false)
+                .map_err(ApiError::invalid_input)?;
+            let bound = crate::keys::reseal_from_escrow(
+                &state_dir,
+                &escrow,
+                pass.as_bytes(),
+                tcti.as_ref(),
+                pcrs,
+            )
+            .map_err(ApiError::invalid_state)?;
+            if bound.is_empty() {
+                println!("the keys are sealed to the TPM again, bound to no PCR; start bca serve");
+            } else {
+                println!(
+                    "the keys are sealed to the TPM again, bound to PCRs {bound:?} as they are now; start bca serve"
+                );
+            }
+            Ok(())
+        }
         Command::Tpm(TpmCmd::Recover { escrow }) => {
             let state_dir = conn.state_dir();
-            let admin = crate::config::Config::load(&state_dir)
-                .map(|c| c.admin_socket_path(&state_dir))
-                .map_err(ApiError::invalid_config)?;
-            if std::os::unix::net::UnixStream::connect(&admin).is_ok() {
-                return Err(ApiError::invalid_state(
-                    "bca serve is running on this state directory: stop it first",
-                ));
-            }
+            not_serving(&state_dir)?;
             let pass = crate::keys::passphrase_from_env_or_prompt(false)
                 .map_err(ApiError::invalid_input)?;
             crate::keys::recover_from_escrow(&state_dir, &escrow, pass.as_bytes())
@@ -1194,6 +1242,7 @@ fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
             key_protection: kp,
             passphrase,
             tpm: a.tpm,
+            tpm_pcrs: a.tpm_pcrs,
             escrow,
             listen_http: None,
             listen_gateway: None,
@@ -1241,6 +1290,7 @@ fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
                 key_protection: KeyProtection::File,
                 passphrase: None,
                 tpm: None,
+                tpm_pcrs: None,
                 escrow: None,
                 listen_http: Some(a.listen_http.clone()),
                 listen_gateway: Some(a.listen_gateway.clone()),
@@ -1574,6 +1624,19 @@ fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
                 s(&c["notAfter"])
             );
         }
+    }
+    Ok(())
+}
+
+/// Refuses while `bca serve` answers on the state directory's admin socket.
+fn not_serving(state_dir: &std::path::Path) -> ApiResult<()> {
+    let admin = crate::config::Config::load(state_dir)
+        .map(|c| c.admin_socket_path(state_dir))
+        .map_err(ApiError::invalid_config)?;
+    if std::os::unix::net::UnixStream::connect(&admin).is_ok() {
+        return Err(ApiError::invalid_state(
+            "bca serve is running on this state directory: stop it first",
+        ));
     }
     Ok(())
 }

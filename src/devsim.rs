@@ -77,6 +77,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
             key_protection: crate::config::KeyProtection::File,
             passphrase: None,
             tpm: None,
+            tpm_pcrs: None,
             escrow: None,
             listen_http: Some(http.clone()),
             listen_gateway: Some(gateway.clone()),

@@ -19,6 +19,8 @@ pub struct InitOptions {
     pub passphrase: Option<zeroize::Zeroizing<String>>,
     /// The TPM to seal to (`key_protection = tpm`); the default is `device:/dev/tpmrm0`.
     pub tpm: Option<String>,
+    /// With `tpm`: the PCRs (SHA-256 bank) the keys are also bound to (`--tpm-pcrs`).
+    pub tpm_pcrs: Option<String>,
     /// With `tpm`: an escrow copy of the keys sealed under this passphrase, written to this file.
     pub escrow: Option<(PathBuf, zeroize::Zeroizing<String>)>,
     pub listen_http: Option<String>,
@@ -107,6 +109,12 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
             "--tpm names the TPM to seal to: it goes with --key-protection tpm",
         ));
     }
+    if o.tpm_pcrs.is_some() && o.key_protection != KeyProtection::Tpm {
+        return Err(ApiError::invalid_input(
+            "--tpm-pcrs binds TPM-sealed keys to PCRs: it goes with --key-protection tpm",
+        ));
+    }
+    let pcrs = pcrs_of(&o)?;
     if is_initialised(&o.state_dir) {
         return Err(ApiError::already_exists(format!(
             "{} is already initialised; nothing was changed",
@@ -121,7 +129,10 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
         // The TPM first: an unreachable or wrong one is an error before anything is written.
         let tcti = tcti_of(&o)?;
         crate::tpm::Tpm::open(&tcti)
-            .and_then(|mut t| t.identity())
+            .and_then(|mut t| {
+                t.identity()?;
+                t.pcr_values(&pcrs)
+            })
             .map_err(|e| ApiError::unavailable(format!("--key-protection tpm: {e}")))?;
     }
     fsutil::create_private_dir(&o.state_dir).map_err(ApiError::invalid_input)?;
@@ -133,6 +144,15 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
         }
     }
     r
+}
+
+fn pcrs_of(o: &InitOptions) -> ApiResult<Vec<u32>> {
+    o.tpm_pcrs
+        .as_deref()
+        .map(crate::tpm::parse_pcrs)
+        .transpose()
+        .map(Option::unwrap_or_default)
+        .map_err(|e| ApiError::invalid_input(format!("--tpm-pcrs: {e}")))
 }
 
 fn tcti_of(o: &InitOptions) -> ApiResult<crate::tpm::Tcti> {
@@ -207,7 +227,8 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
     .map_err(ApiError::internal)?;
     match o.key_protection {
         KeyProtection::Tpm => {
-            keys::seal_to_tpm(&o.state_dir, &keys, &tcti_of(o)?).map_err(ApiError::unavailable)?;
+            keys::seal_to_tpm(&o.state_dir, &keys, &tcti_of(o)?, &pcrs_of(o)?)
+                .map_err(ApiError::unavailable)?;
             if let Some((path, pass)) = &o.escrow {
                 keys::write_escrow(path, &keys, pass.as_bytes())
                     .map_err(|e| ApiError::invalid_input(format!("--escrow: {e}")))?;

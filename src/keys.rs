@@ -74,6 +74,9 @@ struct TpmSealedFile {
     /// marshaled TPM2B_PUBLIC, base64.
     tpm_private: String,
     tpm_public: String,
+    /// The PCRs (SHA-256 bank) the object is bound to; none when absent.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pcrs: Vec<u32>,
     nonce: String,
     ciphertext: String,
 }
@@ -230,12 +233,12 @@ impl Kek {
         })
     }
 
-    /// A random key, sealed to the TPM.
-    fn new_tpm(tcti: &crate::tpm::Tcti) -> Result<Self, String> {
+    /// A random key, sealed to the TPM (and to the current values of `pcrs`).
+    fn new_tpm(tcti: &crate::tpm::Tcti, pcrs: &[u32]) -> Result<Self, String> {
         let mut key = Zeroizing::new([0u8; 32]);
         crypto::fill_random(key.as_mut());
         let blob = crate::tpm::Tpm::open(tcti)
-            .and_then(|mut t| t.seal(key.as_slice()))
+            .and_then(|mut t| t.seal(key.as_slice(), pcrs))
             .map_err(|e| format!("sealing the keys to the TPM: {e}"))?;
         Ok(Self::held_by_tpm(blob, key))
     }
@@ -308,6 +311,7 @@ impl Kek {
                 version: 1,
                 tpm_private: crypto::b64(&blob.private),
                 tpm_public: crypto::b64(&blob.public),
+                pcrs: blob.pcrs.clone(),
                 nonce: crypto::b64(&nonce),
                 ciphertext: crypto::b64(&buf),
             };
@@ -425,16 +429,88 @@ pub fn seal(
     crate::fsutil::write_new_private(&file_for(state_dir, p), &bytes)
 }
 
-/// Writes the bundle sealed to the TPM at `tcti` (`keys/keys.tpm`).
+/// Writes the bundle sealed to the TPM at `tcti` (`keys/keys.tpm`), bound to `pcrs` when any.
 pub fn seal_to_tpm(
     state_dir: &Path,
     bundle: &KeyBundle,
     tcti: &crate::tpm::Tcti,
+    pcrs: &[u32],
 ) -> Result<(), String> {
     let dir = keys_dir(state_dir);
     crate::fsutil::create_private_dir(&dir)?;
-    let bytes = Kek::new_tpm(tcti)?.seal(bundle)?;
+    let bytes = Kek::new_tpm(tcti, pcrs)?.seal(bundle)?;
     crate::fsutil::write_new_private(&file_for(state_dir, KeyProtection::Tpm), &bytes)
+}
+
+/// The PCRs the state directory's TPM-sealed keys are bound to (none when not bound).
+pub fn sealed_pcrs(state_dir: &Path) -> Result<Vec<u32>, String> {
+    let path = file_for(state_dir, KeyProtection::Tpm);
+    let raw = std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let f: TpmSealedFile =
+        serde_json::from_slice(&raw).map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+    Ok(f.pcrs)
+}
+
+/// `bca tpm reseal --escrow FILE [--tpm-pcrs LIST]`: the keys sealed again to the TPM, to the
+/// PCRs' values of now (after a firmware update moved them), from the escrow copy: a new
+/// key-encryption key, a new sealed object, `keys/keys.tpm` replaced in one rename. The escrow
+/// must open with its passphrase and hold the keys the public PKI names; `pcrs` `None` keeps
+/// the PCRs the keys were bound to. Returns the PCRs now bound.
+pub fn reseal_from_escrow(
+    state_dir: &Path,
+    escrow: &Path,
+    passphrase: &[u8],
+    tcti: Option<&crate::tpm::Tcti>,
+    pcrs: Option<Vec<u32>>,
+) -> Result<Vec<u32>, String> {
+    let config = crate::config::Config::load(state_dir)?;
+    if config.key_protection != KeyProtection::Tpm {
+        return Err(format!(
+            "{}'s keys are not sealed to a TPM (key_protection = {:?}): nothing to reseal",
+            state_dir.display(),
+            config.key_protection
+        ));
+    }
+    let pcrs = match pcrs {
+        Some(p) => p,
+        None => sealed_pcrs(state_dir)?,
+    };
+    let (bundle, _) = open_escrow(state_dir, escrow, passphrase)?;
+    let tcti = match tcti {
+        Some(t) => t.clone(),
+        None => configured_tpm(state_dir)?,
+    };
+    let bytes = Kek::new_tpm(&tcti, &pcrs)?.seal(&bundle)?;
+    crate::fsutil::write_atomic(&file_for(state_dir, KeyProtection::Tpm), &bytes, 0o600)?;
+    Ok(pcrs)
+}
+
+/// An escrow copy's bundle and raw bytes, once it opened with `passphrase` and holds the keys
+/// this appliance's public PKI names.
+fn open_escrow(
+    state_dir: &Path,
+    escrow: &Path,
+    passphrase: &[u8],
+) -> Result<(KeyBundle, Zeroizing<Vec<u8>>), String> {
+    let raw = Zeroizing::new(
+        std::fs::read(escrow).map_err(|e| format!("cannot read {}: {e}", escrow.display()))?,
+    );
+    let f: SealedFile = serde_json::from_slice(&raw).map_err(|e| {
+        format!(
+            "{} is not an escrow copy of bca's keys: {e}",
+            escrow.display()
+        )
+    })?;
+    let (bundle, _) = Kek::open_passphrase(&f, passphrase, escrow)?;
+    let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
+    crate::app::check_keys_against(&pki, &bundle).map_err(|e| {
+        format!(
+            "{} holds other keys than this appliance's now ({e}): another appliance's copy, or one \
+             made before a key rotation (make a new one after each: bca tpm escrow)",
+            escrow.display()
+        )
+    })?;
+    Ok((bundle, raw))
 }
 
 /// Writes the bundle sealed under a passphrase to `path` (which must not exist): the escrow copy
@@ -462,24 +538,7 @@ pub fn recover_from_escrow(
             config.key_protection
         ));
     }
-    let raw = Zeroizing::new(
-        std::fs::read(escrow).map_err(|e| format!("cannot read {}: {e}", escrow.display()))?,
-    );
-    let f: SealedFile = serde_json::from_slice(&raw).map_err(|e| {
-        format!(
-            "{} is not an escrow copy of bca's keys: {e}",
-            escrow.display()
-        )
-    })?;
-    let (bundle, _) = Kek::open_passphrase(&f, passphrase, escrow)?;
-    let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
-    crate::app::check_keys_against(&pki, &bundle).map_err(|e| {
-        format!(
-            "{} holds other keys than this appliance's now ({e}): another appliance's copy, or one \
-             made before a key rotation (make a new one after each: bca tpm escrow)",
-            escrow.display()
-        )
-    })?;
+    let (_, raw) = open_escrow(state_dir, escrow, passphrase)?;
     let sealed = file_for(state_dir, KeyProtection::Passphrase);
     crate::fsutil::write_atomic(&sealed, &raw, 0o600)?;
     config.key_protection = KeyProtection::Passphrase;
@@ -573,10 +632,21 @@ fn unseal_inner(
             let blob = crate::tpm::SealedBlob {
                 private: crypto::b64_decode(&f.tpm_private).ok_or("damaged TPM blob")?,
                 public: crypto::b64_decode(&f.tpm_public).ok_or("damaged TPM blob")?,
+                pcrs: f.pcrs.clone(),
             };
             let secret = crate::tpm::Tpm::open(&tcti)
                 .and_then(|mut t| t.unseal(&blob))
                 .map_err(|e| {
+                    if e.to_string().contains("TPM_RC_POLICY_FAIL") {
+                        return format!(
+                            "the appliance's keys could not be unsealed by the TPM at {tcti} ({e}). \
+                             They are bound to PCRs {:?} of the SHA-256 bank, whose values changed \
+                             since they were sealed (a firmware, bootloader or Secure Boot change). \
+                             Nothing was changed; seal them to the PCRs of now with `bca tpm reseal \
+                             --escrow FILE` (docs/tpm.md)",
+                            f.pcrs
+                        );
+                    }
                     format!(
                         "the appliance's keys could not be unsealed by the TPM at {tcti} ({e}). \
                          They are sealed to the TPM that `bca init` used: another TPM, a cleared \

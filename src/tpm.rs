@@ -20,20 +20,22 @@ use std::time::Duration;
 use tpm2_protocol::basic::{TpmHandle, TpmUint16, TpmUint32};
 use tpm2_protocol::constant::{MAX_NV_BUFFER_SIZE, TPM_MAX_COMMAND_SIZE};
 use tpm2_protocol::data::{
-    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bNonce, Tpm2bPrivate, Tpm2bPublic,
-    Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate, Tpm2bSensitiveData, TpmAlgId, TpmCap, TpmEccCurve,
-    TpmPt, TpmRc, TpmRcBase, TpmRh, TpmSt, TpmaObject, TpmaSession, TpmlPcrSelection,
-    TpmsAuthCommand, TpmsEccParms, TpmsEccPoint, TpmsKeyedhashParms, TpmsRsaParms,
-    TpmsSensitiveCreate, TpmtEccScheme, TpmtKdfScheme, TpmtKeyedhashScheme, TpmtPublic,
-    TpmtRsaScheme, TpmtSymDef, TpmuCapabilities, TpmuPublicId, TpmuPublicParms, TpmuSymKeyBits,
-    TpmuSymMode,
+    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bEncryptedSecret, Tpm2bNonce,
+    Tpm2bPrivate, Tpm2bPublic, Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate, Tpm2bSensitiveData,
+    TpmAlgId, TpmCap, TpmEccCurve, TpmPt, TpmRc, TpmRcBase, TpmRh, TpmSe, TpmSt, TpmaObject,
+    TpmaSession, TpmlPcrSelection, TpmsAuthCommand, TpmsEccParms, TpmsEccPoint, TpmsKeyedhashParms,
+    TpmsPcrSelect, TpmsPcrSelection, TpmsRsaParms, TpmsSensitiveCreate, TpmtEccScheme,
+    TpmtKdfScheme, TpmtKeyedhashScheme, TpmtPublic, TpmtRsaScheme, TpmtSymDef, TpmuCapabilities,
+    TpmuPublicId, TpmuPublicParms, TpmuSymKeyBits, TpmuSymMode,
 };
 use tpm2_protocol::frame::{
     tpm_marshal_command, TpmCreateCommand, TpmCreatePrimaryCommand, TpmCreatePrimaryResponse,
     TpmCreateResponse, TpmFlushContextCommand, TpmFlushContextResponse, TpmFrame,
     TpmGetCapabilityCommand, TpmGetCapabilityResponse, TpmLoadCommand, TpmLoadResponse,
     TpmNvReadCommand, TpmNvReadPublicCommand, TpmNvReadPublicResponse, TpmNvReadResponse,
-    TpmResponse, TpmUnmarshalBody, TpmUnsealCommand, TpmUnsealResponse,
+    TpmPcrReadCommand, TpmPcrReadResponse, TpmPolicyPcrCommand, TpmPolicyPcrResponse, TpmResponse,
+    TpmStartAuthSessionCommand, TpmStartAuthSessionResponse, TpmUnmarshalBody, TpmUnsealCommand,
+    TpmUnsealResponse,
 };
 use tpm2_protocol::{TpmMarshal, TpmUnmarshal, TpmWriter};
 use zeroize::Zeroizing;
@@ -219,6 +221,12 @@ pub(crate) fn parse_any(raw: &[u8]) {
     let _ = parse::<TpmNvReadPublicResponse>("", raw);
     let _ = parse::<TpmNvReadResponse>("", raw);
     let _ = parse::<TpmFlushContextResponse>("", raw);
+    let _ = parse::<TpmPcrReadResponse>("", raw);
+    let _ = parse::<TpmStartAuthSessionResponse>("", raw);
+    let _ = parse::<TpmPolicyPcrResponse>("", raw);
+    let _ = parse::<TpmUnsealResponse>("", raw);
+    let _ = parse::<TpmCreateResponse>("", raw);
+    let _ = parse::<TpmLoadResponse>("", raw);
     if let Ok(r) = parse::<TpmCreatePrimaryResponse>("", raw) {
         let _ = PublicKey::of(&r.out_public);
     }
@@ -354,17 +362,22 @@ fn srk_template() -> Result<TpmtPublic, tpm2_protocol::TpmError> {
     })
 }
 
-/// A sealed data object: the secret comes from bca, never leaves the TPM's parent, and is read
-/// back with the (empty) user auth.
-fn sealed_template() -> TpmtPublic {
+/// A sealed data object: the secret comes from bca and never leaves the TPM's parent. With no
+/// `policy` it is read back with the (empty) user auth; with one (PCRs), only through a policy
+/// session that satisfies it: `USER_WITH_AUTH` is off, so no password opens it.
+fn sealed_template(policy: Option<[u8; 32]>) -> TpmtPublic {
+    let mut attributes = TpmaObject::FIXED_TPM | TpmaObject::FIXED_PARENT | TpmaObject::NO_DA;
+    if policy.is_none() {
+        attributes |= TpmaObject::USER_WITH_AUTH;
+    }
     TpmtPublic {
         object_type: TpmAlgId::KeyedHash,
         name_alg: TpmAlgId::Sha256,
-        object_attributes: TpmaObject::FIXED_TPM
-            | TpmaObject::FIXED_PARENT
-            | TpmaObject::USER_WITH_AUTH
-            | TpmaObject::NO_DA,
-        auth_policy: Tpm2bDigest::default(),
+        object_attributes: attributes,
+        auth_policy: match policy {
+            Some(p) => Tpm2bDigest::try_from(&p[..]).expect("32 bytes fit a digest"),
+            None => Tpm2bDigest::default(),
+        },
         parameters: TpmuPublicParms::KeyedHash(TpmsKeyedhashParms {
             scheme: TpmtKeyedhashScheme::default(),
         }),
@@ -373,11 +386,72 @@ fn sealed_template() -> TpmtPublic {
 }
 
 /// A secret sealed to one TPM: its private part (encrypted and integrity-protected by the
-/// TPM's storage key) and its public area, as the TPM returned them.
+/// TPM's storage key) and its public area, as the TPM returned them; `pcrs`, the PCRs of the
+/// SHA-256 bank whose values at sealing time it is bound to (none: not bound).
 #[derive(Debug, Clone)]
 pub struct SealedBlob {
     pub private: Vec<u8>,
     pub public: Vec<u8>,
+    pub pcrs: Vec<u32>,
+}
+
+/// The largest PCR index, and how many PCRs a binding may name (one `TPML_DIGEST` of answers).
+const MAX_PCR: u32 = 23;
+const MAX_BOUND_PCRS: usize = 8;
+
+/// `--tpm-pcrs`: PCR indices of the SHA-256 bank, comma-separated (`7`, `0,2,7`), or `none`.
+pub fn parse_pcrs(s: &str) -> Result<Vec<u32>, String> {
+    if s.trim() == "none" {
+        return Ok(Vec::new());
+    }
+    let mut v = Vec::new();
+    for part in s.split(',') {
+        let n: u32 = part.trim().parse().map_err(|_| {
+            format!("{part:?} is not a PCR number: give indices 0 to {MAX_PCR}, comma-separated (7 or 0,2,7), or none")
+        })?;
+        if n > MAX_PCR {
+            return Err(format!("PCR {n} does not exist: PCRs are 0 to {MAX_PCR}"));
+        }
+        v.push(n);
+    }
+    v.sort_unstable();
+    v.dedup();
+    if v.len() > MAX_BOUND_PCRS {
+        return Err(format!("at most {MAX_BOUND_PCRS} PCRs may be named"));
+    }
+    Ok(v)
+}
+
+/// The selection of `pcrs` in the SHA-256 bank, and its marshaled bytes (part of the policy).
+fn pcr_selection(pcrs: &[u32]) -> Result<(TpmlPcrSelection, Vec<u8>), String> {
+    let mut bitmap = [0u8; 3];
+    for p in pcrs {
+        bitmap[(*p / 8) as usize] |= 1 << (p % 8);
+    }
+    let select = TpmsPcrSelect::try_from(&bitmap[..]).map_err(|e| format!("{e:?}"))?;
+    let mut list = TpmlPcrSelection::default();
+    list.try_push(TpmsPcrSelection {
+        hash: TpmAlgId::Sha256,
+        pcr_select: select,
+    })
+    .map_err(|e| format!("{e:?}"))?;
+    let mut buf = vec![0u8; 64];
+    let mut w = TpmWriter::new(&mut buf);
+    list.marshal(&mut w).map_err(|e| format!("{e:?}"))?;
+    let bytes = w.as_bytes().to_vec();
+    Ok((list, bytes))
+}
+
+/// TPM2_PolicyPCR's policy digest from an empty one (TPM 2.0 Part 3, 23.7):
+/// `H(0^32 || TPM_CC_PolicyPCR || pcrs || H(the selected PCRs' values, in order))`.
+fn pcr_policy(selection: &[u8], values: &[Vec<u8>]) -> [u8; 32] {
+    const TPM_CC_POLICY_PCR: u32 = 0x0000_017F;
+    let pcr_digest = crate::crypto::sha256(&values.concat());
+    let mut m = vec![0u8; 32];
+    m.extend_from_slice(&TPM_CC_POLICY_PCR.to_be_bytes());
+    m.extend_from_slice(selection);
+    m.extend_from_slice(&pcr_digest);
+    crate::crypto::sha256(&m)
 }
 
 /// A public key as a TPM holds it, with what bca derives from it.
@@ -663,11 +737,40 @@ impl Tpm {
         })
     }
 
-    /// Seals `secret` (at most 128 bytes) to this TPM.
-    pub fn seal(&mut self, secret: &[u8]) -> Result<SealedBlob, TpmFailure> {
+    /// The values of `pcrs` in the SHA-256 bank, in index order.
+    pub fn pcr_values(&mut self, pcrs: &[u32]) -> Result<Vec<Vec<u8>>, TpmFailure> {
+        let (selection, _) =
+            pcr_selection(pcrs).map_err(|e| TpmFailure::new("TPM2_PCR_Read", e))?;
+        let cmd = TpmPcrReadCommand {
+            handles: [],
+            pcr_selection_in: selection,
+        };
+        let r: TpmPcrReadResponse = self.run("TPM2_PCR_Read", &cmd, &[])?;
+        let values: Vec<Vec<u8>> = r.pcr_values.iter().map(|d| d.to_vec()).collect();
+        if r.pcr_selection_out != selection || values.len() != pcrs.len() {
+            return Err(TpmFailure::new(
+                "TPM2_PCR_Read",
+                format!(
+                    "the TPM has no SHA-256 bank with PCRs {pcrs:?} (it answered {} of them)",
+                    values.len()
+                ),
+            ));
+        }
+        Ok(values)
+    }
+
+    /// Seals `secret` (at most 128 bytes) to this TPM; with `pcrs`, also to those PCRs' values
+    /// now (SHA-256 bank).
+    pub fn seal(&mut self, secret: &[u8], pcrs: &[u32]) -> Result<SealedBlob, TpmFailure> {
         let fail = |m: String| TpmFailure::new("TPM2_Create", m);
         let data = Tpm2bSensitiveData::try_from(secret)
             .map_err(|e| fail(format!("a secret of {} bytes: {e:?}", secret.len())))?;
+        let policy = if pcrs.is_empty() {
+            None
+        } else {
+            let (_, selection) = pcr_selection(pcrs).map_err(fail)?;
+            Some(pcr_policy(&selection, &self.pcr_values(pcrs)?))
+        };
         let cmd_of = |srk: u32| TpmCreateCommand {
             handles: [TpmHandle::new(srk)],
             in_sensitive: Tpm2bSensitiveCreate {
@@ -676,7 +779,7 @@ impl Tpm {
                     data,
                 },
             },
-            in_public: Tpm2bPublic::from(sealed_template()),
+            in_public: Tpm2bPublic::from(sealed_template(policy)),
             outside_info: Tpm2bData::default(),
             creation_pcr: TpmlPcrSelection::default(),
         };
@@ -690,6 +793,7 @@ impl Tpm {
         Ok(SealedBlob {
             private: r.out_private.to_vec(),
             public: w.as_bytes().to_vec(),
+            pcrs: pcrs.to_vec(),
         })
     }
 
@@ -718,11 +822,69 @@ impl Tpm {
             let cmd = TpmUnsealCommand {
                 handles: [TpmHandle::new(item)],
             };
-            let out = tpm
-                .run::<_, TpmUnsealResponse>("TPM2_Unseal", &cmd, &[password()])
-                .map(|r| Zeroizing::new(r.out_data.to_vec()));
+            let out = if blob.pcrs.is_empty() {
+                tpm.run::<_, TpmUnsealResponse>("TPM2_Unseal", &cmd, &[password()])
+                    .map(|r| Zeroizing::new(r.out_data.to_vec()))
+            } else {
+                tpm.unseal_with_pcrs(&cmd, &blob.pcrs)
+            };
             tpm.flushed(item, out)
         })
+    }
+
+    /// Unseals through a policy session that asserts the PCRs' current values: the TPM refuses
+    /// (`TPM_RC_POLICY_FAIL`) when they differ from the values at sealing.
+    fn unseal_with_pcrs(
+        &mut self,
+        cmd: &TpmUnsealCommand,
+        pcrs: &[u32],
+    ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
+        let mut nonce = [0u8; 32];
+        crate::crypto::fill_random(&mut nonce);
+        let start = TpmStartAuthSessionCommand {
+            handles: [
+                TpmHandle::new(TpmRh::Null.value()),
+                TpmHandle::new(TpmRh::Null.value()),
+            ],
+            nonce_caller: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
+            encrypted_salt: Tpm2bEncryptedSecret::default(),
+            session_type: TpmSe::Policy,
+            symmetric: TpmtSymDef {
+                algorithm: TpmAlgId::Null,
+                key_bits: TpmuSymKeyBits::Null,
+                mode: TpmuSymMode::Null,
+            },
+            auth_hash: TpmAlgId::Sha256,
+        };
+        let r: TpmStartAuthSessionResponse = self.run("TPM2_StartAuthSession", &start, &[])?;
+        let session = r.handles[0].value();
+        let out = (|| {
+            let (selection, _) =
+                pcr_selection(pcrs).map_err(|e| TpmFailure::new("TPM2_PolicyPCR", e))?;
+            let policy = TpmPolicyPcrCommand {
+                handles: [TpmHandle::new(session)],
+                pcr_digest: Tpm2bDigest::default(),
+                pcrs: selection,
+            };
+            let _: TpmPolicyPcrResponse = self.run("TPM2_PolicyPCR", &policy, &[])?;
+            crate::crypto::fill_random(&mut nonce);
+            let auth = TpmsAuthCommand {
+                session_handle: TpmHandle::new(session),
+                nonce: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
+                session_attributes: TpmaSession::empty(),
+                hmac: Tpm2bAuth::default(),
+            };
+            self.run::<_, TpmUnsealResponse>("TPM2_Unseal", cmd, &[auth])
+                .map(|r| Zeroizing::new(r.out_data.to_vec()))
+        })();
+        match out {
+            // A session without continueSession ends with its command's success.
+            Ok(secret) => Ok(secret),
+            Err(e) => {
+                let _ = self.flush(session);
+                Err(e)
+            }
+        }
     }
 
     pub fn flush(&mut self, handle: u32) -> Result<(), TpmFailure> {
@@ -839,6 +1001,26 @@ mod tests {
             let e = bad.parse::<Tcti>().unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn pcr_lists_parse_or_say_what_is_wrong() {
+        assert_eq!(parse_pcrs("7"), Ok(vec![7]));
+        assert_eq!(parse_pcrs("7, 0,2,7"), Ok(vec![0, 2, 7]));
+        assert_eq!(parse_pcrs("none"), Ok(vec![]));
+        for (bad, says) in [
+            ("24", "does not exist"),
+            ("x", "not a PCR number"),
+            ("", "not a PCR number"),
+            ("1,2,3,4,5,6,7,8,9", "at most 8"),
+            ("-1", "not a PCR number"),
+        ] {
+            let e = parse_pcrs(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // The selection as the TPM marshals it: one bank, SHA-256, three bytes of bitmap.
+        let (_, sel) = pcr_selection(&[0, 7, 16]).unwrap();
+        assert_eq!(sel, [0, 0, 0, 1, 0x00, 0x0b, 3, 0x81, 0x00, 0x01]);
     }
 
     #[test]

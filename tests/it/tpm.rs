@@ -362,3 +362,132 @@ fn init_refuses_an_unreachable_tpm_and_a_tpm_without_tpm_protection() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("INVALID_INPUT: --tpm: TCTI"), "{err}");
 }
+
+#[test]
+fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
+    let tpm = Swtpm::start(false);
+    let work = tempfile::tempdir().unwrap();
+    let escrow = work.path().join("escrow.json");
+    let mut a = Appliance::start_with(
+        "tpm",
+        &[
+            "--tpm",
+            &tpm.tcti(),
+            "--tpm-pcrs",
+            "16",
+            "--escrow",
+            escrow.to_str().unwrap(),
+        ],
+    );
+    let state = a.state();
+    let sealed: Value =
+        serde_json::from_slice(&std::fs::read(state.join("keys/keys.tpm")).unwrap()).unwrap();
+    assert_eq!(sealed["pcrs"], serde_json::json!([16]));
+    // tpm2-tools computes the same PolicyPCR digest (a trial session on the TPM): it is the
+    // sealed object's authPolicy.
+    tpm.tool(
+        &[
+            "tpm2_createpolicy",
+            "--policy-pcr",
+            "-l",
+            "sha256:16",
+            "-L",
+            "policy.bin",
+        ],
+        work.path(),
+    );
+    // With no resource manager between them, tpm2-tools leaves its trial session loaded.
+    tpm.tool(&["tpm2_flushcontext", "--loaded-session"], work.path());
+    let policy = std::fs::read(work.path().join("policy.bin")).unwrap();
+    assert_eq!(policy.len(), 32);
+    let public = b64(sealed["tpmPublic"].as_str().unwrap());
+    assert!(
+        public
+            .windows(34)
+            .any(|w| w[..2] == [0, 32] && w[2..] == policy[..]),
+        "the sealed object's public area does not carry tpm2-tools' policy digest"
+    );
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, serde_json::json!({"maxUses": 5}));
+    Sim::new(&a).admitted(&token, &machine());
+    a.restart();
+    Sim::new(&a).admitted(&token, &machine());
+    a.stop();
+
+    // A firmware update moves the PCR: serve refuses with what happened and what to do, and
+    // leaves nothing behind, in the state directory or in the TPM.
+    tpm.tool(
+        &["tpm2_pcrextend", &format!("16:sha256={}", "ab".repeat(32))],
+        work.path(),
+    );
+    let before = sha256_file_tree(&state);
+    let out = serve_exit(&state, PASSPHRASE);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("TPM_RC_POLICY_FAIL")
+            && err.contains("bound to PCRs [16]")
+            && err.contains("bca tpm reseal --escrow"),
+        "{err}"
+    );
+    assert_eq!(before, sha256_file_tree(&state));
+    for handles in ["handles-transient", "handles-loaded-session"] {
+        let left = tpm.tool(&["tpm2_getcap", handles], work.path());
+        assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
+    }
+
+    // Reseal: a bad PCR list and a wrong passphrase change nothing; the escrow's passphrase
+    // seals the keys to the PCR as it is now.
+    let reseal = |pass: &str, extra: &[&str]| {
+        std::process::Command::new(bin())
+            .args(["tpm", "reseal", "--escrow"])
+            .arg(&escrow)
+            .args(extra)
+            .env("BCA_STATE_DIR", &state)
+            .env("BCA_SECRET", pass)
+            .output()
+            .unwrap()
+    };
+    let out = reseal(PASSPHRASE, &["--tpm-pcrs", "16,99"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("INVALID_INPUT: --tpm-pcrs: PCR 99 does not exist"),
+        "{err}"
+    );
+    let out = reseal("not the passphrase", &[]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("wrong passphrase"));
+    assert_eq!(before, sha256_file_tree(&state));
+    let out = reseal(PASSPHRASE, &[]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("bound to PCRs [16]"), "{said}");
+    a.serve(PASSPHRASE);
+    Sim::new(&a).admitted(&token, &machine());
+    a.stop();
+    // The PCR moves again; the old blob would not open, the new one did: the binding holds.
+    tpm.tool(
+        &["tpm2_pcrextend", &format!("16:sha256={}", "cd".repeat(32))],
+        work.path(),
+    );
+    assert!(!serve_exit(&state, PASSPHRASE).status.success());
+
+    // --tpm-pcrs goes with TPM protection only.
+    let (dir, out) = init_dir("file", &["--tpm-pcrs", "7"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("INVALID_INPUT") && err.contains("--tpm-pcrs"),
+        "{err}"
+    );
+    assert!(!dir.path().join("state/config.toml").exists());
+}
+
+fn b64(s: &str) -> Vec<u8> {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
+}
