@@ -491,3 +491,185 @@ fn b64(s: &str) -> Vec<u8> {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.decode(s).unwrap()
 }
+
+/// tpm2-tools' credential file: magic `BADCC0DE`, version 1, `TPM2B_ID_OBJECT`,
+/// `TPM2B_ENCRYPTED_SECRET` (tpm2_makecredential's `-o`, tpm2_activatecredential's `-i`).
+fn credential_file(c: &bca::tpm::credential::Credential) -> Vec<u8> {
+    let mut v = 0xBADC_C0DEu32.to_be_bytes().to_vec();
+    v.extend(1u32.to_be_bytes());
+    for part in [&c.id_object, &c.encrypted_secret] {
+        v.extend((part.len() as u16).to_be_bytes());
+        v.extend(part.iter());
+    }
+    v
+}
+
+fn parse_credential_file(b: &[u8]) -> bca::tpm::credential::Credential {
+    assert_eq!(
+        &b[..8],
+        &[0xba, 0xdc, 0xc0, 0xde, 0, 0, 0, 1],
+        "a tpm2-tools credential"
+    );
+    let take = |b: &[u8]| {
+        let n = u16::from_be_bytes([b[0], b[1]]) as usize;
+        (b[2..2 + n].to_vec(), b[2 + n..].to_vec())
+    };
+    let (id_object, rest) = take(&b[8..]);
+    let (encrypted_secret, rest) = take(&rest);
+    assert!(rest.is_empty());
+    bca::tpm::credential::Credential {
+        id_object,
+        encrypted_secret,
+    }
+}
+
+#[test]
+fn credentials_bca_makes_are_activated_by_tpm2_tools_and_the_reverse() {
+    let tpm = Swtpm::start(true);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let file = |n: &str| d.join(n);
+    let tcti: bca::tpm::Tcti = tpm.tcti().parse().unwrap();
+    for (alg, ek_alg) in [("rsa", bca::tpm::EkAlg::Rsa), ("ecc", bca::tpm::EkAlg::Ecc)] {
+        // bca makes, in software, a credential for tpm2-tools' EK and AK; the TPM recovers it.
+        tpm.tool(
+            &["tpm2_createek", "-c", "ek.ctx", "-G", alg, "-u", "ek.pub"],
+            d,
+        );
+        // With no resource manager, every tool leaves its objects loaded: flushed after each
+        // (their saved contexts load again).
+        tpm.tool(&["tpm2_flushcontext", "-t"], d);
+        tpm.tool(
+            &[
+                "tpm2_createak",
+                "-C",
+                "ek.ctx",
+                "-c",
+                "ak.ctx",
+                "-G",
+                "ecc",
+                "-g",
+                "sha256",
+                "-s",
+                "ecdsa",
+                "-u",
+                "ak.pub",
+                "-n",
+                "ak.name",
+            ],
+            d,
+        );
+        tpm.tool(&["tpm2_flushcontext", "-t"], d);
+        let secret = format!("the secret for the {alg} EK: 32 b.");
+        assert_eq!(secret.len(), 32);
+        let ek_pub = std::fs::read(file("ek.pub")).unwrap();
+        let ak_name = std::fs::read(file("ak.name")).unwrap();
+        let cred = bca::tpm::make_credential(&ek_pub, &ak_name, secret.as_bytes()).unwrap();
+        std::fs::write(file("cred.out"), credential_file(&cred)).unwrap();
+        tpm.tool(
+            &["tpm2_startauthsession", "--policy-session", "-S", "s.ctx"],
+            d,
+        );
+        tpm.tool(&["tpm2_policysecret", "-S", "s.ctx", "-c", "e"], d);
+        tpm.tool(
+            &[
+                "tpm2_activatecredential",
+                "-c",
+                "ak.ctx",
+                "-C",
+                "ek.ctx",
+                "-i",
+                "cred.out",
+                "-o",
+                "act.out",
+                "-P",
+                "session:s.ctx",
+            ],
+            d,
+        );
+        tpm.tool(&["tpm2_flushcontext", "s.ctx"], d);
+        assert_eq!(
+            std::fs::read(file("act.out")).unwrap(),
+            secret.as_bytes(),
+            "{alg}"
+        );
+        tpm.tool(&["tpm2_flushcontext", "-t"], d);
+
+        // tpm2-tools makes (in software, -T none) a credential for bca's EK and AK; bca's
+        // TPM2_ActivateCredential recovers it.
+        let mut t = bca::tpm::Tpm::open(&tcti).unwrap();
+        let (ak, _) = t.ak_public().unwrap();
+        std::fs::write(file("bca-ek.pub"), t.ek_public_area(ek_alg).unwrap()).unwrap();
+        std::fs::write(file("secret.bin"), b"tpm2-tools' secret").unwrap();
+        output_ok(
+            std::process::Command::new("tpm2_makecredential")
+                // tpm2-tools 5 takes the Name as hex on the command line.
+                .args([
+                    "-T",
+                    "none",
+                    "-u",
+                    "bca-ek.pub",
+                    "-s",
+                    "secret.bin",
+                    "-o",
+                    "cred2.out",
+                ])
+                .args(["-n", &hex(&ak.name)])
+                .current_dir(d),
+        );
+        let cred = parse_credential_file(&std::fs::read(file("cred2.out")).unwrap());
+        let got = t.activate_credential(ek_alg, &cred).unwrap();
+        assert_eq!(&got[..], b"tpm2-tools' secret", "{alg}");
+        // Made for another Name (tpm2-tools' AK): the TPM refuses; nothing is left loaded.
+        let other = bca::tpm::make_credential(
+            &std::fs::read(file("bca-ek.pub")).unwrap(),
+            &ak_name,
+            b"not for bca's AK",
+        )
+        .unwrap();
+        let err = t
+            .activate_credential(ek_alg, &other)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("TPM2_ActivateCredential"), "{err}");
+        // The same AK at every run: derived from the endorsement seed and a fixed template.
+        assert_eq!(t.ak_public().unwrap().0.name, ak.name);
+        drop(t);
+        for handles in ["handles-transient", "handles-loaded-session"] {
+            let left = tpm.tool(&["tpm2_getcap", handles], d);
+            assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
+        }
+    }
+    // Bad inputs are named, not panics: a public area that is no EK, a bad Name, a long secret.
+    let ek_pub = std::fs::read(file("ek.pub")).unwrap();
+    let ak_pub = std::fs::read(file("ak.pub")).unwrap();
+    let name = std::fs::read(file("ak.name")).unwrap();
+    for (ek, name, secret, says) in [
+        (
+            &ak_pub[..],
+            &name[..],
+            &b"s"[..],
+            "not a restricted decryption key",
+        ),
+        (&ek_pub[..], &name[..10], &b"s"[..], "not a SHA-256 Name"),
+        (
+            &ek_pub[..],
+            &name[..],
+            &[7u8; 33][..],
+            "a credential of 33 bytes",
+        ),
+        (
+            &ek_pub[..ek_pub.len() - 1],
+            &name[..],
+            &b"s"[..],
+            "not a TPM2B_PUBLIC",
+        ),
+    ] {
+        let e = bca::tpm::make_credential(ek, name, secret).unwrap_err();
+        assert!(e.contains(says), "{e}");
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

@@ -13,6 +13,8 @@
 //! that names the command, the TPM's response code by its specification name and what it usually
 //! means.
 
+pub mod credential;
+
 use crate::error::{ApiError, ApiResult, Code};
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -20,22 +22,24 @@ use std::time::Duration;
 use tpm2_protocol::basic::{TpmHandle, TpmUint16, TpmUint32};
 use tpm2_protocol::constant::{MAX_NV_BUFFER_SIZE, TPM_MAX_COMMAND_SIZE};
 use tpm2_protocol::data::{
-    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bEncryptedSecret, Tpm2bNonce,
-    Tpm2bPrivate, Tpm2bPublic, Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate, Tpm2bSensitiveData,
-    TpmAlgId, TpmCap, TpmEccCurve, TpmPt, TpmRc, TpmRcBase, TpmRh, TpmSe, TpmSt, TpmaObject,
-    TpmaSession, TpmlPcrSelection, TpmsAuthCommand, TpmsEccParms, TpmsEccPoint, TpmsKeyedhashParms,
-    TpmsPcrSelect, TpmsPcrSelection, TpmsRsaParms, TpmsSensitiveCreate, TpmtEccScheme,
-    TpmtKdfScheme, TpmtKeyedhashScheme, TpmtPublic, TpmtRsaScheme, TpmtSymDef, TpmuCapabilities,
-    TpmuPublicId, TpmuPublicParms, TpmuSymKeyBits, TpmuSymMode,
+    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bEncryptedSecret, Tpm2bIdObject,
+    Tpm2bNonce, Tpm2bPrivate, Tpm2bPublic, Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate,
+    Tpm2bSensitiveData, TpmAlgId, TpmCap, TpmEccCurve, TpmPt, TpmRc, TpmRcBase, TpmRh, TpmSe,
+    TpmSt, TpmaObject, TpmaSession, TpmlPcrSelection, TpmsAuthCommand, TpmsEccParms, TpmsEccPoint,
+    TpmsKeyedhashParms, TpmsPcrSelect, TpmsPcrSelection, TpmsRsaParms, TpmsSchemeHash,
+    TpmsSensitiveCreate, TpmtEccScheme, TpmtKdfScheme, TpmtKeyedhashScheme, TpmtPublic,
+    TpmtRsaScheme, TpmtSymDef, TpmuAsymScheme, TpmuCapabilities, TpmuPublicId, TpmuPublicParms,
+    TpmuSymKeyBits, TpmuSymMode,
 };
 use tpm2_protocol::frame::{
-    tpm_marshal_command, TpmCreateCommand, TpmCreatePrimaryCommand, TpmCreatePrimaryResponse,
-    TpmCreateResponse, TpmFlushContextCommand, TpmFlushContextResponse, TpmFrame,
-    TpmGetCapabilityCommand, TpmGetCapabilityResponse, TpmLoadCommand, TpmLoadResponse,
-    TpmNvReadCommand, TpmNvReadPublicCommand, TpmNvReadPublicResponse, TpmNvReadResponse,
-    TpmPcrReadCommand, TpmPcrReadResponse, TpmPolicyPcrCommand, TpmPolicyPcrResponse, TpmResponse,
-    TpmStartAuthSessionCommand, TpmStartAuthSessionResponse, TpmUnmarshalBody, TpmUnsealCommand,
-    TpmUnsealResponse,
+    tpm_marshal_command, TpmActivateCredentialCommand, TpmActivateCredentialResponse,
+    TpmCreateCommand, TpmCreatePrimaryCommand, TpmCreatePrimaryResponse, TpmCreateResponse,
+    TpmFlushContextCommand, TpmFlushContextResponse, TpmFrame, TpmGetCapabilityCommand,
+    TpmGetCapabilityResponse, TpmLoadCommand, TpmLoadResponse, TpmNvReadCommand,
+    TpmNvReadPublicCommand, TpmNvReadPublicResponse, TpmNvReadResponse, TpmPcrReadCommand,
+    TpmPcrReadResponse, TpmPolicyPcrCommand, TpmPolicyPcrResponse, TpmPolicySecretCommand,
+    TpmPolicySecretResponse, TpmResponse, TpmStartAuthSessionCommand, TpmStartAuthSessionResponse,
+    TpmUnmarshalBody, TpmUnsealCommand, TpmUnsealResponse,
 };
 use tpm2_protocol::{TpmMarshal, TpmUnmarshal, TpmWriter};
 use zeroize::Zeroizing;
@@ -248,6 +252,29 @@ fn password() -> TpmsAuthCommand {
     }
 }
 
+/// A policy session's authorization: a fresh nonce, no HMAC (no `PolicyAuthValue` in bca's
+/// policies), the session ending with the command.
+fn policy_auth(session: u32) -> TpmsAuthCommand {
+    let mut nonce = [0u8; 32];
+    crate::crypto::fill_random(&mut nonce);
+    TpmsAuthCommand {
+        session_handle: TpmHandle::new(session),
+        nonce: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
+        session_attributes: TpmaSession::empty(),
+        hmac: Tpm2bAuth::default(),
+    }
+}
+
+/// A public area marshaled as `TPM2B_PUBLIC`.
+fn marshal_public(p: &TpmtPublic) -> Result<Vec<u8>, String> {
+    let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+    let mut w = TpmWriter::new(&mut buf);
+    Tpm2bPublic::from(p.clone())
+        .marshal(&mut w)
+        .map_err(|e| format!("marshaling a public area: {e:?}"))?;
+    Ok(w.as_bytes().to_vec())
+}
+
 /// The TCG EK Credential Profile's policy for EKs of the low range: PolicySecret(endorsement).
 const EK_POLICY: [u8; 32] = [
     0x83, 0x71, 0x97, 0x67, 0x44, 0x84, 0xB3, 0xF8, 0x1A, 0x90, 0xCC, 0x8D, 0x46, 0xA5, 0xD7, 0x24,
@@ -325,6 +352,64 @@ fn ek_template(alg: EkAlg) -> Result<TpmtPublic, tpm2_protocol::TpmError> {
         parameters,
         unique,
     })
+}
+
+/// bca's attestation key: a restricted ECDSA P-256 (SHA-256) signing key, a primary of the
+/// endorsement hierarchy from this fixed template, so that the same TPM derives the same AK at
+/// every run (from the endorsement seed, which only a factory reset changes) and nothing is
+/// stored. `fixedTPM` and `fixedParent`: it never leaves the TPM; `restricted`: it signs only
+/// what the TPM itself produced (attestations), never an outside digest that looks like one.
+fn ak_template() -> Result<TpmtPublic, tpm2_protocol::TpmError> {
+    Ok(TpmtPublic {
+        object_type: TpmAlgId::Ecc,
+        name_alg: TpmAlgId::Sha256,
+        object_attributes: TpmaObject::FIXED_TPM
+            | TpmaObject::FIXED_PARENT
+            | TpmaObject::SENSITIVE_DATA_ORIGIN
+            | TpmaObject::USER_WITH_AUTH
+            | TpmaObject::RESTRICTED
+            | TpmaObject::SIGN_ENCRYPT,
+        auth_policy: Tpm2bDigest::default(),
+        parameters: TpmuPublicParms::Ecc(TpmsEccParms {
+            symmetric: TpmtSymDef {
+                algorithm: TpmAlgId::Null,
+                key_bits: TpmuSymKeyBits::Null,
+                mode: TpmuSymMode::Null,
+            },
+            scheme: TpmtEccScheme {
+                scheme: TpmAlgId::Ecdsa,
+                details: TpmuAsymScheme::Hash(TpmsSchemeHash {
+                    hash_alg: TpmAlgId::Sha256,
+                }),
+            },
+            curve_id: TpmEccCurve::NistP256,
+            kdf: TpmtKdfScheme::default(),
+        }),
+        unique: TpmuPublicId::Ecc(TpmsEccPoint {
+            x: Tpm2bEccParameter::default(),
+            y: Tpm2bEccParameter::default(),
+        }),
+    })
+}
+
+/// A marshaled public area (`TPM2B_PUBLIC`, as tpm2-tools writes `*.pub` files and as the
+/// agent sends one): the structure, with nothing after it.
+pub fn parse_public(marshaled: &[u8]) -> Result<TpmtPublic, String> {
+    let (p, rest) =
+        Tpm2bPublic::unmarshal(marshaled).map_err(|e| format!("not a TPM2B_PUBLIC: {e:?}"))?;
+    if !rest.is_empty() {
+        return Err("a TPM2B_PUBLIC with trailing bytes".into());
+    }
+    Ok(p.inner)
+}
+
+/// `TPM2_MakeCredential` in software for an EK given as a marshaled `TPM2B_PUBLIC`.
+pub fn make_credential(
+    ek_public: &[u8],
+    name: &[u8],
+    secret: &[u8],
+) -> Result<credential::Credential, String> {
+    credential::make_credential(&parse_public(ek_public)?, name, secret)
 }
 
 fn aes128_cfb() -> TpmtSymDef {
@@ -727,6 +812,108 @@ impl Tpm {
         })
     }
 
+    /// The EK's public area, marshaled (`TPM2B_PUBLIC`).
+    pub fn ek_public_area(&mut self, alg: EkAlg) -> Result<Vec<u8>, TpmFailure> {
+        self.with_primary(TpmRh::Endorsement, ek_template(alg), |_, r| {
+            marshal_public(&r.out_public).map_err(|m| TpmFailure::new("TPM2_CreatePrimary", m))
+        })
+    }
+
+    /// bca's AK ([`ak_template`]): its Name (computed from the public area, checked against the
+    /// TPM's) and its marshaled public area.
+    pub fn ak_public(&mut self) -> Result<(PublicKey, Vec<u8>), TpmFailure> {
+        self.with_primary(TpmRh::Endorsement, ak_template(), |_, r| {
+            let fail = |m: String| TpmFailure::new("TPM2_CreatePrimary", m);
+            let k = PublicKey::of(&r.out_public).map_err(fail)?;
+            if k.name[..] != r.name[..] {
+                return Err(fail("the TPM reported a name that is not its key's".into()));
+            }
+            Ok((k, marshal_public(&r.out_public).map_err(fail)?))
+        })
+    }
+
+    /// `TPM2_ActivateCredential`: the secret of a credential made for this TPM's EK (of `alg`)
+    /// and bca's AK, which are both created for the command and flushed after it. The EK is used
+    /// through a policy session satisfying its policy (`PolicySecret` of the endorsement
+    /// hierarchy), the AK with its empty password. A credential made for another EK or another
+    /// Name fails (`TPM_RC_INTEGRITY`, or a bad seed).
+    pub fn activate_credential(
+        &mut self,
+        alg: EkAlg,
+        cred: &credential::Credential,
+    ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
+        let fail = |m: String| TpmFailure::new("TPM2_ActivateCredential", m);
+        let blob = Tpm2bIdObject::try_from(&cred.id_object[..])
+            .map_err(|e| fail(format!("the credential: {e:?}")))?;
+        let secret = Tpm2bEncryptedSecret::try_from(&cred.encrypted_secret[..])
+            .map_err(|e| fail(format!("the credential's secret: {e:?}")))?;
+        self.with_primary(TpmRh::Endorsement, ak_template(), |tpm, ak| {
+            let ak = ak.handles[0].value();
+            tpm.with_primary(TpmRh::Endorsement, ek_template(alg), |tpm, ek| {
+                let ek = ek.handles[0].value();
+                tpm.with_policy_session(|tpm, session| {
+                    let policy = TpmPolicySecretCommand {
+                        handles: [
+                            TpmHandle::new(TpmRh::Endorsement.value()),
+                            TpmHandle::new(session),
+                        ],
+                        nonce_tpm: Tpm2bNonce::default(),
+                        cp_hash_a: Tpm2bDigest::default(),
+                        policy_ref: Tpm2bNonce::default(),
+                        expiration: tpm2_protocol::basic::TpmInt32::new(0),
+                    };
+                    let _: TpmPolicySecretResponse =
+                        tpm.run("TPM2_PolicySecret", &policy, &[password()])?;
+                    let cmd = TpmActivateCredentialCommand {
+                        handles: [TpmHandle::new(ak), TpmHandle::new(ek)],
+                        credential_blob: blob,
+                        secret,
+                    };
+                    let r: TpmActivateCredentialResponse = tpm.run(
+                        "TPM2_ActivateCredential",
+                        &cmd,
+                        &[password(), policy_auth(session)],
+                    )?;
+                    Ok(Zeroizing::new(r.cert_info.to_vec()))
+                })
+            })
+        })
+    }
+
+    /// Runs `f` with a new policy session (unsalted, unbound, SHA-256); the session ends with
+    /// `f`'s last command when that succeeds, and is flushed when anything failed.
+    fn with_policy_session<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self, u32) -> Result<T, TpmFailure>,
+    ) -> Result<T, TpmFailure> {
+        let mut nonce = [0u8; 32];
+        crate::crypto::fill_random(&mut nonce);
+        let start = TpmStartAuthSessionCommand {
+            handles: [
+                TpmHandle::new(TpmRh::Null.value()),
+                TpmHandle::new(TpmRh::Null.value()),
+            ],
+            nonce_caller: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
+            encrypted_salt: Tpm2bEncryptedSecret::default(),
+            session_type: TpmSe::Policy,
+            symmetric: TpmtSymDef {
+                algorithm: TpmAlgId::Null,
+                key_bits: TpmuSymKeyBits::Null,
+                mode: TpmuSymMode::Null,
+            },
+            auth_hash: TpmAlgId::Sha256,
+        };
+        let r: TpmStartAuthSessionResponse = self.run("TPM2_StartAuthSession", &start, &[])?;
+        let session = r.handles[0].value();
+        match f(self, session) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                let _ = self.flush(session);
+                Err(e)
+            }
+        }
+    }
+
     /// Runs `f` with the storage primary key loaded, and flushes it whatever `f` returned.
     fn with_srk<T>(
         &mut self,
@@ -839,52 +1026,18 @@ impl Tpm {
         cmd: &TpmUnsealCommand,
         pcrs: &[u32],
     ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
-        let mut nonce = [0u8; 32];
-        crate::crypto::fill_random(&mut nonce);
-        let start = TpmStartAuthSessionCommand {
-            handles: [
-                TpmHandle::new(TpmRh::Null.value()),
-                TpmHandle::new(TpmRh::Null.value()),
-            ],
-            nonce_caller: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
-            encrypted_salt: Tpm2bEncryptedSecret::default(),
-            session_type: TpmSe::Policy,
-            symmetric: TpmtSymDef {
-                algorithm: TpmAlgId::Null,
-                key_bits: TpmuSymKeyBits::Null,
-                mode: TpmuSymMode::Null,
-            },
-            auth_hash: TpmAlgId::Sha256,
-        };
-        let r: TpmStartAuthSessionResponse = self.run("TPM2_StartAuthSession", &start, &[])?;
-        let session = r.handles[0].value();
-        let out = (|| {
-            let (selection, _) =
-                pcr_selection(pcrs).map_err(|e| TpmFailure::new("TPM2_PolicyPCR", e))?;
+        let (selection, _) =
+            pcr_selection(pcrs).map_err(|e| TpmFailure::new("TPM2_PolicyPCR", e))?;
+        self.with_policy_session(|tpm, session| {
             let policy = TpmPolicyPcrCommand {
                 handles: [TpmHandle::new(session)],
                 pcr_digest: Tpm2bDigest::default(),
                 pcrs: selection,
             };
-            let _: TpmPolicyPcrResponse = self.run("TPM2_PolicyPCR", &policy, &[])?;
-            crate::crypto::fill_random(&mut nonce);
-            let auth = TpmsAuthCommand {
-                session_handle: TpmHandle::new(session),
-                nonce: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
-                session_attributes: TpmaSession::empty(),
-                hmac: Tpm2bAuth::default(),
-            };
-            self.run::<_, TpmUnsealResponse>("TPM2_Unseal", cmd, &[auth])
+            let _: TpmPolicyPcrResponse = tpm.run("TPM2_PolicyPCR", &policy, &[])?;
+            tpm.run::<_, TpmUnsealResponse>("TPM2_Unseal", cmd, &[policy_auth(session)])
                 .map(|r| Zeroizing::new(r.out_data.to_vec()))
-        })();
-        match out {
-            // A session without continueSession ends with its command's success.
-            Ok(secret) => Ok(secret),
-            Err(e) => {
-                let _ = self.flush(session);
-                Err(e)
-            }
-        }
+        })
     }
 
     pub fn flush(&mut self, handle: u32) -> Result<(), TpmFailure> {
