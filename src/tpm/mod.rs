@@ -13,6 +13,7 @@
 //! that names the command, the TPM's response code by its specification name and what it usually
 //! means.
 
+pub mod attest;
 pub mod credential;
 
 use crate::error::{ApiError, ApiResult, Code};
@@ -28,23 +29,28 @@ use tpm2_protocol::data::{
     TpmSt, TpmaObject, TpmaSession, TpmlPcrSelection, TpmsAuthCommand, TpmsEccParms, TpmsEccPoint,
     TpmsKeyedhashParms, TpmsPcrSelect, TpmsPcrSelection, TpmsRsaParms, TpmsSchemeHash,
     TpmsSensitiveCreate, TpmtEccScheme, TpmtKdfScheme, TpmtKeyedhashScheme, TpmtPublic,
-    TpmtRsaScheme, TpmtSymDef, TpmuAsymScheme, TpmuCapabilities, TpmuPublicId, TpmuPublicParms,
-    TpmuSymKeyBits, TpmuSymMode,
+    TpmtRsaScheme, TpmtSigScheme, TpmtSymDef, TpmuAsymScheme, TpmuCapabilities, TpmuPublicId,
+    TpmuPublicParms, TpmuSigScheme, TpmuSymKeyBits, TpmuSymMode,
 };
 use tpm2_protocol::frame::{
     tpm_marshal_command, TpmActivateCredentialCommand, TpmActivateCredentialResponse,
-    TpmCreateCommand, TpmCreatePrimaryCommand, TpmCreatePrimaryResponse, TpmCreateResponse,
-    TpmFlushContextCommand, TpmFlushContextResponse, TpmFrame, TpmGetCapabilityCommand,
-    TpmGetCapabilityResponse, TpmLoadCommand, TpmLoadResponse, TpmNvReadCommand,
-    TpmNvReadPublicCommand, TpmNvReadPublicResponse, TpmNvReadResponse, TpmPcrReadCommand,
-    TpmPcrReadResponse, TpmPolicyPcrCommand, TpmPolicyPcrResponse, TpmPolicySecretCommand,
-    TpmPolicySecretResponse, TpmResponse, TpmStartAuthSessionCommand, TpmStartAuthSessionResponse,
-    TpmUnmarshalBody, TpmUnsealCommand, TpmUnsealResponse,
+    TpmCertifyCommand, TpmCertifyResponse, TpmCreateCommand, TpmCreatePrimaryCommand,
+    TpmCreatePrimaryResponse, TpmCreateResponse, TpmFlushContextCommand, TpmFlushContextResponse,
+    TpmFrame, TpmGetCapabilityCommand, TpmGetCapabilityResponse, TpmLoadCommand, TpmLoadResponse,
+    TpmNvReadCommand, TpmNvReadPublicCommand, TpmNvReadPublicResponse, TpmNvReadResponse,
+    TpmPcrReadCommand, TpmPcrReadResponse, TpmPolicyPcrCommand, TpmPolicyPcrResponse,
+    TpmPolicySecretCommand, TpmPolicySecretResponse, TpmResponse, TpmStartAuthSessionCommand,
+    TpmStartAuthSessionResponse, TpmUnmarshalBody, TpmUnsealCommand, TpmUnsealResponse,
 };
 use tpm2_protocol::{TpmMarshal, TpmUnmarshal, TpmWriter};
 use zeroize::Zeroizing;
 
 pub const DEFAULT_TCTI: &str = "device:/dev/tpmrm0";
+
+/// Warnings that ask the caller to send the same command again (TPM 2.0 Part 2, 6.6.3).
+const RC_YIELDED: u32 = 0x908;
+const RC_TESTING: u32 = 0x90A;
+const RC_RETRY: u32 = 0x922;
 
 /// Where the TPM is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -231,6 +237,11 @@ pub(crate) fn parse_any(raw: &[u8]) {
     let _ = parse::<TpmUnsealResponse>("", raw);
     let _ = parse::<TpmCreateResponse>("", raw);
     let _ = parse::<TpmLoadResponse>("", raw);
+    let _ = parse::<TpmPolicySecretResponse>("", raw);
+    let _ = parse::<TpmActivateCredentialResponse>("", raw);
+    let _ = parse::<TpmCertifyResponse>("", raw);
+    let _ = attest::verify_certify(raw, raw, raw, &[], raw);
+    let _ = parse_public(raw);
     if let Ok(r) = parse::<TpmCreatePrimaryResponse>("", raw) {
         let _ = PublicKey::of(&r.out_public);
     }
@@ -390,6 +401,56 @@ fn ak_template() -> Result<TpmtPublic, tpm2_protocol::TpmError> {
             y: Tpm2bEccParameter::default(),
         }),
     })
+}
+
+/// A node's key made in the TPM: an unrestricted ECDSA P-256 (SHA-256) signing key under the
+/// storage key, `fixedTPM`, `fixedParent`, `sensitiveDataOrigin`: made inside, never exported.
+fn node_key_template() -> TpmtPublic {
+    TpmtPublic {
+        object_type: TpmAlgId::Ecc,
+        name_alg: TpmAlgId::Sha256,
+        object_attributes: TpmaObject::FIXED_TPM
+            | TpmaObject::FIXED_PARENT
+            | TpmaObject::SENSITIVE_DATA_ORIGIN
+            | TpmaObject::USER_WITH_AUTH
+            | TpmaObject::NO_DA
+            | TpmaObject::SIGN_ENCRYPT,
+        auth_policy: Tpm2bDigest::default(),
+        parameters: TpmuPublicParms::Ecc(TpmsEccParms {
+            symmetric: TpmtSymDef {
+                algorithm: TpmAlgId::Null,
+                key_bits: TpmuSymKeyBits::Null,
+                mode: TpmuSymMode::Null,
+            },
+            scheme: TpmtEccScheme {
+                scheme: TpmAlgId::Ecdsa,
+                details: TpmuAsymScheme::Hash(TpmsSchemeHash {
+                    hash_alg: TpmAlgId::Sha256,
+                }),
+            },
+            curve_id: TpmEccCurve::NistP256,
+            kdf: TpmtKdfScheme::default(),
+        }),
+        unique: TpmuPublicId::Ecc(TpmsEccPoint {
+            x: Tpm2bEccParameter::default(),
+            y: Tpm2bEccParameter::default(),
+        }),
+    }
+}
+
+/// A key held by a TPM: its private part (wrapped by the storage key) and its marshaled
+/// `TPM2B_PUBLIC`, which is all a node keeps of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyBlob {
+    pub private: Vec<u8>,
+    pub public: Vec<u8>,
+}
+
+/// A `TPM2_Certify`: the marshaled `TPMS_ATTEST` the AK signed, and its `TPMT_SIGNATURE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Certification {
+    pub attest: Vec<u8>,
+    pub signature: Vec<u8>,
 }
 
 /// A marshaled public area (`TPM2B_PUBLIC`, as tpm2-tools writes `*.pub` files and as the
@@ -702,18 +763,31 @@ impl Tpm {
         tpm_marshal_command(cmd, tag, sessions, &mut w)
             .map_err(|e| TpmFailure::new(name, format!("cannot marshal the command: {e:?}")))?;
         let cmd_bytes = Zeroizing::new(w.as_bytes().to_vec());
-        // Zeroized: an unsealed secret passes through this buffer.
-        let raw = self
-            .t
-            .transact(&cmd_bytes)
-            .map(Zeroizing::new)
-            .map_err(|e| {
-                TpmFailure::new(
-                    name,
-                    format!("the TPM at {} did not answer: {e}", self.tcti),
-                )
-            })?;
-        parse(name, &raw)
+        // A TPM may ask for the same command again (TPM_RC_RETRY, _YIELDED, _TESTING: swtpm does
+        // for a signature now and then); a few tries, a few milliseconds apart.
+        let mut tries = 0;
+        loop {
+            // Zeroized: an unsealed secret passes through this buffer.
+            let raw = self
+                .t
+                .transact(&cmd_bytes)
+                .map(Zeroizing::new)
+                .map_err(|e| {
+                    TpmFailure::new(
+                        name,
+                        format!("the TPM at {} did not answer: {e}", self.tcti),
+                    )
+                })?;
+            let rc = raw
+                .get(6..10)
+                .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+            if matches!(rc, Some(RC_RETRY | RC_YIELDED | RC_TESTING)) && tries < 20 {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(5 * tries));
+                continue;
+            }
+            return parse(name, &raw);
+        }
     }
 
     /// Manufacturer, vendor string and firmware version.
@@ -809,6 +883,84 @@ impl Tpm {
                 ));
             }
             Ok(k)
+        })
+    }
+
+    /// Makes a node key in the TPM ([`node_key_template`]) under the storage key.
+    pub fn create_node_key(&mut self) -> Result<KeyBlob, TpmFailure> {
+        let r: TpmCreateResponse = self.with_srk(|tpm, srk| {
+            let cmd = TpmCreateCommand {
+                handles: [TpmHandle::new(srk)],
+                in_sensitive: Tpm2bSensitiveCreate::default(),
+                in_public: Tpm2bPublic::from(node_key_template()),
+                outside_info: Tpm2bData::default(),
+                creation_pcr: TpmlPcrSelection::default(),
+            };
+            tpm.run("TPM2_Create", &cmd, &[password()])
+        })?;
+        Ok(KeyBlob {
+            private: r.out_private.to_vec(),
+            public: marshal_public(&r.out_public.inner)
+                .map_err(|m| TpmFailure::new("TPM2_Create", m))?,
+        })
+    }
+
+    /// `TPM2_Certify` of `key` by bca's AK, with `qualifying` (at most 64 bytes) as the
+    /// attestation's `extraData`; every handle flushed after.
+    pub fn certify(
+        &mut self,
+        key: &KeyBlob,
+        qualifying: &[u8],
+    ) -> Result<Certification, TpmFailure> {
+        let fail = |m: String| TpmFailure::new("TPM2_Certify", m);
+        let qualifying = Tpm2bData::try_from(qualifying)
+            .map_err(|e| fail(format!("the qualifying data: {e:?}")))?;
+        let private = Tpm2bPrivate::try_from(&key.private[..])
+            .map_err(|e| fail(format!("the key's private part: {e:?}")))?;
+        let (public, rest) = Tpm2bPublic::unmarshal(&key.public)
+            .map_err(|e| fail(format!("the key's public part: {e:?}")))?;
+        if !rest.is_empty() {
+            return Err(fail("the key's public part has trailing bytes".into()));
+        }
+        self.with_srk(|tpm, srk| {
+            let load = TpmLoadCommand {
+                handles: [TpmHandle::new(srk)],
+                in_private: private,
+                in_public: public,
+            };
+            let r: TpmLoadResponse = tpm.run("TPM2_Load", &load, &[password()])?;
+            let object = r.handles[0].value();
+            let out = tpm.with_primary(TpmRh::Endorsement, ak_template(), |tpm, ak| {
+                let cmd = TpmCertifyCommand {
+                    handles: [TpmHandle::new(object), ak.handles[0]],
+                    qualifying_data: qualifying,
+                    in_scheme: TpmtSigScheme {
+                        scheme: TpmAlgId::Ecdsa,
+                        details: TpmuSigScheme::Hash(TpmsSchemeHash {
+                            hash_alg: TpmAlgId::Sha256,
+                        }),
+                    },
+                };
+                let r: TpmCertifyResponse =
+                    tpm.run("TPM2_Certify", &cmd, &[password(), password()])?;
+                let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+                let mut w = TpmWriter::new(&mut buf);
+                r.certify_info
+                    .inner
+                    .marshal(&mut w)
+                    .map_err(|e| fail(format!("the attestation: {e:?}")))?;
+                let attest = w.as_bytes().to_vec();
+                let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+                let mut w = TpmWriter::new(&mut buf);
+                r.signature
+                    .marshal(&mut w)
+                    .map_err(|e| fail(format!("the signature: {e:?}")))?;
+                Ok(Certification {
+                    attest,
+                    signature: w.as_bytes().to_vec(),
+                })
+            });
+            tpm.flushed(object, out)
         })
     }
 

@@ -673,3 +673,189 @@ fn credentials_bca_makes_are_activated_by_tpm2_tools_and_the_reverse() {
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
+
+#[test]
+fn a_key_made_in_the_tpm_is_certified_by_the_ak_as_openssl_and_tpm2_tools_read_it() {
+    use bca::tpm::attest::{ecdsa_der, verify_certify};
+    let tpm = Swtpm::start(false);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let file = |n: &str| d.join(n);
+    let mut t = bca::tpm::Tpm::open(&tpm.tcti().parse().unwrap()).unwrap();
+    let key = t.create_node_key().unwrap();
+    let (ak, ak_pub) = t.ak_public().unwrap();
+    let nonce = [0x5au8; 32];
+    let c = t.certify(&key, &nonce).unwrap();
+    let certified = verify_certify(&ak_pub, &c.attest, &c.signature, &nonce, &key.public).unwrap();
+    assert_eq!(certified.spki.len(), 91, "a P-256 SubjectPublicKeyInfo");
+
+    // openssl verifies the AK's signature over the attestation (tpm2_print of tpm2-tools 5.4
+    // does not print certifications; the reverse check below has tpm2-tools make one).
+    std::fs::write(file("ak.der"), &ak.spki).unwrap();
+    std::fs::write(file("attest.bin"), &c.attest).unwrap();
+    std::fs::write(file("sig.der"), ecdsa_der(&c.signature).unwrap()).unwrap();
+    output_ok(
+        Command::new("openssl")
+            .args([
+                "pkey", "-pubin", "-inform", "DER", "-in", "ak.der", "-out", "ak.pem",
+            ])
+            .current_dir(d),
+    );
+    let o = output_ok(
+        Command::new("openssl")
+            .args([
+                "dgst",
+                "-sha256",
+                "-verify",
+                "ak.pem",
+                "-signature",
+                "sig.der",
+                "attest.bin",
+            ])
+            .current_dir(d),
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("Verified OK"));
+
+    // What does not pass, each by name: another nonce, another key, a changed attestation, a
+    // key that is no AK.
+    let other = t.create_node_key().unwrap();
+    let ek_pub = t.ek_public_area(bca::tpm::EkAlg::Ecc).unwrap();
+    let mut changed = c.attest.clone();
+    let last = changed.len() - 1;
+    changed[last] ^= 1;
+    for (ak_pub, attest, nonce, key, says) in [
+        (
+            &ak_pub,
+            &c.attest,
+            &[0u8; 32][..],
+            &key.public,
+            "not the nonce",
+        ),
+        (&ak_pub, &c.attest, &nonce[..], &other.public, "another key"),
+        (
+            &ak_pub,
+            &changed,
+            &nonce[..],
+            &key.public,
+            "does not verify",
+        ),
+        (
+            &ek_pub,
+            &c.attest,
+            &nonce[..],
+            &key.public,
+            "the AK is not sign",
+        ),
+    ] {
+        let e = verify_certify(ak_pub, attest, &c.signature, nonce, key).unwrap_err();
+        assert!(e.contains(says), "{says}: {e}");
+    }
+    drop(t);
+
+    // The reverse: tpm2-tools' AK certifies tpm2-tools' key; bca's check accepts it, and
+    // refuses a key tpm2-tools made without fixedTPM (one that may be duplicated out).
+    let tool = |args: &[&str]| {
+        tpm.tool(args, d);
+        // No resource manager: each tool's objects are flushed after it.
+        tpm.tool(&["tpm2_flushcontext", "-t"], d);
+    };
+    tool(&["tpm2_createek", "-c", "ek.ctx", "-G", "rsa", "-u", "ek.pub"]);
+    tool(&[
+        "tpm2_createak",
+        "-C",
+        "ek.ctx",
+        "-c",
+        "ak.ctx",
+        "-G",
+        "ecc",
+        "-g",
+        "sha256",
+        "-s",
+        "ecdsa",
+        "-u",
+        "tak.pub",
+        "-n",
+        "tak.name",
+    ]);
+    tool(&["tpm2_createprimary", "-C", "o", "-c", "prim.ctx"]);
+    for (name, attrs) in [
+        (
+            "fixed",
+            "fixedtpm|fixedparent|sensitivedataorigin|userwithauth|sign",
+        ),
+        ("loose", "sensitivedataorigin|userwithauth|sign"),
+    ] {
+        tool(&[
+            "tpm2_create",
+            "-C",
+            "prim.ctx",
+            "-G",
+            "ecc",
+            "-a",
+            attrs,
+            "-u",
+            &format!("{name}.pub"),
+            "-r",
+            &format!("{name}.priv"),
+        ]);
+        tool(&[
+            "tpm2_load",
+            "-C",
+            "prim.ctx",
+            "-u",
+            &format!("{name}.pub"),
+            "-r",
+            &format!("{name}.priv"),
+            "-c",
+            &format!("{name}.ctx"),
+        ]);
+        tool(&[
+            "tpm2_certify",
+            "-C",
+            "ak.ctx",
+            "-c",
+            &format!("{name}.ctx"),
+            "-g",
+            "sha256",
+            "-o",
+            &format!("{name}.attest"),
+            "-s",
+            &format!("{name}.sig"),
+        ]);
+    }
+    // tpm2_certify of tpm2-tools 5.4 takes no qualifying data and always sends 00ff55aa: checked
+    // against that, it passes; against the appliance's nonce, it is refused (a replay).
+    let fixed = [0x00u8, 0xff, 0x55, 0xaa];
+    let read = |n: &str| std::fs::read(file(n)).unwrap();
+    let ok = verify_certify(
+        &read("tak.pub"),
+        &read("fixed.attest"),
+        &read("fixed.sig"),
+        &fixed,
+        &read("fixed.pub"),
+    )
+    .unwrap();
+    let e = verify_certify(
+        &read("tak.pub"),
+        &read("fixed.attest"),
+        &read("fixed.sig"),
+        &nonce,
+        &read("fixed.pub"),
+    )
+    .unwrap_err();
+    assert!(e.contains("not the nonce"), "{e}");
+    assert_eq!(ok.name.len(), 34);
+    let e = verify_certify(
+        &read("tak.pub"),
+        &read("loose.attest"),
+        &read("loose.sig"),
+        &fixed,
+        &read("loose.pub"),
+    )
+    .unwrap_err();
+    assert!(e.contains("not fixedTPM"), "{e}");
+    for handles in ["handles-transient", "handles-loaded-session"] {
+        let left = tpm.tool(&["tpm2_getcap", handles], d);
+        assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
+    }
+}
