@@ -15,6 +15,7 @@
 
 pub mod attest;
 pub mod credential;
+pub mod nodekey;
 
 use crate::error::{ApiError, ApiResult, Code};
 use std::io::{Read, Write};
@@ -22,6 +23,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tpm2_protocol::basic::{TpmHandle, TpmUint16, TpmUint32};
 use tpm2_protocol::constant::{MAX_NV_BUFFER_SIZE, TPM_MAX_COMMAND_SIZE};
+use tpm2_protocol::data::TpmtTkHashcheck;
 use tpm2_protocol::data::{
     Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bEncryptedSecret, Tpm2bIdObject,
     Tpm2bNonce, Tpm2bPrivate, Tpm2bPublic, Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate,
@@ -42,6 +44,7 @@ use tpm2_protocol::frame::{
     TpmPolicySecretCommand, TpmPolicySecretResponse, TpmResponse, TpmStartAuthSessionCommand,
     TpmStartAuthSessionResponse, TpmUnmarshalBody, TpmUnsealCommand, TpmUnsealResponse,
 };
+use tpm2_protocol::frame::{TpmSignCommand, TpmSignResponse};
 use tpm2_protocol::{TpmMarshal, TpmUnmarshal, TpmWriter};
 use zeroize::Zeroizing;
 
@@ -915,22 +918,8 @@ impl Tpm {
         let fail = |m: String| TpmFailure::new("TPM2_Certify", m);
         let qualifying = Tpm2bData::try_from(qualifying)
             .map_err(|e| fail(format!("the qualifying data: {e:?}")))?;
-        let private = Tpm2bPrivate::try_from(&key.private[..])
-            .map_err(|e| fail(format!("the key's private part: {e:?}")))?;
-        let (public, rest) = Tpm2bPublic::unmarshal(&key.public)
-            .map_err(|e| fail(format!("the key's public part: {e:?}")))?;
-        if !rest.is_empty() {
-            return Err(fail("the key's public part has trailing bytes".into()));
-        }
-        self.with_srk(|tpm, srk| {
-            let load = TpmLoadCommand {
-                handles: [TpmHandle::new(srk)],
-                in_private: private,
-                in_public: public,
-            };
-            let r: TpmLoadResponse = tpm.run("TPM2_Load", &load, &[password()])?;
-            let object = r.handles[0].value();
-            let out = tpm.with_primary(TpmRh::Endorsement, ak_template(), |tpm, ak| {
+        self.with_key(key, |tpm, object| {
+            tpm.with_primary(TpmRh::Endorsement, ak_template(), |tpm, ak| {
                 let cmd = TpmCertifyCommand {
                     handles: [TpmHandle::new(object), ak.handles[0]],
                     qualifying_data: qualifying,
@@ -959,8 +948,63 @@ impl Tpm {
                     attest,
                     signature: w.as_bytes().to_vec(),
                 })
-            });
+            })
+        })
+    }
+
+    /// Loads `key` under the storage key, runs `f` with its handle, and flushes it.
+    fn with_key<T>(
+        &mut self,
+        key: &KeyBlob,
+        f: impl FnOnce(&mut Self, u32) -> Result<T, TpmFailure>,
+    ) -> Result<T, TpmFailure> {
+        let fail = |m: String| TpmFailure::new("TPM2_Load", m);
+        let private = Tpm2bPrivate::try_from(&key.private[..])
+            .map_err(|e| fail(format!("the key's private part: {e:?}")))?;
+        let (public, rest) = Tpm2bPublic::unmarshal(&key.public)
+            .map_err(|e| fail(format!("the key's public part: {e:?}")))?;
+        if !rest.is_empty() {
+            return Err(fail("the key's public part has trailing bytes".into()));
+        }
+        self.with_srk(|tpm, srk| {
+            let load = TpmLoadCommand {
+                handles: [TpmHandle::new(srk)],
+                in_private: private,
+                in_public: public,
+            };
+            let r: TpmLoadResponse = tpm.run("TPM2_Load", &load, &[password()])?;
+            let object = r.handles[0].value();
+            let out = f(tpm, object);
             tpm.flushed(object, out)
+        })
+    }
+
+    /// `TPM2_Sign` of a SHA-256 `digest` with `key` (ECDSA): the signature as DER.
+    pub fn sign(&mut self, key: &KeyBlob, digest: &[u8; 32]) -> Result<Vec<u8>, TpmFailure> {
+        self.with_key(key, |tpm, object| {
+            let cmd = TpmSignCommand {
+                handles: [TpmHandle::new(object)],
+                digest: Tpm2bDigest::try_from(&digest[..]).expect("32 bytes fit a digest"),
+                in_scheme: TpmtSigScheme {
+                    scheme: TpmAlgId::Ecdsa,
+                    details: TpmuSigScheme::Hash(TpmsSchemeHash {
+                        hash_alg: TpmAlgId::Sha256,
+                    }),
+                },
+                // An unrestricted key needs no proof that the TPM hashed the message itself.
+                validation: TpmtTkHashcheck {
+                    tag: TpmSt::HashCheck,
+                    hierarchy: TpmRh::Null,
+                    digest: Tpm2bDigest::default(),
+                },
+            };
+            let r: TpmSignResponse = tpm.run("TPM2_Sign", &cmd, &[password()])?;
+            let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
+            let mut w = TpmWriter::new(&mut buf);
+            r.signature
+                .marshal(&mut w)
+                .map_err(|e| TpmFailure::new("TPM2_Sign", format!("the signature: {e:?}")))?;
+            attest::ecdsa_der(w.as_bytes()).map_err(|m| TpmFailure::new("TPM2_Sign", m))
         })
     }
 

@@ -859,3 +859,68 @@ fn a_key_made_in_the_tpm_is_certified_by_the_ak_as_openssl_and_tpm2_tools_read_i
         assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
     }
 }
+
+#[test]
+fn a_csr_signed_by_the_tpm_verifies_and_its_key_is_the_certified_one() {
+    let tpm = Swtpm::start(false);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tcti: bca::tpm::Tcti = tpm.tcti().parse().unwrap();
+    let mut t = bca::tpm::Tpm::open(&tcti).unwrap();
+    let blob = t.create_node_key().unwrap();
+    let (_, ak_pub) = t.ak_public().unwrap();
+    let nonce = [0x11u8; 32];
+    let c = t.certify(&blob, &nonce).unwrap();
+    let key = std::sync::Arc::new(bca::tpm::nodekey::TpmKey::new(t, blob.clone()).unwrap());
+    let csr = key.csr().unwrap();
+    // bca's own CSR check (what the JoinService runs) and openssl's.
+    let verified = bca::csr::verify(&csr).unwrap();
+    assert_eq!(verified.public_point, key.public_point());
+    std::fs::write(d.join("csr.der"), &csr).unwrap();
+    let o = output_ok(
+        Command::new("openssl")
+            .args([
+                "req", "-verify", "-noout", "-inform", "DER", "-in", "csr.der",
+            ])
+            .current_dir(d),
+    );
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(said.to_lowercase().contains("verify ok"), "{said}");
+    // The AK certified the very key the CSR carries.
+    let certified =
+        bca::tpm::attest::verify_certify(&ak_pub, &c.attest, &c.signature, &nonce, &blob.public)
+            .unwrap();
+    assert_eq!(
+        bca::crypto::p256_point_from_spki(&certified.spki).unwrap(),
+        key.public_point()
+    );
+    // Signatures come from the TPM: each verifies under the key's point, and a record of another
+    // TPM's key does not load here.
+    let sig = key.sign(b"a message").unwrap();
+    aws_lc_rs::signature::UnparsedPublicKey::new(
+        &aws_lc_rs::signature::ECDSA_P256_SHA256_ASN1,
+        key.public_point(),
+    )
+    .verify(b"a message", &sig)
+    .unwrap();
+    let other = Swtpm::start(false);
+    let foreign = bca::tpm::nodekey::TpmKey::new(
+        bca::tpm::Tpm::open(&other.tcti().parse().unwrap()).unwrap(),
+        blob,
+    )
+    .unwrap();
+    let e = foreign.sign(b"a message").unwrap_err().to_string();
+    assert!(
+        e.contains("TPM2_Load") && e.contains("TPM_RC_INTEGRITY"),
+        "{e}"
+    );
+    drop(key);
+    for handles in ["handles-transient", "handles-loaded-session"] {
+        let left = tpm.tool(&["tpm2_getcap", handles], d);
+        assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
+    }
+}
