@@ -323,7 +323,8 @@ async fn session(cfg: &AgentConfig, data_dir: &Path, cur: &Loaded, attempt: &mut
 }
 
 /// `bca agent doctor`: each check prints `ok` or `FAIL` with what to do; false when one failed.
-pub fn doctor(config: &Path, data_dir: &Path) -> bool {
+/// `tpm` names the machine's TPM (default `/dev/tpmrm0`).
+pub fn doctor(config: &Path, data_dir: &Path, tpm: Option<&crate::tpm::Tcti>) -> bool {
     let mut ok = true;
     let mut line = |good: bool, what: &str, msg: String| {
         println!("{} {what}: {msg}", if good { "ok  " } else { "FAIL" });
@@ -408,7 +409,48 @@ pub fn doctor(config: &Path, data_dir: &Path) -> bool {
             line(false, "clock", "unknown: the gateway did not answer".into());
         }
     }
+    let (good, msg) = tpm_check(tpm);
+    line(good, "tpm", msg);
     ok
+}
+
+/// The machine's TPM for `doctor`: none is fine (token and discovery joins need none); one that
+/// is there must answer and derive bca's AK.
+fn tpm_check(tpm: Option<&crate::tpm::Tcti>) -> (bool, String) {
+    let default: crate::tpm::Tcti = crate::tpm::DEFAULT_TCTI
+        .parse()
+        .expect("the default parses");
+    let tcti = tpm.unwrap_or(&default);
+    if let (None, crate::tpm::Tcti::Device(p)) = (tpm, tcti) {
+        if !p.exists() {
+            return (
+                true,
+                format!(
+                    "none at {} (joins with a token or by discovery need none; --attestor tpm \
+                     would)",
+                    p.display()
+                ),
+            );
+        }
+    }
+    let checked = crate::tpm::Tpm::open(tcti).and_then(|mut t| {
+        let id = t.identity()?;
+        let (ak, _) = t.ak_public()?;
+        Ok((id, ak))
+    });
+    match checked {
+        Ok((id, ak)) => (
+            true,
+            format!(
+                "{tcti} answers ({} {}, firmware {}); bca's AK {}",
+                id.manufacturer,
+                id.vendor,
+                id.firmware,
+                crate::crypto::hex(&ak.name)
+            ),
+        ),
+        Err(e) => (false, format!("{e}")),
+    }
 }
 
 /// Sends one heartbeat-free `Hello` and returns the reply (for tests and doctor-like probes).

@@ -418,12 +418,16 @@ pub enum AgentCmd {
         #[arg(long, default_value = "60000", hide = true)]
         backoff_cap_ms: u64,
     },
-    /// Check the config, pins, identity, the gateway and the clock; exit 1 when a check fails.
+    /// Check the config, pins, identity, the gateway, the clock and the TPM; exit 1 when a
+    /// check fails.
     Doctor {
         #[arg(long, default_value = crate::agent::DEFAULT_CONFIG)]
         config: PathBuf,
         #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
+        /// The machine's TPM: device:/dev/tpmrm0 (the default) or swtpm:host=…,port=….
+        #[arg(long)]
+        tpm: Option<String>,
     },
 }
 
@@ -1092,8 +1096,17 @@ fn run(cli: Cli) -> ApiResult<()> {
             backoff_base: std::time::Duration::from_millis(backoff_base_ms),
             backoff_cap: std::time::Duration::from_millis(backoff_cap_ms.max(backoff_base_ms)),
         }),
-        Command::Agent(AgentCmd::Doctor { config, data_dir }) => {
-            if crate::agent_run::doctor(&config, &data_dir) {
+        Command::Agent(AgentCmd::Doctor {
+            config,
+            data_dir,
+            tpm,
+        }) => {
+            let tcti: Option<crate::tpm::Tcti> = tpm
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))?;
+            if crate::agent_run::doctor(&config, &data_dir, tcti.as_ref()) {
                 Ok(())
             } else {
                 Err(ApiError::invalid_state("a check failed; see above"))
@@ -1642,12 +1655,29 @@ fn not_serving(state_dir: &std::path::Path) -> ApiResult<()> {
 }
 
 fn cmd_tpm_status(conn: &Conn, tpm: Option<String>) -> ApiResult<()> {
+    // On an appliance whose keys are sealed to a TPM: that TPM by default, and whether they load.
+    let state_dir = conn.state_dir();
+    let sealed = crate::config::Config::load(&state_dir)
+        .ok()
+        .filter(|c| c.key_protection == KeyProtection::Tpm);
     let tcti: crate::tpm::Tcti = tpm
         .as_deref()
+        .or(sealed.as_ref().and_then(|c| c.tpm.as_deref()))
         .unwrap_or(crate::tpm::DEFAULT_TCTI)
         .parse()
         .map_err(|e: String| ApiError::new(Code::InvalidInput, &e))?;
-    let v = crate::tpm::status(&tcti)?;
+    let mut v = crate::tpm::status(&tcti)?;
+    if sealed.is_some() {
+        let pcrs = crate::keys::sealed_pcrs(&state_dir).unwrap_or_default();
+        let loaded =
+            crate::keys::Vault::open_with_tpm(&state_dir, KeyProtection::Tpm, None, Some(&tcti));
+        v["sealedKeys"] = serde_json::json!({
+            "file": crate::keys::keys_dir(&state_dir).join("keys.tpm"),
+            "pcrs": pcrs,
+            "loadable": loaded.is_ok(),
+            "error": loaded.err(),
+        });
+    }
     print(conn, &v, |v| {
         println!("TPM           {}", v["tcti"].as_str().unwrap_or(""));
         println!(
@@ -1677,6 +1707,31 @@ fn cmd_tpm_status(conn: &Conn, tpm: Option<String>) -> ApiResult<()> {
                 "EK {alg}        name {}, {cert}",
                 ek["name"].as_str().unwrap_or("")
             );
+        }
+        println!(
+            "AK            name {}",
+            v["ak"]["name"].as_str().unwrap_or("")
+        );
+        let s = &v["sealedKeys"];
+        if !s.is_null() {
+            let pcrs = s["pcrs"].as_array().map(|p| p.len()).unwrap_or(0);
+            let bound = if pcrs == 0 {
+                "bound to no PCR".to_string()
+            } else {
+                format!("bound to PCRs {}", s["pcrs"])
+            };
+            if s["loadable"] == true {
+                println!(
+                    "sealed keys   {}: {bound}, unseal",
+                    s["file"].as_str().unwrap_or("")
+                );
+            } else {
+                println!(
+                    "sealed keys   {}: {bound}, DO NOT unseal: {}",
+                    s["file"].as_str().unwrap_or(""),
+                    s["error"].as_str().unwrap_or("")
+                );
+            }
         }
     });
     Ok(())

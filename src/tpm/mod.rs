@@ -1307,12 +1307,14 @@ pub fn status(tcti: &Tcti) -> ApiResult<serde_json::Value> {
             }),
         );
     }
+    let (ak, _) = tpm.ak_public()?;
     Ok(serde_json::json!({
         "tcti": tcti.to_string(),
         "manufacturer": identity.manufacturer,
         "vendor": identity.vendor,
         "firmware": identity.firmware,
         "ek": eks,
+        "ak": {"name": hex(&ak.name)},
     }))
 }
 

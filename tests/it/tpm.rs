@@ -435,6 +435,17 @@ fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
         let left = tpm.tool(&["tpm2_getcap", handles], work.path());
         assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
     }
+    // `bca tpm status` on the state directory: the TPM config.toml names, the binding, and
+    // that the keys do not unseal, with why.
+    let status = a.cli_json(&["tpm", "status"]);
+    assert_eq!(status["tcti"], tpm.tcti(), "{status}");
+    assert_eq!(status["sealedKeys"]["pcrs"], serde_json::json!([16]));
+    assert_eq!(status["sealedKeys"]["loadable"], false, "{status}");
+    assert!(status["sealedKeys"]["error"]
+        .as_str()
+        .unwrap()
+        .contains("TPM_RC_POLICY_FAIL"));
+    assert_eq!(before, sha256_file_tree(&state));
 
     // Reseal: a bad PCR list and a wrong passphrase change nothing; the escrow's passphrase
     // seals the keys to the PCR as it is now.
@@ -467,6 +478,10 @@ fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(said.contains("bound to PCRs [16]"), "{said}");
+    assert_eq!(
+        a.cli_json(&["tpm", "status"])["sealedKeys"]["loadable"],
+        true
+    );
     a.serve(PASSPHRASE);
     Sim::new(&a).admitted(&token, &machine());
     a.stop();
@@ -923,4 +938,45 @@ fn a_csr_signed_by_the_tpm_verifies_and_its_key_is_the_certified_one() {
         let left = tpm.tool(&["tpm2_getcap", handles], d);
         assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
     }
+}
+
+#[test]
+fn agent_doctor_checks_the_machines_tpm() {
+    let tpm = Swtpm::start(false);
+    let a = Appliance::start();
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, serde_json::json!({}));
+    let dir = joined_agent_dir(&a, &token);
+    let doctor = |tcti: &str| {
+        Command::new(bin())
+            .args(["agent", "doctor", "--tpm", tcti, "--config"])
+            .arg(dir.join("config.toml"))
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .output()
+            .unwrap()
+    };
+    let o = doctor(&tpm.tcti());
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{text}");
+    // The AK doctor derives is the one `bca tpm status` names: the same TPM, the same template.
+    let status = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()]);
+    let ak = status["ak"]["name"].as_str().unwrap();
+    assert_eq!(ak.len(), 68);
+    assert!(
+        text.contains(&format!("ok   tpm: {} answers", tpm.tcti())) && text.contains(ak),
+        "{text}"
+    );
+    // A TPM named but not answering fails the check, by name; a bad TCTI is refused.
+    let closed = free_udp();
+    let o = doctor(&format!("swtpm:port={closed}"));
+    assert_eq!(o.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        text.contains("FAIL tpm: open: cannot reach the TPM"),
+        "{text}"
+    );
+    let o = doctor("tcp:1");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("INVALID_INPUT: --tpm: TCTI"), "{err}");
 }
