@@ -29,7 +29,8 @@ pub struct App {
     pub dhcp: std::sync::Mutex<Option<crate::boot::server::DhcpState>>,
     /// Per-boot archives waiting to be fetched once, by nonce.
     #[allow(clippy::type_complexity)]
-    pub boot_archives: std::sync::Mutex<std::collections::HashMap<String, (Vec<u8>, i64)>>,
+    pub boot_archives:
+        std::sync::Mutex<std::collections::HashMap<String, (zeroize::Zeroizing<Vec<u8>>, i64)>>,
 }
 
 pub const BASE_PATH: &str = "/api/compute";

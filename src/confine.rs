@@ -11,13 +11,16 @@ use seccompiler::{
     SeccompRule,
 };
 use std::collections::BTreeMap;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// Confines the calling process; returns the uid it now runs as and what Landlock enforced.
 /// `read_beneath`: directories (held open) whose files may be read; nothing else may.
+/// `shared`: the sockets the parent handed over and will hand to the next child too: they may
+/// be read and answered on, never reconfigured (see [`seccomp`]).
 pub fn confine(
     user: Option<(u32, u32)>,
     read_beneath: &[BorrowedFd<'_>],
+    shared: &[BorrowedFd<'_>],
 ) -> Result<(u32, String), String> {
     if let Some((uid, gid)) = user {
         become_user(uid, gid)?;
@@ -27,7 +30,8 @@ pub fn confine(
     rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
         .map_err(|e| format!("confine: PR_SET_PDEATHSIG: {e}"))?;
     let landlock = landlock(read_beneath)?;
-    seccomp()?;
+    let shared: Vec<u64> = shared.iter().map(|f| f.as_raw_fd() as u64).collect();
+    seccomp(&shared)?;
     Ok((nix::unistd::getuid().as_raw(), landlock))
 }
 
@@ -137,14 +141,9 @@ fn allowed() -> Vec<i64> {
         SYS_sendto,
         SYS_recvmsg,
         SYS_sendmsg,
-        SYS_shutdown,
         SYS_getsockopt,
-        SYS_setsockopt,
         SYS_getsockname,
-        SYS_bind,
-        SYS_connect,
         SYS_getpeername,
-        SYS_fcntl,
         SYS_clone3,
         SYS_set_robust_list,
         SYS_rseq,
@@ -173,7 +172,7 @@ fn allowed() -> Vec<i64> {
     v
 }
 
-fn seccomp() -> Result<(), String> {
+fn seccomp(shared: &[u64]) -> Result<(), String> {
     let arch = std::env::consts::ARCH
         .try_into()
         .map_err(|e| format!("confine: seccomp on {}: {e:?}", std::env::consts::ARCH))?;
@@ -220,7 +219,8 @@ fn seccomp() -> Result<(), String> {
         libc::SYS_socket,
         [libc::AF_INET, libc::AF_INET6]
             .into_iter()
-            .map(|family| {
+            .flat_map(|family| [(family, 0), (family, libc::IPPROTO_UDP)])
+            .map(|(family, protocol)| {
                 rule(&[
                     (0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, family as u64),
                     (
@@ -229,10 +229,52 @@ fn seccomp() -> Result<(), String> {
                         SeccompCmpOp::MaskedEq(0xf),
                         libc::SOCK_DGRAM as u64,
                     ),
+                    (
+                        2,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::Eq,
+                        protocol as u64,
+                    ),
                 ])
             })
             .collect::<Result<_, _>>()?,
     );
+    // The sockets the parent shares with every child it starts: a child must not connect,
+    // rebind, shut down or reconfigure one (a filter attached, a buffer shrunk), which would
+    // outlive it and break DHCP, TFTP or HTTP for its successors. Its own sockets (TFTP's
+    // transfers, accepted connections) are free. No shared descriptor can be copied to escape
+    // the rule: `dup*` are not allowed, and `fcntl` copies only other descriptors.
+    let not_shared = shared
+        .iter()
+        .map(|fd| (0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, *fd))
+        .collect::<Vec<_>>();
+    for call in [
+        libc::SYS_connect,
+        libc::SYS_bind,
+        libc::SYS_shutdown,
+        libc::SYS_setsockopt,
+    ] {
+        let r = if not_shared.is_empty() {
+            Vec::new()
+        } else {
+            vec![rule(&not_shared)?]
+        };
+        rules.insert(call, r);
+    }
+    let mut fcntl: Vec<SeccompRule> = [libc::F_GETFD, libc::F_SETFD, libc::F_GETFL, libc::F_SETFL]
+        .into_iter()
+        .map(|cmd| rule(&[(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, cmd as u64)]))
+        .collect::<Result<_, _>>()?;
+    // tokio's signal driver copies its own pipe's end; a shared socket is never copied.
+    let mut dup = vec![(
+        1,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        libc::F_DUPFD_CLOEXEC as u64,
+    )];
+    dup.extend(not_shared.iter().cloned());
+    fcntl.push(rule(&dup)?);
+    rules.insert(libc::SYS_fcntl, fcntl);
     // Non-blocking and close-on-exec flags, and asking whether stderr is a terminal (glibc and
     // musl ask differently); no other
     // ioctl (no TIOCSTI into a terminal, no device).
@@ -281,4 +323,78 @@ fn seccomp() -> Result<(), String> {
     seccompiler::apply_filter(&no_clone3).map_err(|e| format!("confine: seccomp: {e}"))?;
     seccompiler::apply_filter(&allow).map_err(|e| format!("confine: seccomp: {e}"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use std::os::unix::process::ExitStatusExt;
+
+    const CASE: &str = "BCA_CONFINE_CASE";
+
+    /// Runs one case of [`confined_case_helper`] in a new process of this test binary, confined
+    /// as the network child is (a filter is for good: it cannot be tried in the test's own
+    /// process); its exit status.
+    fn run_confined(case: &str) -> std::process::ExitStatus {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "confine::tests::confined_case_helper",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CASE, case)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap()
+    }
+
+    /// Not a test of its own: the body [`run_confined`] runs in a separate process.
+    #[test]
+    fn confined_case_helper() {
+        let Ok(case) = std::env::var(CASE) else {
+            return;
+        };
+        let shared = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        confine(None, &[], &[shared.as_fd()]).unwrap();
+        let peer = "127.0.0.1:9";
+        match case.as_str() {
+            "own" => {
+                let own = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+                own.connect(peer).unwrap();
+                own.set_broadcast(true).unwrap();
+            }
+            "shared-connect" => {
+                let _ = shared.connect(peer);
+            }
+            "shared-setsockopt" => {
+                let _ = shared.set_broadcast(true);
+            }
+            "dup" => {
+                let _ = shared.try_clone();
+            }
+            "tcp" => {
+                let _ = std::net::TcpListener::bind("127.0.0.1:0");
+            }
+            "open" => {
+                // Landlock, not seccomp: refused, and the process lives on.
+                if std::fs::File::open("/etc/hostname").is_ok() {
+                    std::process::exit(3);
+                }
+            }
+            other => panic!("no case {other}"),
+        }
+        std::process::exit(0);
+    }
+
+    #[test]
+    fn the_filter_keeps_the_shared_sockets_as_the_parent_handed_them() {
+        assert!(run_confined("own").success(), "its own UDP socket");
+        assert!(run_confined("open").success(), "no file outside");
+        for case in ["shared-connect", "shared-setsockopt", "dup", "tcp"] {
+            let st = run_confined(case);
+            assert_eq!(st.signal(), Some(libc::SIGSYS), "{case}: {st:?}");
+        }
+    }
 }

@@ -320,6 +320,32 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
         _ => r.line(Level::Ok, "tpm", "not used (keys are not sealed to a TPM)"),
     }
 
+    // Boot files linked from outside the boot root are refused like missing ones.
+    let boot_root = config
+        .boot
+        .root
+        .clone()
+        .unwrap_or_else(|| state_dir.join("boot"));
+    let out = crate::edge::links_out(&boot_root);
+    if out.is_empty() {
+        r.line(
+            Level::Ok,
+            "boot files",
+            format!("{}: no link out of it", boot_root.display()),
+        );
+    } else {
+        let names: Vec<String> = out.iter().map(|(n, t)| format!("{n} -> {t}")).collect();
+        r.line(
+            Level::Warn,
+            "boot files",
+            format!(
+                "not served, they lead out of {}: {} (copy the files in)",
+                boot_root.display(),
+                names.join(", ")
+            ),
+        );
+    }
+
     let findings = crate::health::clock_findings(newest, skew, crate::clock::now());
     if findings.is_empty() {
         r.line(Level::Ok, "clock", crate::api::rfc3339(crate::clock::now()));

@@ -28,8 +28,14 @@ pub struct ReadRoot {
 impl ReadRoot {
     /// Opens (creating it when missing) a directory to read beneath.
     pub fn open(path: &Path) -> Result<Self, String> {
-        std::fs::create_dir_all(path)
-            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        if !path.exists() {
+            // Public files, read by the network child's user: 0755 whatever the umask.
+            std::fs::create_dir_all(path)
+                .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))?;
+        }
         let dir = std::fs::File::open(path)
             .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
         if !dir.metadata().map(|m| m.is_dir()).unwrap_or(false) {
@@ -89,8 +95,49 @@ impl ReadRoot {
     }
 }
 
+/// Symlinks in the boot root that lead out of it (or nowhere): the edge refuses them like
+/// missing files, so `serve` and `doctor` name them. `(name, target)`, at the top level and one
+/// level down.
+pub fn links_out(root: &Path) -> Vec<(String, String)> {
+    let Ok(canon) = std::fs::canonicalize(root) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut dirs = vec![(root.to_path_buf(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if m.is_dir() && depth == 0 {
+                dirs.push((p.clone(), 1));
+            }
+            if !m.file_type().is_symlink() {
+                continue;
+            }
+            let target = std::fs::read_link(&p)
+                .map(|t| t.display().to_string())
+                .unwrap_or_default();
+            let inside = std::fs::canonicalize(&p).is_ok_and(|t| t.starts_with(&canon));
+            if !inside {
+                let name = p.strip_prefix(root).unwrap_or(&p).display().to_string();
+                out.push((name, target));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 /// What the edge asks of the core. Each is checked there as any caller's would be: the child is
-/// trusted no more than the network it parses.
+/// trusted no more than the network it parses. Two fields only the edge can know are taken on
+/// its word, and grant nothing: `Health::trusted` (whether the peer is loopback or a named
+/// scraper: the full report shows counts, never a secret) and `BootScript::peer` (the address
+/// recorded in the boot lease row, a record, not a decision).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "ask", rename_all = "camelCase")]
 pub enum Ask {

@@ -238,6 +238,11 @@ async fn admin(
     }
     let path = req.uri().path().to_string();
     if path == well_known_path() {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return Ok(error(&ApiError::invalid_input(
+                "use GET for the well-known document",
+            )));
+        }
         let doc = app
             .well_known
             .read()

@@ -476,12 +476,24 @@ pub fn reseal_from_escrow(
         None => sealed_pcrs(state_dir)?,
     };
     let (bundle, _) = open_escrow(state_dir, escrow, passphrase)?;
+    let named = tcti.cloned();
     let tcti = match tcti {
         Some(t) => t.clone(),
         None => configured_tpm(state_dir)?,
     };
     let bytes = Kek::new_tpm(&tcti, &pcrs)?.seal(&bundle)?;
     crate::fsutil::write_atomic(&file_for(state_dir, KeyProtection::Tpm), &bytes, 0o600)?;
+    // Sealed to another TPM than config.toml named: config.toml names it from now on (a crash
+    // between the two writes leaves keys that `serve --tpm` opens).
+    if let Some(t) = named.filter(|t| config.tpm.as_deref() != Some(t.to_string().as_str())) {
+        let mut config = config;
+        config.tpm = Some(t.to_string());
+        crate::fsutil::write_atomic(
+            &state_dir.join("config.toml"),
+            config.to_file_text()?.as_bytes(),
+            0o600,
+        )?;
+    }
     Ok(pcrs)
 }
 

@@ -129,7 +129,7 @@ impl Metrics {
     pub fn render(&self, sessions: usize, edge: Option<&EdgeCounts>) -> String {
         let own = self.edge_counts();
         let child = edge.copied().unwrap_or_default();
-        let e = |f: fn(&EdgeCounts) -> u64| (f(&own) + f(&child)) as f64;
+        let e = |f: fn(&EdgeCounts) -> u64| f(&own).saturating_add(f(&child)) as f64;
         let mut o = String::new();
         // A summary's `_count` and `_sum` ride in the label slot as name suffixes.
         let mut counter = |name: &str, help: &str, kind: &str, samples: &[(String, f64)]| {

@@ -455,7 +455,17 @@ pub fn child_main() -> Result<(), String> {
     } else {
         None
     };
-    let (uid, landlock) = crate::confine::confine(init.user, &[boot_root.fd(), downloads.fd()])?;
+    // Before the filter, which allows no copy of a descriptor.
+    let out = sock.try_clone().map_err(|e| e.to_string())?;
+    let mut shared = vec![listener.as_fd(), http.as_fd()];
+    if let Some(b) = &boot_sockets {
+        shared.push(b.dhcp.as_fd());
+        shared.extend(b.proxy.as_ref().map(|p| p.as_fd()));
+        shared.push(b.tftp.as_fd());
+    }
+    let (uid, landlock) =
+        crate::confine::confine(init.user, &[boot_root.fd(), downloads.fd()], &shared)?;
+    drop(shared);
     let probes = init
         .probe
         .iter()
@@ -475,7 +485,7 @@ pub fn child_main() -> Result<(), String> {
     };
 
     let link = Arc::new(Link {
-        out: Mutex::new(sock.try_clone().map_err(|e| e.to_string())?),
+        out: Mutex::new(out),
         pending: Default::default(),
         next: AtomicU64::new(0),
     });
@@ -882,6 +892,7 @@ async fn broker(
     // The sessions this child holds, by node: recorded closed if it dies. `None` once it has.
     let held: Held = Arc::new(Mutex::new(Some(HashMap::new())));
     let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    let asks = Arc::new(tokio::sync::Semaphore::new(ASKS_AT_ONCE));
     let send = |b: Vec<u8>| out_tx.try_send(b).is_ok();
     if chain(cert) != sent_chain {
         send(encode(
@@ -947,9 +958,12 @@ async fn broker(
                             send(answer_frame(id, &crate::edge::Answer::Unavailable { message: "busy".into() }));
                             continue;
                         };
-                        let (app, out) = (app.clone(), out_tx.clone());
+                        let (app, out, asks) = (app.clone(), out_tx.clone(), asks.clone());
                         tokio::spawn(async move {
                             let _permit = permit;
+                            // Waits its turn: the child's questions never hold more than a few
+                            // of the parent's blocking threads (the admin API needs them too).
+                            let Ok(_running) = asks.acquire().await else { return };
                             let a = crate::edge::answer(&app, ask).await;
                             let _ = out.try_send(answer_frame(id, &a));
                         });
@@ -1005,6 +1019,9 @@ async fn broker(
 
 /// In-flight calls from one child; more are answered busy at once.
 const MAX_IN_FLIGHT: usize = 8192;
+/// The child's questions ([`crate::edge::Ask`]) answered at once; the others wait (within
+/// [`MAX_IN_FLIGHT`]).
+const ASKS_AT_ONCE: usize = 32;
 /// Messages waiting to be written to the child.
 const OUT_QUEUE: usize = 2 * MAX_IN_FLIGHT;
 

@@ -184,6 +184,13 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     let http_local = http.local_addr().ok();
     // The edge reads files beneath these two only (the network child by Landlock's leave).
     let boot_root = crate::edge::ReadRoot::open(&crate::boot::http::boot_root(&app))?;
+    for (name, target) in crate::edge::links_out(boot_root.path()) {
+        tracing::warn!(
+            file = %name,
+            %target,
+            "boot: a link out of the boot root is not served (files are read beneath it only): copy the file in"
+        );
+    }
     let downloads = crate::edge::ReadRoot::open(&app.state_dir.join("downloads"))?;
     let http_base = crate::boot::http::http_url(&app.config.boot, http_local);
     let boot_sockets = crate::boot::server::bind(&app.config.boot, &http_base, boot_root.path())?;

@@ -258,12 +258,23 @@ pub async fn handle(
     BootAnswer::NotFound
 }
 
-/// A per-boot archive, once: taken out of the waiting ones.
-pub fn take_archive(app: &App, nonce: &str) -> Option<Vec<u8>> {
+/// Per-boot archives waiting to be fetched, at most (each holds a discovery token).
+const MAX_WAITING_ARCHIVES: usize = 4096;
+
+/// The waiting archives, the expired ones dropped (and wiped: they hold discovery tokens).
+fn waiting(
+    app: &App,
+) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (zeroize::Zeroizing<Vec<u8>>, i64)>>
+{
     let now = crate::clock::now();
     let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
     map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
-    map.remove(nonce).map(|(a, _)| a)
+    map
+}
+
+/// A per-boot archive, once: taken out of the waiting ones.
+pub fn take_archive(app: &App, nonce: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
+    waiting(app).remove(nonce).map(|(a, _)| a)
 }
 
 /// The core's side of `boot.ipxe`: records the boot, mints the discovery token through the
@@ -279,6 +290,12 @@ pub async fn script(app: &Arc<App>, mac: &str, peer: &str, base: &str) -> Result
     let Some(join) = app.join.get() else {
         return Err("the JoinService is not running".into());
     };
+    // Before a token is minted: one that could not be kept would void the machine's last one.
+    if waiting(app).len() >= MAX_WAITING_ARCHIVES {
+        return Err(format!(
+            "{MAX_WAITING_ARCHIVES} per-boot archives wait to be fetched; retry in a minute"
+        ));
+    }
     let app2 = app.clone();
     let mac2 = mac.to_string();
     let epoch =
@@ -300,7 +317,7 @@ pub async fn script(app: &Arc<App>, mac: &str, peer: &str, base: &str) -> Result
         }
         Ok(Outcome::DiscoveryToken { token }) => {
             let token = zeroize::Zeroizing::new(token);
-            let archive = per_boot_archive(app, mac, epoch, &token)?;
+            let archive = zeroize::Zeroizing::new(per_boot_archive(app, mac, epoch, &token)?);
             let mut n = [0u8; 16];
             crate::crypto::fill_random(&mut n);
             let nonce = crate::crypto::hex(&n);

@@ -343,9 +343,10 @@ pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootS
         .transpose()?;
     let tftp = udp(&b.listen_tftp, iface, false)?;
     // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
-    std::fs::write(
-        root.join("chain.ipxe"),
-        crate::boot::http::chain_script(http_base),
+    crate::fsutil::write_atomic(
+        &root.join("chain.ipxe"),
+        crate::boot::http::chain_script(http_base).as_bytes(),
+        0o644,
     )
     .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
     Ok(Some(BootSockets { dhcp, proxy, tftp }))

@@ -58,7 +58,8 @@ pub fn kdfe(z: &[u8], label: &str, party_u: &[u8], party_v: &[u8], bits: u32) ->
     let mut out = Vec::with_capacity(want + 32);
     let mut i: u32 = 1;
     while out.len() < want {
-        let mut m = i.to_be_bytes().to_vec();
+        // Z, the ECDH shared secret, passes through this buffer.
+        let mut m = zeroize::Zeroizing::new(i.to_be_bytes().to_vec());
         m.extend_from_slice(z);
         m.extend_from_slice(label.as_bytes());
         m.push(0);

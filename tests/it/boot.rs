@@ -192,5 +192,17 @@ fn boot_files_are_read_beneath_the_boot_root_and_links_out_of_it_are_refused() {
         // The server keeps serving, and nothing changed.
         assert_eq!(tftp_get(tftp, "snponly.efi").unwrap(), b"efi");
         assert_eq!(a.snapshot(), before);
+        // doctor names the links that lead out, and not the one inside.
+        let o = a.cli(&["doctor"]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("WARN boot files"))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            line.contains("db.bin -> ") && line.contains("up.bin -> ../config.toml"),
+            "{line}"
+        );
+        assert!(!line.contains("inside.bin"), "{line}");
     }
 }

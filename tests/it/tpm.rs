@@ -492,6 +492,24 @@ fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
     );
     assert!(!serve_exit(&state, PASSPHRASE).status.success());
 
+    // Onto another TPM (a replaced board), bound to no PCR: config.toml names it from now on.
+    let other = Swtpm::start(false);
+    let out = reseal(PASSPHRASE, &["--tpm", &other.tcti(), "--tpm-pcrs", "none"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("bound to no PCR"));
+    let cfg = std::fs::read_to_string(state.join("config.toml")).unwrap();
+    assert!(
+        cfg.contains(&format!("tpm = \"{}\"", other.tcti())),
+        "{cfg}"
+    );
+    a.serve(PASSPHRASE);
+    Sim::new(&a).admitted(&token, &machine());
+    a.stop();
+
     // --tpm-pcrs goes with TPM protection only.
     let (dir, out) = init_dir("file", &["--tpm-pcrs", "7"]);
     let err = String::from_utf8_lossy(&out.stderr);
