@@ -29,9 +29,12 @@ pub struct App {
     pub dhcp: std::sync::Mutex<Option<crate::boot::server::DhcpState>>,
     /// Per-boot archives waiting to be fetched once, by nonce.
     #[allow(clippy::type_complexity)]
-    pub boot_archives:
-        std::sync::Mutex<std::collections::HashMap<String, (zeroize::Zeroizing<Vec<u8>>, i64)>>,
+    pub boot_archives: std::sync::Mutex<BootArchives>,
 }
+
+/// Per-boot archives by nonce: the archive (it holds a discovery token: wiped when dropped) and
+/// when it was made.
+pub type BootArchives = std::collections::HashMap<String, (zeroize::Zeroizing<Vec<u8>>, i64)>;
 
 pub const BASE_PATH: &str = "/api/compute";
 pub const PROTOCOL_MIN: u32 = 1;

@@ -262,10 +262,7 @@ pub async fn handle(
 const MAX_WAITING_ARCHIVES: usize = 4096;
 
 /// The waiting archives, the expired ones dropped (and wiped: they hold discovery tokens).
-fn waiting(
-    app: &App,
-) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, (zeroize::Zeroizing<Vec<u8>>, i64)>>
-{
+fn waiting(app: &App) -> std::sync::MutexGuard<'_, crate::app::BootArchives> {
     let now = crate::clock::now();
     let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
     map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
