@@ -18,7 +18,9 @@
 //!    socket reached outside the child;
 //! 3. `no_new_privs` and a seccomp filter that allows the system calls a tokio + rustls server
 //!    needs and kills the process on any other: no `execve`, no `socket` but UDP (TFTP's port per
-//!    transfer), no `fork` (`clone` only with `CLONE_THREAD`), no `ptrace`, no `mount`;
+//!    transfer), no `fork` (`clone` only with `CLONE_THREAD`), no `ptrace`, no `mount`; and on
+//!    the sockets the parent shares with every child, no `connect`, `bind`, `shutdown`,
+//!    `setsockopt` or copy, so that no child can break them for its successors;
 //! 4. it then tries to open the database, `config.toml`, the state directory and every key file
 //!    (the parent names them) and reports each result. The parent refuses a child that opened
 //!    one: `serve` fails rather than run an unconfined child.
