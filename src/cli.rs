@@ -520,6 +520,36 @@ pub enum TpmCmd {
         #[arg(long)]
         tpm: Option<String>,
     },
+    /// Allow a machine's TPM to join by the `tpm` attestor into a pool: its EK named by the
+    /// SHA-256 of its public key (`publicKeySha256` in `bca tpm status` on that machine).
+    AllowEk {
+        /// 64 hex digits (or sha256:<hex>).
+        hash: String,
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// What the machine is (at most 256 characters).
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// Take an EK off the allow-list.
+    RemoveEk {
+        hash: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// The EKs allowed to join, by pool.
+    List {
+        #[arg(long)]
+        pool: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
     /// Which TPM, its manufacturer and firmware, its endorsement keys (names as tpm2-tools
     /// prints them, public-key hashes) and whether their certificates certify them.
     Status {
@@ -927,6 +957,77 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Tpm(TpmCmd::Status { tpm }) => cmd_tpm_status(conn, tpm),
+        Command::Tpm(TpmCmd::AllowEk {
+            hash,
+            pool,
+            tenant,
+            note,
+        }) => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call(
+                "tpmEks/allow",
+                &json!({"tenantId": tenant, "poolId": pool, "ekSha256": hash, "note": note}),
+            )?;
+            print(conn, &v, |v| {
+                println!(
+                    "allowed EK {} into pool {}",
+                    s(&v["ekSha256"]),
+                    s(&v["poolId"])
+                )
+            });
+            Ok(())
+        }
+        Command::Tpm(TpmCmd::RemoveEk { hash, tenant }) => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call(
+                "tpmEks/remove",
+                &json!({"tenantId": tenant, "ekSha256": hash}),
+            )?;
+            print(conn, &v, |v| {
+                println!(
+                    "removed EK {} (was allowed into pool {})",
+                    s(&v["ekSha256"]),
+                    s(&v["poolId"])
+                )
+            });
+            Ok(())
+        }
+        Command::Tpm(TpmCmd::List {
+            pool,
+            tenant,
+            limit,
+            cursor,
+        }) => {
+            let c = conn.client();
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call(
+                "tpmEks/list",
+                &json!({"tenantId": tenant, "poolId": pool, "limit": limit, "cursor": cursor}),
+            )?;
+            print(conn, &v, |v| {
+                print_table(
+                    &["EK SHA-256", "POOL", "NOTE", "ALLOWED", "BY"],
+                    v["items"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|r| {
+                            vec![
+                                s(&r["ekSha256"]),
+                                s(&r["poolId"]),
+                                s(&r["note"]),
+                                s(&r["createdAt"]),
+                                s(&r["createdBy"]),
+                            ]
+                        })
+                        .collect(),
+                );
+                print_cursor(v);
+            });
+            Ok(())
+        }
         Command::Tpm(TpmCmd::Escrow { out }) => {
             let state_dir = conn.state_dir();
             if out.exists() {

@@ -132,6 +132,9 @@ pub fn api(data: &[u8]) {
         "nodes/list",
         "joinRequests/approve",
         "bootLeases/list",
+        "tpmEks/allow",
+        "tpmEks/list",
+        "tpmEks/remove",
     ] {
         let _ = crate::api::dispatch(store, &ctx, method, data);
     }

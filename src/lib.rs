@@ -51,4 +51,5 @@ pub mod sessions;
 pub mod store;
 pub mod tlsclient;
 pub mod tpm;
+pub mod tpmeks;
 pub mod validate;

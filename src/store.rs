@@ -27,6 +27,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0003_discovery",
         include_str!("../migrations/0003_discovery.sql"),
     ),
+    (
+        "0004_tpm_eks",
+        include_str!("../migrations/0004_tpm_eks.sql"),
+    ),
 ];
 
 pub struct Store {

@@ -998,3 +998,103 @@ fn agent_doctor_checks_the_machines_tpm() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("INVALID_INPUT: --tpm: TCTI"), "{err}");
 }
+
+#[test]
+fn the_ek_allow_list_takes_a_tpms_hash_into_one_pool_and_refuses_bad_input() {
+    let tpm = Swtpm::start(true);
+    let a = Appliance::start();
+    let pool = a.pool("tpm-rack");
+    let other = a.pool("other");
+    let tokens_only = a.api_ok(
+        "pools/create",
+        serde_json::json!({"tenantId": a.root_tenant(), "name": "tokens-only",
+            "policy": {"joinAttestors": ["join-token"]}}),
+    )["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // The hash the operator reads on the machine with `bca tpm status`.
+    let status = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()]);
+    let hash = status["ek"]["ecc"]["publicKeySha256"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let before = a.snapshot();
+    let long = "n".repeat(257);
+    for (args, code, says) in [
+        (
+            vec!["abc", "--pool", &pool],
+            "INVALID_INPUT",
+            "64 hex digits",
+        ),
+        (vec![&hash, "--pool", "pool_nope"], "NOT_FOUND", "pool_nope"),
+        (
+            vec![&hash, "--pool", &tokens_only],
+            "INVALID_STATE",
+            "does not accept the tpm attestor",
+        ),
+        (
+            vec![&hash, "--pool", &pool, "--note", &long],
+            "INVALID_INPUT",
+            "note must be",
+        ),
+        (
+            vec![&hash, "--pool", &pool, "--note", "two\nlines"],
+            "INVALID_INPUT",
+            "note must be",
+        ),
+    ] {
+        let mut full = vec!["tpm", "allow-ek"];
+        full.extend(args);
+        let (c, err) = a.cli_err(&full);
+        assert_eq!(c, code, "{err}");
+        assert!(err.contains(says), "{err}");
+    }
+    assert_eq!(a.snapshot(), before);
+
+    // Allowed, whatever the case and with the sha256: prefix; again into the same pool: the
+    // same row and no second audit row; into another pool: a conflict.
+    let v = a.cli_json(&[
+        "tpm",
+        "allow-ek",
+        &format!("sha256:{}", hash.to_uppercase()),
+        "--pool",
+        &pool,
+        "--note",
+        "rack 4, U12",
+    ]);
+    assert_eq!(v["ekSha256"], hash.as_str());
+    assert_eq!(v["poolId"], pool.as_str());
+    let again = a.cli_json(&["tpm", "allow-ek", &hash, "--pool", &pool]);
+    assert_eq!(again, v);
+    let (c, err) = a.cli_err(&["tpm", "allow-ek", &hash, "--pool", &other]);
+    assert_eq!(c, "CONFLICT", "{err}");
+    assert!(err.contains("remove it first"), "{err}");
+    assert_eq!(
+        a.count("SELECT COUNT(*) FROM audit WHERE action = 'tpm.ekAllowed'"),
+        1
+    );
+    let listed = a.cli_json(&["tpm", "list"]);
+    assert_eq!(listed["items"].as_array().unwrap().len(), 1);
+    assert_eq!(listed["items"][0]["note"], "rack 4, U12");
+    let text = String::from_utf8(a.cli(&["tpm", "list"]).stdout).unwrap();
+    assert!(text.contains(&hash) && text.contains(&pool), "{text}");
+    assert!(a.cli_json(&["tpm", "list", "--pool", &other])["items"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+
+    // Removed, audited; removing again names what is missing.
+    a.cli_json(&["tpm", "remove-ek", &hash]);
+    assert_eq!(
+        a.count("SELECT COUNT(*) FROM audit WHERE action = 'tpm.ekRemoved'"),
+        1
+    );
+    let (c, err) = a.cli_err(&["tpm", "remove-ek", &hash]);
+    assert_eq!(c, "NOT_FOUND", "{err}");
+    assert!(a.cli_json(&["tpm", "list"])["items"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+}
