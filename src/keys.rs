@@ -77,6 +77,10 @@ struct TpmSealedFile {
     /// The PCRs (SHA-256 bank) the object is bound to; none when absent.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pcrs: Vec<u32>,
+    /// Unsealed through a salted policy session with the secret encrypted on the bus (absent,
+    /// false: a blob of the first version, opened with the empty password).
+    #[serde(default)]
+    unseal_policy: bool,
     nonce: String,
     ciphertext: String,
 }
@@ -312,6 +316,7 @@ impl Kek {
                 tpm_private: crypto::b64(&blob.private),
                 tpm_public: crypto::b64(&blob.public),
                 pcrs: blob.pcrs.clone(),
+                unseal_policy: blob.policy,
                 nonce: crypto::b64(&nonce),
                 ciphertext: crypto::b64(&buf),
             };
@@ -645,6 +650,7 @@ fn unseal_inner(
                 private: crypto::b64_decode(&f.tpm_private).ok_or("damaged TPM blob")?,
                 public: crypto::b64_decode(&f.tpm_public).ok_or("damaged TPM blob")?,
                 pcrs: f.pcrs.clone(),
+                policy: f.unseal_policy,
             };
             let secret = crate::tpm::Tpm::open(&tcti)
                 .and_then(|mut t| t.unseal(&blob))

@@ -73,6 +73,14 @@ pub fn kdfe(z: &[u8], label: &str, party_u: &[u8], party_v: &[u8], bits: u32) ->
 }
 
 fn aes128_cfb(key: &[u8], data: &mut [u8], encrypt: bool) -> Result<(), String> {
+    aes128_cfb_iv(key, &[0u8; 16], data, encrypt)
+}
+
+/// AES-128-CFB (full-block feedback) over `data` in place, with `iv`.
+pub fn aes128_cfb_iv(key: &[u8], iv: &[u8], data: &mut [u8], encrypt: bool) -> Result<(), String> {
+    let iv: [u8; 16] = iv
+        .try_into()
+        .map_err(|_| "an AES IV of 16 bytes".to_string())?;
     use aws_lc_rs::cipher::{
         DecryptingKey, DecryptionContext, EncryptingKey, EncryptionContext, UnboundCipherKey,
         AES_128,
@@ -82,12 +90,12 @@ fn aes128_cfb(key: &[u8], data: &mut [u8], encrypt: bool) -> Result<(), String> 
     if encrypt {
         EncryptingKey::cfb128(unbound()?)
             .and_then(|k| {
-                k.less_safe_encrypt(data, EncryptionContext::Iv128(FixedLength::from([0u8; 16])))
+                k.less_safe_encrypt(data, EncryptionContext::Iv128(FixedLength::from(iv)))
             })
             .map_err(|_| "AES-128-CFB".to_string())?;
     } else {
         DecryptingKey::cfb128(unbound()?)
-            .and_then(|k| k.decrypt(data, DecryptionContext::Iv128(FixedLength::from([0u8; 16]))))
+            .and_then(|k| k.decrypt(data, DecryptionContext::Iv128(FixedLength::from(iv))))
             .map_err(|_| "AES-128-CFB".to_string())?;
     }
     Ok(())
@@ -100,6 +108,36 @@ fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
         ctx.update(p);
     }
     ctx.sign().as_ref().to_vec()
+}
+
+/// An ECDH seed for a P-256 key of the TPM (TPM 2.0 Part 1, C.6.1): an ephemeral key, `Z` with
+/// the TPM key's point, `KDFe(Z, label, ephemeral.x, tpm.x)`; and the ephemeral point as the
+/// TPM reads it (`TPMS_ECC_POINT`), the "encrypted" seed.
+pub fn ecdh_seed(
+    label: &str,
+    x: &[u8],
+    y: &[u8],
+) -> Result<(zeroize::Zeroizing<Vec<u8>>, Vec<u8>), String> {
+    use aws_lc_rs::agreement::{self, PrivateKey, UnparsedPublicKey, ECDH_P256};
+    let mut peer = vec![4u8];
+    peer.extend_from_slice(x);
+    peer.extend_from_slice(y);
+    let ephemeral = PrivateKey::generate(&ECDH_P256).map_err(|_| "an ECDH key")?;
+    let public = ephemeral.compute_public_key().map_err(|_| "an ECDH key")?;
+    let public = public.as_ref();
+    let (ux, uy) = (&public[1..33], &public[33..65]);
+    let seed = agreement::agree(
+        &ephemeral,
+        UnparsedPublicKey::new(&ECDH_P256, &peer),
+        "the TPM key's point is not on P-256".to_string(),
+        |z| Ok(kdfe(z, label, ux, x, 256)),
+    )?;
+    let mut point = Vec::with_capacity(68);
+    for c in [ux, uy] {
+        point.extend_from_slice(&32u16.to_be_bytes());
+        point.extend_from_slice(c);
+    }
+    Ok((zeroize::Zeroizing::new(seed), point))
 }
 
 /// Checks that `ek` is a storage key a credential can be made for: restricted, decrypting,
@@ -173,27 +211,9 @@ pub fn make_credential(
             (seed, out)
         }
         (TpmuPublicParms::Ecc(p), TpmuPublicId::Ecc(pt)) if p.curve_id == TpmEccCurve::NistP256 => {
-            use aws_lc_rs::agreement::{self, PrivateKey, UnparsedPublicKey, ECDH_P256};
             let (ex, ey) = (super::left_pad(&pt.x, 32)?, super::left_pad(&pt.y, 32)?);
-            let mut peer = vec![4u8];
-            peer.extend_from_slice(&ex);
-            peer.extend_from_slice(&ey);
-            let ephemeral = PrivateKey::generate(&ECDH_P256).map_err(|_| "an ECDH key")?;
-            let public = ephemeral.compute_public_key().map_err(|_| "an ECDH key")?;
-            let public = public.as_ref();
-            let (ux, uy) = (&public[1..33], &public[33..65]);
-            let seed = agreement::agree(
-                &ephemeral,
-                UnparsedPublicKey::new(&ECDH_P256, &peer),
-                "the EK's point is not on P-256".to_string(),
-                |z| Ok(kdfe(z, "IDENTITY", ux, &ex, 256)),
-            )?;
-            let mut point = Vec::with_capacity(68);
-            for c in [ux, uy] {
-                point.extend_from_slice(&32u16.to_be_bytes());
-                point.extend_from_slice(c);
-            }
-            (seed, point)
+            let (seed, point) = ecdh_seed("IDENTITY", &ex, &ey)?;
+            (seed.to_vec(), point)
         }
         _ => return Err("the EK is neither RSA 2048 nor NIST P-256".into()),
     };

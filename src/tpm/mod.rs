@@ -44,9 +44,57 @@ use tpm2_protocol::frame::{
     TpmPolicySecretCommand, TpmPolicySecretResponse, TpmResponse, TpmStartAuthSessionCommand,
     TpmStartAuthSessionResponse, TpmUnmarshalBody, TpmUnsealCommand, TpmUnsealResponse,
 };
+use tpm2_protocol::frame::{TpmPolicyCommandCodeCommand, TpmPolicyCommandCodeResponse};
 use tpm2_protocol::frame::{TpmSignCommand, TpmSignResponse};
 use tpm2_protocol::{TpmMarshal, TpmUnmarshal, TpmWriter};
 use zeroize::Zeroizing;
+
+/// The secret of a `TPM2_Unseal` response whose session had `encrypt` set: the response's first
+/// parameter (`TPM2B_SENSITIVE_DATA`) is AES-128-CFB under `KDFa(sessionKey || authValue, "CFB",
+/// nonceTPM, nonceCaller)` (Part 1, 21.3), with the sealed object's empty auth value and the
+/// nonces of this command and its response.
+fn decrypt_unseal_response(
+    raw: &[u8],
+    session_key: &[u8],
+    nonce_caller: &[u8],
+) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
+    let fail = |m: &str| TpmFailure::new("TPM2_Unseal", m.to_string());
+    let _: TpmUnsealResponse = parse("TPM2_Unseal", raw)?;
+    let u16_at = |i: usize| -> Result<usize, TpmFailure> {
+        raw.get(i..i + 2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
+            .ok_or_else(|| fail("a short response"))
+    };
+    // Header (10), parameterSize (4), then TPM2B_SENSITIVE_DATA, then the session's answer.
+    let params = raw
+        .get(10..14)
+        .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or_else(|| fail("a short response"))?;
+    let n = u16_at(14)?;
+    if n + 2 > params {
+        return Err(fail("a response whose data outgrows its parameters"));
+    }
+    let mut data = Zeroizing::new(
+        raw.get(16..16 + n)
+            .ok_or_else(|| fail("a short response"))?
+            .to_vec(),
+    );
+    let auth = 14 + params;
+    let nn = u16_at(auth)?;
+    let nonce_tpm = raw
+        .get(auth + 2..auth + 2 + nn)
+        .ok_or_else(|| fail("a response without the session's nonce"))?;
+    let material = Zeroizing::new(credential::kdfa(
+        session_key,
+        "CFB",
+        nonce_tpm,
+        nonce_caller,
+        256,
+    ));
+    credential::aes128_cfb_iv(&material[..16], &material[16..32], &mut data, false)
+        .map_err(|e| fail(&e))?;
+    Ok(data)
+}
 
 pub const DEFAULT_TCTI: &str = "device:/dev/tpmrm0";
 
@@ -241,6 +289,8 @@ pub(crate) fn parse_any(raw: &[u8]) {
     let _ = parse::<TpmCreateResponse>("", raw);
     let _ = parse::<TpmLoadResponse>("", raw);
     let _ = parse::<TpmPolicySecretResponse>("", raw);
+    let _ = parse::<TpmPolicyCommandCodeResponse>("", raw);
+    let _ = decrypt_unseal_response(raw, &[0u8; 32], &[0u8; 32]);
     let _ = parse::<TpmActivateCredentialResponse>("", raw);
     let _ = parse::<TpmCertifyResponse>("", raw);
     let _ = attest::verify_certify(raw, raw, raw, &[], raw);
@@ -542,6 +592,22 @@ pub struct SealedBlob {
     pub private: Vec<u8>,
     pub public: Vec<u8>,
     pub pcrs: Vec<u32>,
+    /// Opened through a salted policy session with the secret encrypted on its way back (every
+    /// blob bca seals now); `false` for blobs of the first TPM version, opened with the empty
+    /// password and the secret in clear on the bus.
+    pub policy: bool,
+}
+
+const TPM_CC_UNSEAL: u32 = 0x0000_015E;
+
+/// `TPM2_PolicyCommandCode`'s policy digest after `prev` (TPM 2.0 Part 3, 23.11):
+/// `H(prev || TPM_CC_PolicyCommandCode || code)`.
+fn command_code_policy(prev: &[u8; 32], code: u32) -> [u8; 32] {
+    const TPM_CC_POLICY_COMMAND_CODE: u32 = 0x0000_016C;
+    let mut m = prev.to_vec();
+    m.extend_from_slice(&TPM_CC_POLICY_COMMAND_CODE.to_be_bytes());
+    m.extend_from_slice(&code.to_be_bytes());
+    crate::crypto::sha256(&m)
 }
 
 /// The largest PCR index, and how many PCRs a binding may name (one `TPML_DIGEST` of answers).
@@ -755,6 +821,17 @@ impl Tpm {
         cmd: &C,
         sessions: &[TpmsAuthCommand],
     ) -> Result<R, TpmFailure> {
+        let raw = self.run_raw(name, cmd, sessions)?;
+        parse(name, &raw)
+    }
+
+    /// Sends one command and gives the raw response (retried while the TPM asks to).
+    fn run_raw<C: TpmFrame>(
+        &mut self,
+        name: &'static str,
+        cmd: &C,
+        sessions: &[TpmsAuthCommand],
+    ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
         let tag = if sessions.is_empty() {
             TpmSt::NoSessions
         } else {
@@ -789,7 +866,7 @@ impl Tpm {
                 std::thread::sleep(Duration::from_millis(5 * tries));
                 continue;
             }
-            return parse(name, &raw);
+            return Ok(raw);
         }
     }
 
@@ -1148,12 +1225,12 @@ impl Tpm {
         let fail = |m: String| TpmFailure::new("TPM2_Create", m);
         let data = Tpm2bSensitiveData::try_from(secret)
             .map_err(|e| fail(format!("a secret of {} bytes: {e:?}", secret.len())))?;
-        let policy = if pcrs.is_empty() {
-            None
-        } else {
+        let mut policy = [0u8; 32];
+        if !pcrs.is_empty() {
             let (_, selection) = pcr_selection(pcrs).map_err(fail)?;
-            Some(pcr_policy(&selection, &self.pcr_values(pcrs)?))
-        };
+            policy = pcr_policy(&selection, &self.pcr_values(pcrs)?);
+        }
+        let policy = Some(command_code_policy(&policy, TPM_CC_UNSEAL));
         let cmd_of = |srk: u32| TpmCreateCommand {
             handles: [TpmHandle::new(srk)],
             in_sensitive: Tpm2bSensitiveCreate {
@@ -1177,6 +1254,7 @@ impl Tpm {
             private: r.out_private.to_vec(),
             public: w.as_bytes().to_vec(),
             pcrs: pcrs.to_vec(),
+            policy: true,
         })
     }
 
@@ -1194,7 +1272,12 @@ impl Tpm {
                 "the sealed blob's public part has trailing bytes".into(),
             ));
         }
-        self.with_srk(|tpm, srk| {
+        self.with_primary(TpmRh::Owner, srk_template(), |tpm, srk| {
+            let srk_point = match &srk.out_public.unique {
+                TpmuPublicId::Ecc(p) => (left_pad(&p.x, 32), left_pad(&p.y, 32)),
+                _ => return Err(fail("the storage key is not an ECC key".into())),
+            };
+            let srk = srk.handles[0].value();
             let cmd = TpmLoadCommand {
                 handles: [TpmHandle::new(srk)],
                 in_private: private,
@@ -1202,38 +1285,115 @@ impl Tpm {
             };
             let r: TpmLoadResponse = tpm.run("TPM2_Load", &cmd, &[password()])?;
             let item = r.handles[0].value();
+            let name = r.name.to_vec();
             let cmd = TpmUnsealCommand {
                 handles: [TpmHandle::new(item)],
             };
-            let out = if blob.pcrs.is_empty() {
+            let out = if blob.policy {
+                match srk_point {
+                    (Ok(x), Ok(y)) => tpm.unseal_encrypted(&cmd, &name, &blob.pcrs, srk, (&x, &y)),
+                    _ => Err(fail("the storage key's point".into())),
+                }
+            } else {
                 tpm.run::<_, TpmUnsealResponse>("TPM2_Unseal", &cmd, &[password()])
                     .map(|r| Zeroizing::new(r.out_data.to_vec()))
-            } else {
-                tpm.unseal_with_pcrs(&cmd, &blob.pcrs)
             };
             tpm.flushed(item, out)
         })
     }
 
-    /// Unseals through a policy session that asserts the PCRs' current values: the TPM refuses
-    /// (`TPM_RC_POLICY_FAIL`) when they differ from the values at sealing.
-    fn unseal_with_pcrs(
+    /// Unseals through a policy session salted to the storage key (the salt travels encrypted
+    /// to it by ECDH, so only this TPM and bca know the session key), whose policy asserts the
+    /// PCRs (when any) and the command (`TPM2_PolicyCommandCode(TPM2_Unseal)`); the TPM encrypts
+    /// the secret in the response with the session key (AES-128-CFB), so it never crosses the
+    /// bus in clear. A PCR that moved is `TPM_RC_POLICY_FAIL`.
+    fn unseal_encrypted(
         &mut self,
         cmd: &TpmUnsealCommand,
+        name: &[u8],
         pcrs: &[u32],
+        srk: u32,
+        srk_point: (&[u8], &[u8]),
     ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
-        let (selection, _) =
-            pcr_selection(pcrs).map_err(|e| TpmFailure::new("TPM2_PolicyPCR", e))?;
-        self.with_policy_session(|tpm, session| {
-            let policy = TpmPolicyPcrCommand {
+        let fail = |m: String| TpmFailure::new("TPM2_StartAuthSession", m);
+        let (salt, encrypted_salt) =
+            credential::ecdh_seed("SECRET", srk_point.0, srk_point.1).map_err(fail)?;
+        let mut nonce_caller = [0u8; 32];
+        crate::crypto::fill_random(&mut nonce_caller);
+        let start = TpmStartAuthSessionCommand {
+            handles: [TpmHandle::new(srk), TpmHandle::new(TpmRh::Null.value())],
+            nonce_caller: Tpm2bNonce::try_from(&nonce_caller[..]).expect("32 bytes fit a nonce"),
+            encrypted_salt: Tpm2bEncryptedSecret::try_from(&encrypted_salt[..])
+                .map_err(|e| fail(format!("the encrypted salt: {e:?}")))?,
+            session_type: TpmSe::Policy,
+            symmetric: aes128_cfb(),
+            auth_hash: TpmAlgId::Sha256,
+        };
+        let r: TpmStartAuthSessionResponse = self.run("TPM2_StartAuthSession", &start, &[])?;
+        let session = r.handles[0].value();
+        // The session key (Part 1, 19.6.8): KDFa(salt, "ATH", nonceTPM, nonceCaller); the
+        // bind entity is TPM_RH_NULL, whose auth value is empty.
+        let session_key = Zeroizing::new(credential::kdfa(
+            &salt,
+            "ATH",
+            &r.nonce_tpm,
+            &nonce_caller,
+            256,
+        ));
+        let out = (|| {
+            if !pcrs.is_empty() {
+                let (selection, _) =
+                    pcr_selection(pcrs).map_err(|e| TpmFailure::new("TPM2_PolicyPCR", e))?;
+                let policy = TpmPolicyPcrCommand {
+                    handles: [TpmHandle::new(session)],
+                    pcr_digest: Tpm2bDigest::default(),
+                    pcrs: selection,
+                };
+                let _: TpmPolicyPcrResponse = self.run("TPM2_PolicyPCR", &policy, &[])?;
+            }
+            let code = TpmPolicyCommandCodeCommand {
                 handles: [TpmHandle::new(session)],
-                pcr_digest: Tpm2bDigest::default(),
-                pcrs: selection,
+                code: tpm2_protocol::data::TpmCc::Unseal,
             };
-            let _: TpmPolicyPcrResponse = tpm.run("TPM2_PolicyPCR", &policy, &[])?;
-            tpm.run::<_, TpmUnsealResponse>("TPM2_Unseal", cmd, &[policy_auth(session)])
-                .map(|r| Zeroizing::new(r.out_data.to_vec()))
-        })
+            let _: TpmPolicyCommandCodeResponse = self.run("TPM2_PolicyCommandCode", &code, &[])?;
+            let mut nonce = [0u8; 32];
+            crate::crypto::fill_random(&mut nonce);
+            // A salted session's command carries an HMAC (Part 1, 19.6.13): keyed by the
+            // session key (no PolicyAuthValue: no auth value appended), over
+            // cpHash = H(TPM_CC_Unseal || the object's Name), nonceCaller, the session's last
+            // nonceTPM (StartAuthSession's: the policy commands did not use it as an
+            // authorization) and the attributes.
+            let mut cp = TPM_CC_UNSEAL.to_be_bytes().to_vec();
+            cp.extend_from_slice(name);
+            let cp_hash = crate::crypto::sha256(&cp);
+            let attrs = TpmaSession::ENCRYPT;
+            let hmac = {
+                use aws_lc_rs::hmac;
+                let mut ctx =
+                    hmac::Context::with_key(&hmac::Key::new(hmac::HMAC_SHA256, &session_key));
+                ctx.update(&cp_hash);
+                ctx.update(&nonce);
+                ctx.update(&r.nonce_tpm);
+                ctx.update(&[0x40]);
+                ctx.sign()
+            };
+            let auth = TpmsAuthCommand {
+                session_handle: TpmHandle::new(session),
+                nonce: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
+                session_attributes: attrs,
+                hmac: Tpm2bAuth::try_from(hmac.as_ref()).expect("32 bytes fit an HMAC"),
+            };
+            let raw = self.run_raw("TPM2_Unseal", cmd, &[auth])?;
+            decrypt_unseal_response(&raw, &session_key, &nonce)
+        })();
+        match out {
+            // A session without continueSession ends with its command's success.
+            Ok(secret) => Ok(secret),
+            Err(e) => {
+                let _ = self.flush(session);
+                Err(e)
+            }
+        }
     }
 
     pub fn flush(&mut self, handle: u32) -> Result<(), TpmFailure> {
