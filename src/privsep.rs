@@ -893,6 +893,7 @@ async fn broker(
     });
     // The sessions this child holds, by node: recorded closed if it dies. `None` once it has.
     let held: Held = Arc::new(Mutex::new(Some(HashMap::new())));
+    let mut refusals = Refusals::default();
     let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let asks = Arc::new(tokio::sync::Semaphore::new(ASKS_AT_ONCE));
     let send = |b: Vec<u8>| out_tx.try_send(b).is_ok();
@@ -921,7 +922,9 @@ async fn broker(
                             | Call::SessionSeen { .. }
                             | Call::SessionClosed { .. })) => c,
                             Ok(_) => {
-                                tracing::warn!("privsep: the network child made a call it may not make; refused");
+                                if refusals.note() {
+                                    tracing::warn!("privsep: the network child made a call it may not make; refused");
+                                }
                                 send(encode(id, Kind::Reply, &outcome(&Outcome::Refused)));
                                 continue;
                             }
@@ -952,7 +955,9 @@ async fn broker(
                     }
                     Kind::Ask => {
                         let Ok(ask) = serde_json::from_slice::<crate::edge::Ask>(&p) else {
-                            tracing::warn!("privsep: the network child asked something unknown; refused");
+                            if refusals.note() {
+                                tracing::warn!("privsep: the network child asked something unknown; refused");
+                            }
                             send(answer_frame(id, &crate::edge::Answer::Unavailable { message: "not a question".into() }));
                             continue;
                         };
@@ -1017,6 +1022,28 @@ async fn broker(
         }
     });
     stopping
+}
+
+/// Refused messages from a child, logged at most once a second: a child gone wrong must not
+/// flood the log.
+#[derive(Default)]
+struct Refusals {
+    last: Option<std::time::Instant>,
+}
+
+impl Refusals {
+    /// True when this refusal should be logged.
+    fn note(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+        {
+            return false;
+        }
+        self.last = Some(now);
+        true
+    }
 }
 
 /// In-flight calls from one child; more are answered busy at once.
