@@ -272,7 +272,7 @@ fn tenants_list(tx: &Transaction<'_>, _: Empty) -> ApiResult<Value> {
     Ok(json!({"items": items, "cursor": null}))
 }
 
-fn tenant_must_exist(tx: &Transaction<'_>, tenant: &str) -> ApiResult<()> {
+pub fn tenant_must_exist(tx: &Transaction<'_>, tenant: &str) -> ApiResult<()> {
     let n: i64 = tx.query_row(
         "SELECT count(*) FROM tenants WHERE id = ?1",
         [tenant],

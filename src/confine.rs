@@ -139,8 +139,6 @@ fn allowed() -> Vec<i64> {
         SYS_accept4,
         SYS_recvfrom,
         SYS_sendto,
-        SYS_recvmsg,
-        SYS_sendmsg,
         SYS_getsockopt,
         SYS_getsockname,
         SYS_getpeername,
@@ -243,7 +241,9 @@ fn seccomp(shared: &[u64]) -> Result<(), String> {
     // rebind, shut down or reconfigure one (a filter attached, a buffer shrunk), which would
     // outlive it and break DHCP, TFTP or HTTP for its successors. Its own sockets (TFTP's
     // transfers, accepted connections) are free. No shared descriptor can be copied to escape
-    // the rule: `dup*` are not allowed, and `fcntl` copies only other descriptors.
+    // the rule: `dup*` are not allowed, `fcntl` copies only other descriptors, and with no
+    // `sendmsg` or `recvmsg` no descriptor can be passed to itself over a socketpair (the child
+    // receives its descriptors before it confines itself; after, it reads and writes).
     let not_shared = shared
         .iter()
         .map(|fd| (0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, *fd))

@@ -81,6 +81,9 @@ struct TpmSealedFile {
     /// false: a blob of the first version, opened with the empty password).
     #[serde(default)]
     unseal_policy: bool,
+    /// The storage key's Name (base64) when sealed, checked at every unseal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    srk_name: Option<String>,
     nonce: String,
     ciphertext: String,
 }
@@ -317,6 +320,7 @@ impl Kek {
                 tpm_public: crypto::b64(&blob.public),
                 pcrs: blob.pcrs.clone(),
                 unseal_policy: blob.policy,
+                srk_name: blob.srk_name.as_deref().map(crypto::b64),
                 nonce: crypto::b64(&nonce),
                 ciphertext: crypto::b64(&buf),
             };
@@ -651,6 +655,10 @@ fn unseal_inner(
                 public: crypto::b64_decode(&f.tpm_public).ok_or("damaged TPM blob")?,
                 pcrs: f.pcrs.clone(),
                 policy: f.unseal_policy,
+                srk_name: match &f.srk_name {
+                    Some(h) => Some(crypto::b64_decode(h).ok_or("damaged TPM blob")?),
+                    None => None,
+                },
             };
             let secret = crate::tpm::Tpm::open(&tcti)
                 .and_then(|mut t| t.unseal(&blob))

@@ -117,8 +117,10 @@ fn allow(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: AllowInput) -> ApiResult<Value>
             return Ok(existing);
         }
         return Err(ApiError::conflict(format!(
-            "EK {hash} is already allowed into pool {}: remove it first (bca tpm remove-ek)",
-            existing["poolId"].as_str().unwrap_or_default()
+            "EK {hash} is already allowed into pool {} of tenant {}: remove it there first (bca tpm remove-ek --tenant {})",
+            existing["poolId"].as_str().unwrap_or_default(),
+            existing["tenantId"].as_str().unwrap_or_default(),
+            existing["tenantId"].as_str().unwrap_or_default()
         )));
     }
     tx.execute(
@@ -139,8 +141,12 @@ fn allow(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: AllowInput) -> ApiResult<Value>
 
 fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
-    if let Some(p) = &i.pool_id {
-        validate::pool_id("poolId", p)?;
+    match &i.pool_id {
+        // An unknown tenant or pool is named, not listed as empty.
+        Some(p) => {
+            crate::api::pool_load(tx, &i.tenant_id, p)?;
+        }
+        None => crate::api::tenant_must_exist(tx, &i.tenant_id)?,
     }
     let limit = i.limit.unwrap_or(100);
     validate::range("limit", limit, 1, 200)?;

@@ -195,7 +195,7 @@ pub fn make_credential(
                 .and_then(|k| {
                     OaepPublicEncryptingKey::new(k).map_err(|_| "the EK's RSA key".to_string())
                 })?;
-            let mut seed = vec![0u8; 32];
+            let mut seed = zeroize::Zeroizing::new(vec![0u8; 32]);
             crate::crypto::fill_random(&mut seed);
             let mut out = vec![0u8; key.ciphertext_size()];
             let n = key
@@ -212,12 +212,10 @@ pub fn make_credential(
         }
         (TpmuPublicParms::Ecc(p), TpmuPublicId::Ecc(pt)) if p.curve_id == TpmEccCurve::NistP256 => {
             let (ex, ey) = (super::left_pad(&pt.x, 32)?, super::left_pad(&pt.y, 32)?);
-            let (seed, point) = ecdh_seed("IDENTITY", &ex, &ey)?;
-            (seed.to_vec(), point)
+            ecdh_seed("IDENTITY", &ex, &ey)?
         }
         _ => return Err("the EK is neither RSA 2048 nor NIST P-256".into()),
     };
-    let seed = zeroize::Zeroizing::new(seed);
     let sym = zeroize::Zeroizing::new(kdfa(&seed, "STORAGE", name, &[], 128));
     let mut enc = (credential.len() as u16).to_be_bytes().to_vec();
     enc.extend_from_slice(credential);

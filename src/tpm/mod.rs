@@ -60,30 +60,53 @@ fn decrypt_unseal_response(
 ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
     let fail = |m: &str| TpmFailure::new("TPM2_Unseal", m.to_string());
     let _: TpmUnsealResponse = parse("TPM2_Unseal", raw)?;
-    let u16_at = |i: usize| -> Result<usize, TpmFailure> {
-        raw.get(i..i + 2)
-            .map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
-            .ok_or_else(|| fail("a short response"))
+    let short = || fail("a short response");
+    let slice = |from: usize, len: usize| -> Result<&[u8], TpmFailure> {
+        from.checked_add(len)
+            .and_then(|end| raw.get(from..end))
+            .ok_or_else(short)
     };
-    // Header (10), parameterSize (4), then TPM2B_SENSITIVE_DATA, then the session's answer.
-    let params = raw
-        .get(10..14)
-        .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
-        .ok_or_else(|| fail("a short response"))?;
-    let n = u16_at(14)?;
-    if n + 2 > params {
-        return Err(fail("a response whose data outgrows its parameters"));
+    let u16_at = |i: usize| -> Result<usize, TpmFailure> {
+        slice(i, 2).map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
+    };
+    if slice(0, 2)? != [0x80, 0x02] {
+        return Err(fail("a response without its session's answer"));
     }
-    let mut data = Zeroizing::new(
-        raw.get(16..16 + n)
-            .ok_or_else(|| fail("a short response"))?
-            .to_vec(),
-    );
-    let auth = 14 + params;
+    // Header (10), parameterSize (4), the parameters (TPM2B_SENSITIVE_DATA), then the session's
+    // answer: nonceTPM, attributes, HMAC.
+    let params_len = slice(10, 4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)?;
+    let params = slice(14, params_len)?;
+    let n = u16_at(14)?;
+    if n.checked_add(2) != Some(params_len) {
+        return Err(fail("a response whose parameters are not one TPM2B"));
+    }
+    let auth = 14 + params_len;
     let nn = u16_at(auth)?;
-    let nonce_tpm = raw
-        .get(auth + 2..auth + 2 + nn)
-        .ok_or_else(|| fail("a response without the session's nonce"))?;
+    let nonce_tpm = slice(auth + 2, nn)?;
+    let attrs = slice(auth + 2 + nn, 1)?[0];
+    let hn = u16_at(auth + 3 + nn)?;
+    let hmac = slice(auth + 5 + nn, hn)?;
+    // The TPM's HMAC over the response (Part 1, 19.6.16): rpHash = H(rc || TPM_CC_Unseal ||
+    // parameters as sent, encrypted), then nonceTPM, nonceCaller and the attributes, keyed by
+    // the session key. A changed answer is refused before it is decrypted.
+    let mut rp = 0u32.to_be_bytes().to_vec();
+    rp.extend_from_slice(&TPM_CC_UNSEAL.to_be_bytes());
+    rp.extend_from_slice(params);
+    let expected = {
+        use aws_lc_rs::hmac;
+        let mut ctx = hmac::Context::with_key(&hmac::Key::new(hmac::HMAC_SHA256, session_key));
+        ctx.update(&crate::crypto::sha256(&rp));
+        ctx.update(nonce_tpm);
+        ctx.update(nonce_caller);
+        ctx.update(&[attrs]);
+        ctx.sign()
+    };
+    if !crate::crypto::ct_eq(expected.as_ref(), hmac) {
+        return Err(fail(
+            "the TPM's answer does not carry the session's HMAC: it was changed on its way",
+        ));
+    }
+    let mut data = Zeroizing::new(params[2..].to_vec());
     let material = Zeroizing::new(credential::kdfa(
         session_key,
         "CFB",
@@ -596,6 +619,9 @@ pub struct SealedBlob {
     /// blob bca seals now); `false` for blobs of the first TPM version, opened with the empty
     /// password and the secret in clear on the bus.
     pub policy: bool,
+    /// The Name of the storage key it was sealed under (absent for blobs of the first TPM
+    /// version): the key the unseal session's salt is encrypted to must have it.
+    pub srk_name: Option<Vec<u8>>,
 }
 
 const TPM_CC_UNSEAL: u32 = 0x0000_015E;
@@ -1243,8 +1269,14 @@ impl Tpm {
             outside_info: Tpm2bData::default(),
             creation_pcr: TpmlPcrSelection::default(),
         };
-        let r: TpmCreateResponse =
-            self.with_srk(|tpm, srk| tpm.run("TPM2_Create", &cmd_of(srk), &[password()]))?;
+        let (r, srk_name) = self.with_primary(TpmRh::Owner, srk_template(), |tpm, srk| {
+            // The storage key's Name, pinned: unsealing checks the TPM presents the same key
+            // (the session's salt is encrypted to it).
+            let name = PublicKey::of(&srk.out_public).map_err(&fail)?.name;
+            let cmd = cmd_of(srk.handles[0].value());
+            let r: TpmCreateResponse = tpm.run("TPM2_Create", &cmd, &[password()])?;
+            Ok((r, name))
+        })?;
         let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
         let mut w = TpmWriter::new(&mut buf);
         r.out_public
@@ -1255,6 +1287,7 @@ impl Tpm {
             public: w.as_bytes().to_vec(),
             pcrs: pcrs.to_vec(),
             policy: true,
+            srk_name: Some(srk_name),
         })
     }
 
@@ -1272,7 +1305,23 @@ impl Tpm {
                 "the sealed blob's public part has trailing bytes".into(),
             ));
         }
+        // The object's Name, from the record (the cpHash of the command HMAC names it).
+        let name = [
+            &TpmAlgId::Sha256.value().to_be_bytes()[..],
+            &crate::crypto::sha256(blob.public.get(2..).unwrap_or_default()),
+        ]
+        .concat();
         self.with_primary(TpmRh::Owner, srk_template(), |tpm, srk| {
+            if let Some(pinned) = &blob.srk_name {
+                let presented = PublicKey::of(&srk.out_public).map_err(&fail)?.name;
+                if presented != *pinned {
+                    return Err(fail(
+                        "the storage key this TPM presents is not the one the keys were sealed \
+                         under: another TPM, a cleared one, or something between bca and the TPM"
+                            .into(),
+                    ));
+                }
+            }
             let srk_point = match &srk.out_public.unique {
                 TpmuPublicId::Ecc(p) => (left_pad(&p.x, 32), left_pad(&p.y, 32)),
                 _ => return Err(fail("the storage key is not an ECC key".into())),
@@ -1285,13 +1334,15 @@ impl Tpm {
             };
             let r: TpmLoadResponse = tpm.run("TPM2_Load", &cmd, &[password()])?;
             let item = r.handles[0].value();
-            let name = r.name.to_vec();
             let cmd = TpmUnsealCommand {
                 handles: [TpmHandle::new(item)],
             };
-            let out = if blob.policy {
+            // PCR-bound blobs of before PolicyCommandCode carry PolicyPCR alone.
+            let out = if blob.policy || !blob.pcrs.is_empty() {
                 match srk_point {
-                    (Ok(x), Ok(y)) => tpm.unseal_encrypted(&cmd, &name, &blob.pcrs, srk, (&x, &y)),
+                    (Ok(x), Ok(y)) => {
+                        tpm.unseal_encrypted(&cmd, &name, &blob.pcrs, blob.policy, srk, (&x, &y))
+                    }
                     _ => Err(fail("the storage key's point".into())),
                 }
             } else {
@@ -1307,11 +1358,13 @@ impl Tpm {
     /// PCRs (when any) and the command (`TPM2_PolicyCommandCode(TPM2_Unseal)`); the TPM encrypts
     /// the secret in the response with the session key (AES-128-CFB), so it never crosses the
     /// bus in clear. A PCR that moved is `TPM_RC_POLICY_FAIL`.
+    #[allow(clippy::too_many_arguments)]
     fn unseal_encrypted(
         &mut self,
         cmd: &TpmUnsealCommand,
         name: &[u8],
         pcrs: &[u32],
+        command_code: bool,
         srk: u32,
         srk_point: (&[u8], &[u8]),
     ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
@@ -1351,11 +1404,14 @@ impl Tpm {
                 };
                 let _: TpmPolicyPcrResponse = self.run("TPM2_PolicyPCR", &policy, &[])?;
             }
-            let code = TpmPolicyCommandCodeCommand {
-                handles: [TpmHandle::new(session)],
-                code: tpm2_protocol::data::TpmCc::Unseal,
-            };
-            let _: TpmPolicyCommandCodeResponse = self.run("TPM2_PolicyCommandCode", &code, &[])?;
+            if command_code {
+                let code = TpmPolicyCommandCodeCommand {
+                    handles: [TpmHandle::new(session)],
+                    code: tpm2_protocol::data::TpmCc::Unseal,
+                };
+                let _: TpmPolicyCommandCodeResponse =
+                    self.run("TPM2_PolicyCommandCode", &code, &[])?;
+            }
             let mut nonce = [0u8; 32];
             crate::crypto::fill_random(&mut nonce);
             // A salted session's command carries an HMAC (Part 1, 19.6.13): keyed by the
@@ -1511,6 +1567,62 @@ mod tests {
         ] {
             let e = bad.parse::<Tcti>().unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    /// An Unseal response as a TPM makes it for a session with `encrypt` set.
+    fn encrypted_unseal_response(key: &[u8], nonce_caller: &[u8], secret: &[u8]) -> Vec<u8> {
+        let nonce_tpm = [3u8; 32];
+        let material = credential::kdfa(key, "CFB", &nonce_tpm, nonce_caller, 256);
+        let mut enc = secret.to_vec();
+        credential::aes128_cfb_iv(&material[..16], &material[16..], &mut enc, true).unwrap();
+        let mut params = (enc.len() as u16).to_be_bytes().to_vec();
+        params.extend(enc);
+        let mut rp = 0u32.to_be_bytes().to_vec();
+        rp.extend(TPM_CC_UNSEAL.to_be_bytes());
+        rp.extend(&params);
+        let hmac = {
+            use aws_lc_rs::hmac;
+            let mut ctx = hmac::Context::with_key(&hmac::Key::new(hmac::HMAC_SHA256, key));
+            ctx.update(&crate::crypto::sha256(&rp));
+            ctx.update(&nonce_tpm);
+            ctx.update(nonce_caller);
+            ctx.update(&[0x40]);
+            ctx.sign().as_ref().to_vec()
+        };
+        let mut body = (params.len() as u32).to_be_bytes().to_vec();
+        body.extend(&params);
+        body.extend(32u16.to_be_bytes());
+        body.extend(nonce_tpm);
+        body.push(0x40);
+        body.extend(32u16.to_be_bytes());
+        body.extend(hmac);
+        let mut raw = vec![0x80, 0x02];
+        raw.extend(((10 + body.len()) as u32).to_be_bytes());
+        raw.extend(0u32.to_be_bytes());
+        raw.extend(body);
+        raw
+    }
+
+    #[test]
+    fn an_encrypted_unseal_answer_opens_only_whole_and_with_its_session() {
+        let (key, nonce) = ([9u8; 32], [5u8; 32]);
+        let raw = encrypted_unseal_response(&key, &nonce, b"the key-encryption key");
+        assert_eq!(
+            &decrypt_unseal_response(&raw, &key, &nonce).unwrap()[..],
+            b"the key-encryption key"
+        );
+        // A bit flipped on the way (in the ciphertext, the nonce or the HMAC), another session,
+        // or a cut answer: refused, never garbage.
+        for i in [16, 30, raw.len() - 40, raw.len() - 1] {
+            let mut bad = raw.clone();
+            bad[i] ^= 1;
+            let e = decrypt_unseal_response(&bad, &key, &nonce).unwrap_err();
+            assert!(e.to_string().contains("TPM2_Unseal"), "{i}: {e}");
+        }
+        assert!(decrypt_unseal_response(&raw, &[8u8; 32], &nonce).is_err());
+        for cut in [0, 12, 20, raw.len() - 1] {
+            assert!(decrypt_unseal_response(&raw[..cut], &key, &nonce).is_err(), "{cut}");
         }
     }
 

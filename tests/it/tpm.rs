@@ -1073,7 +1073,10 @@ fn the_ek_allow_list_takes_a_tpms_hash_into_one_pool_and_refuses_bad_input() {
     assert_eq!(again, v);
     let (c, err) = a.cli_err(&["tpm", "allow-ek", &hash, "--pool", &other]);
     assert_eq!(c, "CONFLICT", "{err}");
-    assert!(err.contains("remove it first"), "{err}");
+    assert!(
+        err.contains("remove it there first") && err.contains("of tenant"),
+        "{err}"
+    );
     assert_eq!(
         a.count("SELECT COUNT(*) FROM audit WHERE action = 'tpm.ekAllowed'"),
         1
