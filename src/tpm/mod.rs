@@ -1622,7 +1622,10 @@ mod tests {
         }
         assert!(decrypt_unseal_response(&raw, &[8u8; 32], &nonce).is_err());
         for cut in [0, 12, 20, raw.len() - 1] {
-            assert!(decrypt_unseal_response(&raw[..cut], &key, &nonce).is_err(), "{cut}");
+            assert!(
+                decrypt_unseal_response(&raw[..cut], &key, &nonce).is_err(),
+                "{cut}"
+            );
         }
     }
 
