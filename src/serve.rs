@@ -73,7 +73,8 @@ pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
 }
 
 /// Binds a TCP listener, retrying for two seconds while the address is in use: the network child
-/// of a `serve` that was just killed may still hold it for a moment.
+/// of a `serve` that was just killed may still hold it (the gateway's and the HTTP listener are
+/// both the child's) until its parent-death signal ends it.
 async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
     let mut tries = 0;
     loop {
@@ -174,7 +175,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     } else {
         None
     };
-    let http = tokio::net::TcpListener::bind(&http_addr)
+    let http = bind_tcp(&http_addr)
         .await
         .map_err(|e| format!("cannot listen on {http_addr} (--listen-http): {e}"))?;
     let gateway = bind_tcp(&gw_addr)
