@@ -101,7 +101,8 @@ pub fn aes128_cfb_iv(key: &[u8], iv: &[u8], data: &mut [u8], encrypt: bool) -> R
     Ok(())
 }
 
-fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
+/// HMAC-SHA-256 of `parts`, concatenated.
+pub(super) fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
     use aws_lc_rs::hmac;
     let mut ctx = hmac::Context::with_key(&hmac::Key::new(hmac::HMAC_SHA256, key));
     for p in parts {

@@ -92,16 +92,16 @@ fn decrypt_unseal_response(
     let mut rp = 0u32.to_be_bytes().to_vec();
     rp.extend_from_slice(&TPM_CC_UNSEAL.to_be_bytes());
     rp.extend_from_slice(params);
-    let expected = {
-        use aws_lc_rs::hmac;
-        let mut ctx = hmac::Context::with_key(&hmac::Key::new(hmac::HMAC_SHA256, session_key));
-        ctx.update(&crate::crypto::sha256(&rp));
-        ctx.update(nonce_tpm);
-        ctx.update(nonce_caller);
-        ctx.update(&[attrs]);
-        ctx.sign()
-    };
-    if !crate::crypto::ct_eq(expected.as_ref(), hmac) {
+    let expected = credential::hmac_sha256(
+        session_key,
+        &[
+            &crate::crypto::sha256(&rp),
+            nonce_tpm,
+            nonce_caller,
+            &[attrs],
+        ],
+    );
+    if !crate::crypto::ct_eq(&expected, hmac) {
         return Err(fail(
             "the TPM's answer does not carry the session's HMAC: it was changed on its way",
         ));
@@ -352,14 +352,47 @@ fn policy_auth(session: u32) -> TpmsAuthCommand {
     }
 }
 
+/// A policy session as it started: its handle, and the nonces its key derives from.
+struct PolicySession {
+    handle: u32,
+    nonce_caller: [u8; 32],
+    nonce_tpm: Vec<u8>,
+}
+
 /// A public area marshaled as `TPM2B_PUBLIC`.
 fn marshal_public(p: &TpmtPublic) -> Result<Vec<u8>, String> {
+    marshal(&Tpm2bPublic::from(p.clone()), "a public area")
+}
+
+/// `v` in the TPM's wire format.
+fn marshal(v: &impl TpmMarshal, what: &str) -> Result<Vec<u8>, String> {
     let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
     let mut w = TpmWriter::new(&mut buf);
-    Tpm2bPublic::from(p.clone())
-        .marshal(&mut w)
-        .map_err(|e| format!("marshaling a public area: {e:?}"))?;
+    v.marshal(&mut w)
+        .map_err(|e| format!("marshaling {what}: {e:?}"))?;
     Ok(w.as_bytes().to_vec())
+}
+
+/// An object's Name from its marshaled `TPMT_PUBLIC` (SHA-256 names only): `000b || H(area)`.
+fn name_of(tpmt_public: &[u8]) -> Vec<u8> {
+    [
+        &TpmAlgId::Sha256.value().to_be_bytes()[..],
+        &crate::crypto::sha256(tpmt_public),
+    ]
+    .concat()
+}
+
+/// A key's record as `TPM2_Load` takes it: its private part and its `TPM2B_PUBLIC`, exactly.
+fn load_parts(private: &[u8], public: &[u8]) -> Result<(Tpm2bPrivate, Tpm2bPublic), TpmFailure> {
+    let fail = |m: String| TpmFailure::new("TPM2_Load", m);
+    let private = Tpm2bPrivate::try_from(private)
+        .map_err(|e| fail(format!("the key's private part: {e:?}")))?;
+    let (public, rest) = Tpm2bPublic::unmarshal(public)
+        .map_err(|e| fail(format!("the key's public part: {e:?}")))?;
+    if !rest.is_empty() {
+        return Err(fail("the key's public part has trailing bytes".into()));
+    }
+    Ok((private, public))
 }
 
 /// The TCG EK Credential Profile's policy for EKs of the low range: PolicySecret(endorsement).
@@ -447,41 +480,18 @@ fn ek_template(alg: EkAlg) -> Result<TpmtPublic, tpm2_protocol::TpmError> {
 /// stored. `fixedTPM` and `fixedParent`: it never leaves the TPM; `restricted`: it signs only
 /// what the TPM itself produced (attestations), never an outside digest that looks like one.
 fn ak_template() -> Result<TpmtPublic, tpm2_protocol::TpmError> {
-    Ok(TpmtPublic {
-        object_type: TpmAlgId::Ecc,
-        name_alg: TpmAlgId::Sha256,
-        object_attributes: TpmaObject::FIXED_TPM
-            | TpmaObject::FIXED_PARENT
-            | TpmaObject::SENSITIVE_DATA_ORIGIN
-            | TpmaObject::USER_WITH_AUTH
-            | TpmaObject::RESTRICTED
-            | TpmaObject::SIGN_ENCRYPT,
-        auth_policy: Tpm2bDigest::default(),
-        parameters: TpmuPublicParms::Ecc(TpmsEccParms {
-            symmetric: TpmtSymDef {
-                algorithm: TpmAlgId::Null,
-                key_bits: TpmuSymKeyBits::Null,
-                mode: TpmuSymMode::Null,
-            },
-            scheme: TpmtEccScheme {
-                scheme: TpmAlgId::Ecdsa,
-                details: TpmuAsymScheme::Hash(TpmsSchemeHash {
-                    hash_alg: TpmAlgId::Sha256,
-                }),
-            },
-            curve_id: TpmEccCurve::NistP256,
-            kdf: TpmtKdfScheme::default(),
-        }),
-        unique: TpmuPublicId::Ecc(TpmsEccPoint {
-            x: Tpm2bEccParameter::default(),
-            y: Tpm2bEccParameter::default(),
-        }),
-    })
+    Ok(ecdsa_p256_template(TpmaObject::RESTRICTED))
 }
 
 /// A node's key made in the TPM: an unrestricted ECDSA P-256 (SHA-256) signing key under the
 /// storage key, `fixedTPM`, `fixedParent`, `sensitiveDataOrigin`: made inside, never exported.
 fn node_key_template() -> TpmtPublic {
+    ecdsa_p256_template(TpmaObject::NO_DA)
+}
+
+/// An ECDSA P-256 (SHA-256) signing key made in the TPM and fixed to it, with the empty user auth,
+/// and `extra` attributes.
+fn ecdsa_p256_template(extra: TpmaObject) -> TpmtPublic {
     TpmtPublic {
         object_type: TpmAlgId::Ecc,
         name_alg: TpmAlgId::Sha256,
@@ -489,15 +499,11 @@ fn node_key_template() -> TpmtPublic {
             | TpmaObject::FIXED_PARENT
             | TpmaObject::SENSITIVE_DATA_ORIGIN
             | TpmaObject::USER_WITH_AUTH
-            | TpmaObject::NO_DA
-            | TpmaObject::SIGN_ENCRYPT,
+            | TpmaObject::SIGN_ENCRYPT
+            | extra,
         auth_policy: Tpm2bDigest::default(),
         parameters: TpmuPublicParms::Ecc(TpmsEccParms {
-            symmetric: TpmtSymDef {
-                algorithm: TpmAlgId::Null,
-                key_bits: TpmuSymKeyBits::Null,
-                mode: TpmuSymMode::Null,
-            },
+            symmetric: no_symmetric(),
             scheme: TpmtEccScheme {
                 scheme: TpmAlgId::Ecdsa,
                 details: TpmuAsymScheme::Hash(TpmsSchemeHash {
@@ -510,6 +516,25 @@ fn node_key_template() -> TpmtPublic {
         unique: TpmuPublicId::Ecc(TpmsEccPoint {
             x: Tpm2bEccParameter::default(),
             y: Tpm2bEccParameter::default(),
+        }),
+    }
+}
+
+/// No symmetric algorithm: a signing key's, or an unsalted session's.
+fn no_symmetric() -> TpmtSymDef {
+    TpmtSymDef {
+        algorithm: TpmAlgId::Null,
+        key_bits: TpmuSymKeyBits::Null,
+        mode: TpmuSymMode::Null,
+    }
+}
+
+/// The signature scheme of bca's keys: ECDSA with SHA-256.
+fn ecdsa_sha256() -> TpmtSigScheme {
+    TpmtSigScheme {
+        scheme: TpmAlgId::Ecdsa,
+        details: TpmuSigScheme::Hash(TpmsSchemeHash {
+            hash_alg: TpmAlgId::Sha256,
         }),
     }
 }
@@ -676,10 +701,7 @@ fn pcr_selection(pcrs: &[u32]) -> Result<(TpmlPcrSelection, Vec<u8>), String> {
         pcr_select: select,
     })
     .map_err(|e| format!("{e:?}"))?;
-    let mut buf = vec![0u8; 64];
-    let mut w = TpmWriter::new(&mut buf);
-    list.marshal(&mut w).map_err(|e| format!("{e:?}"))?;
-    let bytes = w.as_bytes().to_vec();
+    let bytes = marshal(&list, "a PCR selection")?;
     Ok((list, bytes))
 }
 
@@ -707,17 +729,11 @@ pub struct PublicKey {
 
 impl PublicKey {
     fn of(public: &TpmtPublic) -> Result<Self, String> {
-        let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
-        let mut w = TpmWriter::new(&mut buf);
-        public
-            .marshal(&mut w)
-            .map_err(|e| format!("marshaling a public area: {e:?}"))?;
-        let marshaled = w.as_bytes().to_vec();
+        let marshaled = marshal(public, "a public area")?;
         if public.name_alg != TpmAlgId::Sha256 {
             return Err("a public area whose name algorithm is not SHA-256".into());
         }
-        let mut name = TpmAlgId::Sha256.value().to_be_bytes().to_vec();
-        name.extend_from_slice(&crate::crypto::sha256(&marshaled));
+        let name = name_of(&marshaled);
         let spki = match (&public.parameters, &public.unique) {
             (TpmuPublicParms::Ecc(p), TpmuPublicId::Ecc(pt))
                 if p.curve_id == TpmEccCurve::NistP256 =>
@@ -1026,30 +1042,13 @@ impl Tpm {
                 let cmd = TpmCertifyCommand {
                     handles: [TpmHandle::new(object), ak.handles[0]],
                     qualifying_data: qualifying,
-                    in_scheme: TpmtSigScheme {
-                        scheme: TpmAlgId::Ecdsa,
-                        details: TpmuSigScheme::Hash(TpmsSchemeHash {
-                            hash_alg: TpmAlgId::Sha256,
-                        }),
-                    },
+                    in_scheme: ecdsa_sha256(),
                 };
                 let r: TpmCertifyResponse =
                     tpm.run("TPM2_Certify", &cmd, &[password(), password()])?;
-                let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
-                let mut w = TpmWriter::new(&mut buf);
-                r.certify_info
-                    .inner
-                    .marshal(&mut w)
-                    .map_err(|e| fail(format!("the attestation: {e:?}")))?;
-                let attest = w.as_bytes().to_vec();
-                let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
-                let mut w = TpmWriter::new(&mut buf);
-                r.signature
-                    .marshal(&mut w)
-                    .map_err(|e| fail(format!("the signature: {e:?}")))?;
                 Ok(Certification {
-                    attest,
-                    signature: w.as_bytes().to_vec(),
+                    attest: marshal(&r.certify_info.inner, "the attestation").map_err(fail)?,
+                    signature: marshal(&r.signature, "the signature").map_err(fail)?,
                 })
             })
         })
@@ -1061,14 +1060,7 @@ impl Tpm {
         key: &KeyBlob,
         f: impl FnOnce(&mut Self, u32) -> Result<T, TpmFailure>,
     ) -> Result<T, TpmFailure> {
-        let fail = |m: String| TpmFailure::new("TPM2_Load", m);
-        let private = Tpm2bPrivate::try_from(&key.private[..])
-            .map_err(|e| fail(format!("the key's private part: {e:?}")))?;
-        let (public, rest) = Tpm2bPublic::unmarshal(&key.public)
-            .map_err(|e| fail(format!("the key's public part: {e:?}")))?;
-        if !rest.is_empty() {
-            return Err(fail("the key's public part has trailing bytes".into()));
-        }
+        let (private, public) = load_parts(&key.private, &key.public)?;
         self.with_srk(|tpm, srk| {
             let load = TpmLoadCommand {
                 handles: [TpmHandle::new(srk)],
@@ -1088,12 +1080,7 @@ impl Tpm {
             let cmd = TpmSignCommand {
                 handles: [TpmHandle::new(object)],
                 digest: Tpm2bDigest::try_from(&digest[..]).expect("32 bytes fit a digest"),
-                in_scheme: TpmtSigScheme {
-                    scheme: TpmAlgId::Ecdsa,
-                    details: TpmuSigScheme::Hash(TpmsSchemeHash {
-                        hash_alg: TpmAlgId::Sha256,
-                    }),
-                },
+                in_scheme: ecdsa_sha256(),
                 // An unrestricted key needs no proof that the TPM hashed the message itself.
                 validation: TpmtTkHashcheck {
                     tag: TpmSt::HashCheck,
@@ -1102,12 +1089,9 @@ impl Tpm {
                 },
             };
             let r: TpmSignResponse = tpm.run("TPM2_Sign", &cmd, &[password()])?;
-            let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
-            let mut w = TpmWriter::new(&mut buf);
-            r.signature
-                .marshal(&mut w)
-                .map_err(|e| TpmFailure::new("TPM2_Sign", format!("the signature: {e:?}")))?;
-            attest::ecdsa_der(w.as_bytes()).map_err(|m| TpmFailure::new("TPM2_Sign", m))
+            marshal(&r.signature, "the signature")
+                .and_then(|sig| attest::ecdsa_der(&sig))
+                .map_err(|m| TpmFailure::new("TPM2_Sign", m))
         })
     }
 
@@ -1150,7 +1134,8 @@ impl Tpm {
             let ak = ak.handles[0].value();
             tpm.with_primary(TpmRh::Endorsement, ek_template(alg), |tpm, ek| {
                 let ek = ek.handles[0].value();
-                tpm.with_policy_session(|tpm, session| {
+                tpm.with_policy_session(None, |tpm, session| {
+                    let session = session.handle;
                     let policy = TpmPolicySecretCommand {
                         handles: [
                             TpmHandle::new(TpmRh::Endorsement.value()),
@@ -1179,35 +1164,48 @@ impl Tpm {
         })
     }
 
-    /// Runs `f` with a new policy session (unsalted, unbound, SHA-256); the session ends with
-    /// `f`'s last command when that succeeds, and is flushed when anything failed.
+    /// Runs `f` with a new policy session (unbound, SHA-256): unsalted, or salted to
+    /// `salt = (the TPM key's handle, the salt encrypted to it)`, and then with AES-128-CFB for
+    /// parameter encryption. The session ends with `f`'s last command when that succeeds, and is
+    /// flushed when anything failed.
     fn with_policy_session<T>(
         &mut self,
-        f: impl FnOnce(&mut Self, u32) -> Result<T, TpmFailure>,
+        salt: Option<(u32, &[u8])>,
+        f: impl FnOnce(&mut Self, &PolicySession) -> Result<T, TpmFailure>,
     ) -> Result<T, TpmFailure> {
-        let mut nonce = [0u8; 32];
-        crate::crypto::fill_random(&mut nonce);
+        let mut nonce_caller = [0u8; 32];
+        crate::crypto::fill_random(&mut nonce_caller);
+        let null = TpmHandle::new(TpmRh::Null.value());
         let start = TpmStartAuthSessionCommand {
-            handles: [
-                TpmHandle::new(TpmRh::Null.value()),
-                TpmHandle::new(TpmRh::Null.value()),
-            ],
-            nonce_caller: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
-            encrypted_salt: Tpm2bEncryptedSecret::default(),
+            handles: [salt.map_or(null, |(key, _)| TpmHandle::new(key)), null],
+            nonce_caller: Tpm2bNonce::try_from(&nonce_caller[..]).expect("32 bytes fit a nonce"),
+            encrypted_salt: match salt {
+                Some((_, encrypted)) => Tpm2bEncryptedSecret::try_from(encrypted).map_err(|e| {
+                    TpmFailure::new(
+                        "TPM2_StartAuthSession",
+                        format!("the encrypted salt: {e:?}"),
+                    )
+                })?,
+                None => Tpm2bEncryptedSecret::default(),
+            },
             session_type: TpmSe::Policy,
-            symmetric: TpmtSymDef {
-                algorithm: TpmAlgId::Null,
-                key_bits: TpmuSymKeyBits::Null,
-                mode: TpmuSymMode::Null,
+            symmetric: if salt.is_some() {
+                aes128_cfb()
+            } else {
+                no_symmetric()
             },
             auth_hash: TpmAlgId::Sha256,
         };
         let r: TpmStartAuthSessionResponse = self.run("TPM2_StartAuthSession", &start, &[])?;
-        let session = r.handles[0].value();
-        match f(self, session) {
+        let session = PolicySession {
+            handle: r.handles[0].value(),
+            nonce_caller,
+            nonce_tpm: r.nonce_tpm.to_vec(),
+        };
+        match f(self, &session) {
             Ok(v) => Ok(v),
             Err(e) => {
-                let _ = self.flush(session);
+                let _ = self.flush(session.handle);
                 Err(e)
             }
         }
@@ -1277,14 +1275,9 @@ impl Tpm {
             let r: TpmCreateResponse = tpm.run("TPM2_Create", &cmd, &[password()])?;
             Ok((r, name))
         })?;
-        let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
-        let mut w = TpmWriter::new(&mut buf);
-        r.out_public
-            .marshal(&mut w)
-            .map_err(|e| fail(format!("the sealed object's public area: {e:?}")))?;
         Ok(SealedBlob {
             private: r.out_private.to_vec(),
-            public: w.as_bytes().to_vec(),
+            public: marshal(&r.out_public, "the sealed object's public area").map_err(fail)?,
             pcrs: pcrs.to_vec(),
             policy: true,
             srk_name: Some(srk_name),
@@ -1296,21 +1289,9 @@ impl Tpm {
     /// keyed to the storage key's seed.
     pub fn unseal(&mut self, blob: &SealedBlob) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
         let fail = |m: String| TpmFailure::new("TPM2_Load", m);
-        let private = Tpm2bPrivate::try_from(&blob.private[..])
-            .map_err(|e| fail(format!("the sealed blob's private part: {e:?}")))?;
-        let (public, rest) = Tpm2bPublic::unmarshal(&blob.public)
-            .map_err(|e| fail(format!("the sealed blob's public part: {e:?}")))?;
-        if !rest.is_empty() {
-            return Err(fail(
-                "the sealed blob's public part has trailing bytes".into(),
-            ));
-        }
+        let (private, public) = load_parts(&blob.private, &blob.public)?;
         // The object's Name, from the record (the cpHash of the command HMAC names it).
-        let name = [
-            &TpmAlgId::Sha256.value().to_be_bytes()[..],
-            &crate::crypto::sha256(blob.public.get(2..).unwrap_or_default()),
-        ]
-        .concat();
+        let name = name_of(blob.public.get(2..).unwrap_or_default());
         self.with_primary(TpmRh::Owner, srk_template(), |tpm, srk| {
             if let Some(pinned) = &blob.srk_name {
                 let presented = PublicKey::of(&srk.out_public).map_err(&fail)?.name;
@@ -1368,32 +1349,19 @@ impl Tpm {
         srk: u32,
         srk_point: (&[u8], &[u8]),
     ) -> Result<Zeroizing<Vec<u8>>, TpmFailure> {
-        let fail = |m: String| TpmFailure::new("TPM2_StartAuthSession", m);
-        let (salt, encrypted_salt) =
-            credential::ecdh_seed("SECRET", srk_point.0, srk_point.1).map_err(fail)?;
-        let mut nonce_caller = [0u8; 32];
-        crate::crypto::fill_random(&mut nonce_caller);
-        let start = TpmStartAuthSessionCommand {
-            handles: [TpmHandle::new(srk), TpmHandle::new(TpmRh::Null.value())],
-            nonce_caller: Tpm2bNonce::try_from(&nonce_caller[..]).expect("32 bytes fit a nonce"),
-            encrypted_salt: Tpm2bEncryptedSecret::try_from(&encrypted_salt[..])
-                .map_err(|e| fail(format!("the encrypted salt: {e:?}")))?,
-            session_type: TpmSe::Policy,
-            symmetric: aes128_cfb(),
-            auth_hash: TpmAlgId::Sha256,
-        };
-        let r: TpmStartAuthSessionResponse = self.run("TPM2_StartAuthSession", &start, &[])?;
-        let session = r.handles[0].value();
-        // The session key (Part 1, 19.6.8): KDFa(salt, "ATH", nonceTPM, nonceCaller); the
-        // bind entity is TPM_RH_NULL, whose auth value is empty.
-        let session_key = Zeroizing::new(credential::kdfa(
-            &salt,
-            "ATH",
-            &r.nonce_tpm,
-            &nonce_caller,
-            256,
-        ));
-        let out = (|| {
+        let (salt, encrypted_salt) = credential::ecdh_seed("SECRET", srk_point.0, srk_point.1)
+            .map_err(|m| TpmFailure::new("TPM2_StartAuthSession", m))?;
+        self.with_policy_session(Some((srk, &encrypted_salt)), |tpm, s| {
+            let session = s.handle;
+            // The session key (Part 1, 19.6.8): KDFa(salt, "ATH", nonceTPM, nonceCaller); the
+            // bind entity is TPM_RH_NULL, whose auth value is empty.
+            let session_key = Zeroizing::new(credential::kdfa(
+                &salt,
+                "ATH",
+                &s.nonce_tpm,
+                &s.nonce_caller,
+                256,
+            ));
             if !pcrs.is_empty() {
                 let (selection, _) =
                     pcr_selection(pcrs).map_err(|e| TpmFailure::new("TPM2_PolicyPCR", e))?;
@@ -1402,7 +1370,7 @@ impl Tpm {
                     pcr_digest: Tpm2bDigest::default(),
                     pcrs: selection,
                 };
-                let _: TpmPolicyPcrResponse = self.run("TPM2_PolicyPCR", &policy, &[])?;
+                let _: TpmPolicyPcrResponse = tpm.run("TPM2_PolicyPCR", &policy, &[])?;
             }
             if command_code {
                 let code = TpmPolicyCommandCodeCommand {
@@ -1410,7 +1378,7 @@ impl Tpm {
                     code: tpm2_protocol::data::TpmCc::Unseal,
                 };
                 let _: TpmPolicyCommandCodeResponse =
-                    self.run("TPM2_PolicyCommandCode", &code, &[])?;
+                    tpm.run("TPM2_PolicyCommandCode", &code, &[])?;
             }
             let mut nonce = [0u8; 32];
             crate::crypto::fill_random(&mut nonce);
@@ -1421,35 +1389,21 @@ impl Tpm {
             // authorization) and the attributes.
             let mut cp = TPM_CC_UNSEAL.to_be_bytes().to_vec();
             cp.extend_from_slice(name);
-            let cp_hash = crate::crypto::sha256(&cp);
             let attrs = TpmaSession::ENCRYPT;
-            let hmac = {
-                use aws_lc_rs::hmac;
-                let mut ctx =
-                    hmac::Context::with_key(&hmac::Key::new(hmac::HMAC_SHA256, &session_key));
-                ctx.update(&cp_hash);
-                ctx.update(&nonce);
-                ctx.update(&r.nonce_tpm);
-                ctx.update(&[0x40]);
-                ctx.sign()
-            };
+            let hmac = credential::hmac_sha256(
+                &session_key,
+                &[&crate::crypto::sha256(&cp), &nonce, &s.nonce_tpm, &[0x40]],
+            );
             let auth = TpmsAuthCommand {
                 session_handle: TpmHandle::new(session),
                 nonce: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
                 session_attributes: attrs,
-                hmac: Tpm2bAuth::try_from(hmac.as_ref()).expect("32 bytes fit an HMAC"),
+                hmac: Tpm2bAuth::try_from(&hmac[..]).expect("32 bytes fit an HMAC"),
             };
-            let raw = self.run_raw("TPM2_Unseal", cmd, &[auth])?;
-            decrypt_unseal_response(&raw, &session_key, &nonce)
-        })();
-        match out {
             // A session without continueSession ends with its command's success.
-            Ok(secret) => Ok(secret),
-            Err(e) => {
-                let _ = self.flush(session);
-                Err(e)
-            }
-        }
+            let raw = tpm.run_raw("TPM2_Unseal", cmd, &[auth])?;
+            decrypt_unseal_response(&raw, &session_key, &nonce)
+        })
     }
 
     pub fn flush(&mut self, handle: u32) -> Result<(), TpmFailure> {
