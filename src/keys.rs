@@ -472,14 +472,7 @@ pub fn reseal_from_escrow(
     tcti: Option<&crate::tpm::Tcti>,
     pcrs: Option<Vec<u32>>,
 ) -> Result<Vec<u32>, String> {
-    let config = crate::config::Config::load(state_dir)?;
-    if config.key_protection != KeyProtection::Tpm {
-        return Err(format!(
-            "{}'s keys are not sealed to a TPM (key_protection = {:?}): nothing to reseal",
-            state_dir.display(),
-            config.key_protection
-        ));
-    }
+    let config = tpm_sealed_config(state_dir, "reseal")?;
     let pcrs = match pcrs {
         Some(p) => p,
         None => sealed_pcrs(state_dir)?,
@@ -551,14 +544,7 @@ pub fn recover_from_escrow(
     escrow: &Path,
     passphrase: &[u8],
 ) -> Result<(), String> {
-    let mut config = crate::config::Config::load(state_dir)?;
-    if config.key_protection != KeyProtection::Tpm {
-        return Err(format!(
-            "{}'s keys are not sealed to a TPM (key_protection = {:?}): nothing to recover",
-            state_dir.display(),
-            config.key_protection
-        ));
-    }
+    let mut config = tpm_sealed_config(state_dir, "recover")?;
     let (_, raw) = open_escrow(state_dir, escrow, passphrase)?;
     let sealed = file_for(state_dir, KeyProtection::Passphrase);
     crate::fsutil::write_atomic(&sealed, &raw, 0o600)?;
@@ -571,6 +557,20 @@ pub fn recover_from_escrow(
     )?;
     let _ = std::fs::remove_file(file_for(state_dir, KeyProtection::Tpm));
     Ok(())
+}
+
+/// `config.toml` of a state directory whose keys are sealed to a TPM; else an error saying there
+/// is nothing to `what`.
+fn tpm_sealed_config(state_dir: &Path, what: &str) -> Result<crate::config::Config, String> {
+    let config = crate::config::Config::load(state_dir)?;
+    if config.key_protection != KeyProtection::Tpm {
+        return Err(format!(
+            "{}'s keys are not sealed to a TPM (key_protection = {:?}): nothing to {what}",
+            state_dir.display(),
+            config.key_protection
+        ));
+    }
+    Ok(config)
 }
 
 /// The TPM the state directory's keys are sealed to: `config.toml`'s `tpm`, else the default.

@@ -246,18 +246,19 @@ impl Link {
     /// A [`crate::protocol::Call`] to the parent's JoinService; empty bytes (read as busy) when
     /// the parent is gone.
     pub async fn call(&self, msg: Vec<u8>) -> Vec<u8> {
-        let (tx, rx) = oneshot::channel();
-        if self.wait(Kind::Call, &msg, Waiter::Async(tx)).is_none() {
-            return Vec::new();
-        }
-        rx.await.unwrap_or_default()
+        self.request(Kind::Call, &msg).await
     }
 
     /// One of the edge's questions ([`crate::edge::Ask`], JSON); empty bytes when the parent is
     /// gone.
     pub async fn ask(&self, msg: Vec<u8>) -> Vec<u8> {
+        self.request(Kind::Ask, &msg).await
+    }
+
+    /// A message of `kind` and the parent's reply; empty bytes when the parent is gone.
+    async fn request(&self, kind: Kind, msg: &[u8]) -> Vec<u8> {
         let (tx, rx) = oneshot::channel();
-        if self.wait(Kind::Ask, &msg, Waiter::Async(tx)).is_none() {
+        if self.wait(kind, msg, Waiter::Async(tx)).is_none() {
             return Vec::new();
         }
         rx.await.unwrap_or_default()
@@ -442,32 +443,40 @@ pub fn child_main() -> Result<(), String> {
             format!("privsep: no {what} was passed (bca net-child is started by bca serve only)")
         })
     };
-    let listener = std::net::TcpListener::from(next("gateway listener")?);
-    let http = std::net::TcpListener::from(next("HTTP listener")?);
-    let boot_root = crate::edge::ReadRoot::from_fd(next("boot root")?, init.roots.0.clone());
-    let downloads =
-        crate::edge::ReadRoot::from_fd(next("downloads directory")?, init.roots.1.clone());
-    let boot_sockets = if init.boot_sockets {
-        let dhcp = std::net::UdpSocket::from(next("DHCP socket")?);
-        let proxy = (init.boot.mode == "proxy")
-            .then(|| next("proxyDHCP socket").map(std::net::UdpSocket::from))
-            .transpose()?;
-        let tftp = std::net::UdpSocket::from(next("TFTP socket")?);
-        Some(crate::boot::server::BootSockets { dhcp, proxy, tftp })
-    } else {
-        None
+    // In the order `Sockets::fds` passes them.
+    let sockets = Sockets {
+        gateway: std::net::TcpListener::from(next("gateway listener")?),
+        http: std::net::TcpListener::from(next("HTTP listener")?),
+        boot_root: crate::edge::ReadRoot::from_fd(next("boot root")?, init.roots.0.clone()),
+        downloads: crate::edge::ReadRoot::from_fd(
+            next("downloads directory")?,
+            init.roots.1.clone(),
+        ),
+        boot: if init.boot_sockets {
+            let dhcp = std::net::UdpSocket::from(next("DHCP socket")?);
+            let proxy = (init.boot.mode == "proxy")
+                .then(|| next("proxyDHCP socket").map(std::net::UdpSocket::from))
+                .transpose()?;
+            let tftp = std::net::UdpSocket::from(next("TFTP socket")?);
+            Some(crate::boot::server::BootSockets { dhcp, proxy, tftp })
+        } else {
+            None
+        },
     };
     // Before the filter, which allows no copy of a descriptor.
     let out = sock.try_clone().map_err(|e| e.to_string())?;
-    let mut shared = vec![listener.as_fd(), http.as_fd()];
-    if let Some(b) = &boot_sockets {
-        shared.push(b.dhcp.as_fd());
-        shared.extend(b.proxy.as_ref().map(|p| p.as_fd()));
-        shared.push(b.tftp.as_fd());
-    }
-    let (uid, landlock) =
-        crate::confine::confine(init.user, &[boot_root.fd(), downloads.fd()], &shared)?;
-    drop(shared);
+    let (uid, landlock) = crate::confine::confine(
+        init.user,
+        &[sockets.boot_root.fd(), sockets.downloads.fd()],
+        &sockets.shared(),
+    )?;
+    let Sockets {
+        gateway: listener,
+        http,
+        boot_root,
+        downloads,
+        boot: boot_sockets,
+    } = sockets;
     let probes = init
         .probe
         .iter()
@@ -601,11 +610,25 @@ impl Sockets {
             self.boot_root.fd(),
             self.downloads.fd(),
         ];
-        if let Some(b) = &self.boot {
-            v.push(b.dhcp.as_fd());
-            v.extend(b.proxy.as_ref().map(|p| p.as_fd()));
-            v.push(b.tftp.as_fd());
-        }
+        v.extend(self.boot_fds());
+        v
+    }
+
+    /// The sockets every child gets in turn: no child may reconfigure them
+    /// ([`crate::confine::confine`]).
+    fn shared(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        let mut v = vec![self.gateway.as_fd(), self.http.as_fd()];
+        v.extend(self.boot_fds());
+        v
+    }
+
+    fn boot_fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        let Some(b) = &self.boot else {
+            return Vec::new();
+        };
+        let mut v = vec![b.dhcp.as_fd()];
+        v.extend(b.proxy.as_ref().map(|p| p.as_fd()));
+        v.push(b.tftp.as_fd());
         v
     }
 }

@@ -27,6 +27,14 @@ fn p256(p: &TpmtPublic) -> bool {
     matches!(&p.parameters, TpmuPublicParms::Ecc(e) if e.curve_id == TpmEccCurve::NistP256)
 }
 
+/// Every attribute of `need` set, else an error naming the first missing one.
+fn require(a: TpmaObject, need: &[(TpmaObject, &str)], key: &str) -> Result<(), String> {
+    match need.iter().find(|(flag, _)| !a.contains(*flag)) {
+        Some((_, what)) => Err(format!("{key} is not {what}")),
+        None => Ok(()),
+    }
+}
+
 /// An AK as bca accepts one: restricted, signing only, fixed to its TPM, on P-256.
 pub fn check_ak(ak: &TpmtPublic) -> Result<(), String> {
     let a = ak.object_attributes;
@@ -36,11 +44,7 @@ pub fn check_ak(ak: &TpmtPublic) -> Result<(), String> {
         (TpmaObject::RESTRICTED, "restricted"),
         (TpmaObject::SIGN_ENCRYPT, "sign"),
     ];
-    for (flag, what) in need {
-        if !a.contains(flag) {
-            return Err(format!("the AK is not {what}"));
-        }
-    }
+    require(a, &need, "the AK")?;
     if a.contains(TpmaObject::DECRYPT) {
         return Err("the AK also decrypts: an AK only signs".into());
     }
@@ -65,11 +69,7 @@ fn check_certified_key(k: &TpmtPublic) -> Result<(), String> {
         ),
         (TpmaObject::SIGN_ENCRYPT, "a signing key"),
     ];
-    for (flag, what) in need {
-        if !a.contains(flag) {
-            return Err(format!("the certified key is not {what}"));
-        }
-    }
+    require(a, &need, "the certified key")?;
     if a.contains(TpmaObject::RESTRICTED) {
         return Err("the certified key is restricted: it cannot sign a CSR or a handshake".into());
     }

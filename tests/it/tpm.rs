@@ -64,6 +64,15 @@ impl Swtpm {
         format!("swtpm:host=127.0.0.1,port={}", self.port)
     }
 
+    /// No object and no session left loaded (swtpm has no resource manager: whoever leaves one
+    /// takes one of its few slots).
+    pub fn assert_nothing_loaded(&self, cwd: &Path) {
+        for handles in ["handles-transient", "handles-loaded-session"] {
+            let left = self.tool(&["tpm2_getcap", handles], cwd);
+            assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
+        }
+    }
+
     /// A tpm2-tools command against this TPM.
     pub fn tool(&self, args: &[&str], cwd: &Path) -> String {
         let o = output_ok(
@@ -403,7 +412,7 @@ fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
     }
     let policy = std::fs::read(work.path().join("policy.bin")).unwrap();
     assert_eq!(policy.len(), 32);
-    let public = b64(sealed["tpmPublic"].as_str().unwrap());
+    let public = bca::crypto::b64_decode(sealed["tpmPublic"].as_str().unwrap()).unwrap();
     assert!(
         public
             .windows(34)
@@ -434,10 +443,7 @@ fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
         "{err}"
     );
     assert_eq!(before, sha256_file_tree(&state));
-    for handles in ["handles-transient", "handles-loaded-session"] {
-        let left = tpm.tool(&["tpm2_getcap", handles], work.path());
-        assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
-    }
+    tpm.assert_nothing_loaded(work.path());
     // `bca tpm status` on the state directory: the TPM config.toml names, the binding, and
     // that the keys do not unseal, with why.
     let status = a.cli_json(&["tpm", "status"]);
@@ -521,11 +527,6 @@ fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
         "{err}"
     );
     assert!(!dir.path().join("state/config.toml").exists());
-}
-
-fn b64(s: &str) -> Vec<u8> {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
 }
 
 /// tpm2-tools' credential file: magic `BADCC0DE`, version 1, `TPM2B_ID_OBJECT`,
@@ -650,7 +651,7 @@ fn credentials_bca_makes_are_activated_by_tpm2_tools_and_the_reverse() {
                     "-o",
                     "cred2.out",
                 ])
-                .args(["-n", &hex(&ak.name)])
+                .args(["-n", &bca::crypto::hex(&ak.name)])
                 .current_dir(d),
         );
         let cred = parse_credential_file(&std::fs::read(file("cred2.out")).unwrap());
@@ -671,10 +672,7 @@ fn credentials_bca_makes_are_activated_by_tpm2_tools_and_the_reverse() {
         // The same AK at every run: derived from the endorsement seed and a fixed template.
         assert_eq!(t.ak_public().unwrap().0.name, ak.name);
         drop(t);
-        for handles in ["handles-transient", "handles-loaded-session"] {
-            let left = tpm.tool(&["tpm2_getcap", handles], d);
-            assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
-        }
+        tpm.assert_nothing_loaded(d);
     }
     // Bad inputs are named, not panics: a public area that is no EK, a bad Name, a long secret.
     let ek_pub = std::fs::read(file("ek.pub")).unwrap();
@@ -704,10 +702,6 @@ fn credentials_bca_makes_are_activated_by_tpm2_tools_and_the_reverse() {
         let e = bca::tpm::make_credential(ek, name, secret).unwrap_err();
         assert!(e.contains(says), "{e}");
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 #[test]
@@ -890,10 +884,7 @@ fn a_key_made_in_the_tpm_is_certified_by_the_ak_as_openssl_and_tpm2_tools_read_i
     )
     .unwrap_err();
     assert!(e.contains("not fixedTPM"), "{e}");
-    for handles in ["handles-transient", "handles-loaded-session"] {
-        let left = tpm.tool(&["tpm2_getcap", handles], d);
-        assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
-    }
+    tpm.assert_nothing_loaded(d);
 }
 
 #[test]
@@ -955,10 +946,7 @@ fn a_csr_signed_by_the_tpm_verifies_and_its_key_is_the_certified_one() {
         "{e}"
     );
     drop(key);
-    for handles in ["handles-transient", "handles-loaded-session"] {
-        let left = tpm.tool(&["tpm2_getcap", handles], d);
-        assert!(left.trim().is_empty(), "{handles} left in the TPM: {left}");
-    }
+    tpm.assert_nothing_loaded(d);
 }
 
 #[test]
