@@ -211,6 +211,7 @@ fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
             claims,
             attestor: String::new(),
             role: "node".into(),
+            tpm: None,
         }),
         ..Default::default()
     };
@@ -637,6 +638,7 @@ fn main() {
                         chain: body.certificate_chain.clone(),
                         client_time: now,
                         pop_sig: crypto::b64(&m.key.sign(protocol::RENEW_POP_PURPOSE, &msg)),
+                        key_attestation: None,
                     }),
                     ..Default::default()
                 };

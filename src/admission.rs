@@ -41,6 +41,21 @@ pub enum Reason {
     DiscoveryMac,
     /// An operator rejected this machine's request for this CSR.
     DiscoveryRejected,
+    /// The `tpm` evidence is not well-formed: public areas, the CSR, base64.
+    TpmMalformed,
+    /// The AK is not one bca accepts (fixedTPM, fixedParent, restricted, sign, P-256).
+    TpmAk,
+    /// The challenge is unknown, used, expired, or for another EK or AK, or the credential's
+    /// secret is not the one it carried.
+    TpmChallenge,
+    /// The AK's certification of the node key fails, or certifies another key than the CSR's.
+    TpmCertify,
+    /// The EK is on no allow-list and enrollment is off.
+    TpmEkUnknown,
+    /// An operator rejected this TPM's request for this CSR.
+    TpmRejected,
+    /// A role other than `node` or `ramdisk`.
+    TpmRoleMismatch,
 }
 
 impl Reason {
@@ -48,6 +63,8 @@ impl Reason {
     pub fn attestor(self) -> &'static str {
         if self.as_str().starts_with("discovery:") {
             "discovery"
+        } else if self.as_str().starts_with("tpm:") {
+            "tpm"
         } else {
             "join-token"
         }
@@ -81,6 +98,13 @@ impl Reason {
             Reason::DiscoveryRoleMismatch => "discovery:role-mismatch",
             Reason::DiscoveryMac => "discovery:mac",
             Reason::DiscoveryRejected => "discovery:rejected",
+            Reason::TpmMalformed => "tpm:malformed",
+            Reason::TpmAk => "tpm:ak",
+            Reason::TpmChallenge => "tpm:challenge",
+            Reason::TpmCertify => "tpm:certify",
+            Reason::TpmEkUnknown => "tpm:ek-unknown",
+            Reason::TpmRejected => "tpm:rejected",
+            Reason::TpmRoleMismatch => "tpm:role-mismatch",
         }
     }
 }

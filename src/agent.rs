@@ -6,6 +6,7 @@
 
 use crate::claims::Claims;
 use crate::crypto::{self, SigningKey};
+use crate::nodekey::NodeKey;
 use crate::error::{ApiError, ApiResult, Code};
 use crate::pki::{self, Jwk};
 use crate::protocol::{self, JoinRequest, JoinResponseBody, Reply, Request, JOIN_RESPONSE_PURPOSE};
@@ -124,8 +125,10 @@ pub struct JoinOptions {
     pub token_file: Option<PathBuf>,
     /// The token itself (for in-process callers such as `bca dev --sim`).
     pub token: Option<Zeroizing<String>>,
-    /// Empty (`join-token`) or `discovery`.
+    /// Empty (`join-token`), `discovery` or `tpm`.
     pub attestor: String,
+    /// With `tpm`: the machine's TPM (default `device:/dev/tpmrm0`).
+    pub tpm: Option<String>,
     /// How long to keep retrying a deferred join.
     pub wait_seconds: u32,
     /// Retry a deferred join after this many seconds instead of what the appliance says.
@@ -515,10 +518,31 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
         }
         None => collect_claims(),
     };
-    let token = match (&o.token, &o.token_file) {
-        (Some(t), _) => check_token(t)?,
-        (None, Some(f)) => read_token_file(f)?,
-        (None, None) => read_token()?,
+    let tpm = o.attestor == "tpm";
+    let tcti: Option<crate::tpm::Tcti> = match (&o.tpm, tpm) {
+        (Some(_), false) => {
+            return Err(ApiError::invalid_input(
+                "--tpm names the TPM of --attestor tpm; other attestors use none",
+            ))
+        }
+        (Some(t), true) => Some(
+            t.parse()
+                .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))?,
+        ),
+        (None, true) => Some(crate::tpm::Tcti::default()),
+        (None, false) => None,
+    };
+    // The `tpm` attestor needs no token: the TPM is the proof.
+    let token = match (&o.token, &o.token_file, tpm) {
+        (_, _, true) => Zeroizing::new(String::new()),
+        (Some(t), _, _) => check_token(t)?,
+        (None, Some(f), _) => read_token_file(f)?,
+        (None, None, _) => read_token()?,
+    };
+    // The key is made before anything is moved aside: a TPM that cannot make one stops here.
+    let key = match &tcti {
+        Some(t) => NodeKey::generate_in(t)?,
+        None => NodeKey::generate(),
     };
     if o.reset {
         let stamp = utc_stamp(crate::clock::now());
@@ -534,14 +558,19 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     }
     crate::fsutil::create_private_dir(&o.data_dir).map_err(ApiError::invalid_state)?;
 
-    let key = SigningKey::generate();
-    let csr = crate::csr::create(&key);
+    let csr = key.csr()?;
     // A deferred join (waiting for an operator) is retried with the same key and CSR, sealed
     // anew each time; the token is spent only when the join is admitted.
     let started = crate::clock::now();
     let resp = loop {
-        let sealed = crate::jwe::seal(&token, &enc_point, &csr, crate::clock::now())
-            .map_err(ApiError::internal)?;
+        // A `tpm` join answers a fresh challenge each attempt; a token is sealed anew.
+        let (sealed, evidence) = if tpm {
+            (String::new(), Some(tpm_evidence(&cfg, &key, &csr)?))
+        } else {
+            let sealed = crate::jwe::seal(&token, &enc_point, &csr, crate::clock::now())
+                .map_err(ApiError::internal)?;
+            (sealed, None)
+        };
         let request = Request {
             v: 1,
             join: Some(JoinRequest {
@@ -550,14 +579,13 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
                 claims: claims.clone(),
                 attestor: o.attestor.clone(),
                 role: o.role.clone(),
+                tpm: evidence,
             }),
             ..Default::default()
         };
         let reply = exchange(&cfg, &serde_json::to_vec(&request).expect("serializes"))?;
         if let Some(e) = reply.error {
-            let code = serde_json::from_value::<Code>(serde_json::Value::String(e.code.clone()))
-                .unwrap_or(Code::Internal);
-            return Err(ApiError::new(code, e.message));
+            return Err(wire_error(e));
         }
         if let Some(d) = reply.join_deferred {
             let deferral = verify_deferral(&cfg, &d, &csr)?;
@@ -584,7 +612,7 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
             .ok_or_else(|| ApiError::internal("the gateway's answer carries no response"))?;
     };
     drop(token);
-    let body = verify_response(&cfg, &resp, &csr, &key, &o.role)?;
+    let body = verify_response_for(&cfg, &resp, &csr, &key.spki_der(), &o.role)?;
     let learned = pins_learned(&cfg, &resp, &body);
     let pins_changed = learned.is_some();
     if let Some(l) = learned {
@@ -601,12 +629,8 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
         }
     }
     // The key first, then the identity that names it; each write is atomic.
-    crate::fsutil::write_atomic(
-        &key_path,
-        pki::pem("PRIVATE KEY", key.pkcs8()).as_bytes(),
-        0o600,
-    )
-    .map_err(ApiError::invalid_state)?;
+    crate::fsutil::write_atomic(&key_path, &key.file_bytes(), 0o600)
+        .map_err(ApiError::invalid_state)?;
     let identity = Identity {
         node_id: body.node_id.clone(),
         site_id: body.site_id,
@@ -624,6 +648,71 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
         save_learned(&o.data_dir, &cfg)?;
     }
     Ok(body.node_id)
+}
+
+/// The gateway's error as the agent reports it.
+fn wire_error(e: protocol::WireError) -> ApiError {
+    let code = serde_json::from_value::<Code>(serde_json::Value::String(e.code.clone()))
+        .unwrap_or(Code::Internal);
+    ApiError::new(code, e.message)
+}
+
+/// The `tpm` attestor's evidence for one attempt: the appliance's challenge for this TPM's EK
+/// and bca's AK, activated in the TPM, and the AK's certification of the node key over the
+/// challenge's secret bound to the CSR.
+fn tpm_evidence(
+    cfg: &AgentConfig,
+    key: &NodeKey,
+    csr: &[u8],
+) -> ApiResult<protocol::TpmEvidence> {
+    use crate::tpm::EkAlg;
+    let k = key
+        .tpm()
+        .ok_or_else(|| ApiError::internal("a tpm join's key is not held by the TPM"))?;
+    // The EK whose certificate the TPM carries (RSA first, as most do), else the RSA EK.
+    let (alg, cert) = k.with_tpm(|t| -> Result<_, crate::tpm::TpmFailure> {
+        for alg in [EkAlg::Rsa, EkAlg::Ecc] {
+            if let Some(c) = t.nv_read(alg.cert_index())? {
+                return Ok((alg, Some(c)));
+            }
+        }
+        Ok((EkAlg::Rsa, None))
+    })?;
+    let ek_public = k.with_tpm(|t| t.ek_public_area(alg))?;
+    let (_, ak_public) = k.with_tpm(|t| t.ak_public())?;
+    let ask = Request {
+        v: 1,
+        tpm_challenge: Some(protocol::TpmChallengeRequest {
+            ek_public: crypto::b64(&ek_public),
+            ek_certificate: cert.as_deref().map(crypto::b64),
+            ak_public: crypto::b64(&ak_public),
+        }),
+        ..Default::default()
+    };
+    let reply = exchange(cfg, &serde_json::to_vec(&ask).expect("serializes"))?;
+    if let Some(e) = reply.error {
+        return Err(wire_error(e));
+    }
+    let ch = reply
+        .tpm_challenge
+        .ok_or_else(|| ApiError::internal("the gateway's answer carries no challenge"))?;
+    let bad = || ApiError::internal("the appliance's challenge is malformed");
+    let cred = crate::tpm::credential::Credential {
+        id_object: crypto::b64_decode(&ch.credential_blob).ok_or_else(bad)?,
+        encrypted_secret: crypto::b64_decode(&ch.encrypted_secret).ok_or_else(bad)?,
+    };
+    let secret = k.with_tpm(|t| t.activate_credential(alg, &cred))?;
+    let qualifying = protocol::tpm_join_qualifying(&secret, &crypto::sha256(csr));
+    let c = k.with_tpm(|t| t.certify(k.blob(), &qualifying))?;
+    Ok(protocol::TpmEvidence {
+        challenge_id: ch.challenge_id,
+        credential: crypto::b64(&secret),
+        ek_public: crypto::b64(&ek_public),
+        ak_public: crypto::b64(&ak_public),
+        key_public: crypto::b64(&k.blob().public),
+        attest: crypto::b64(&c.attest),
+        signature: crypto::b64(&c.signature),
+    })
 }
 
 /// One request and its parsed reply over TLS to the gateway.
@@ -660,11 +749,15 @@ pub async fn connect(
     cfg: &AgentConfig,
     identity: Option<(Vec<Vec<u8>>, &[u8])>,
 ) -> ApiResult<GatewayStream> {
+    let tls = crate::tlsclient::client_config_with(&cfg.serving_ca_spki_pin, identity)
+        .map_err(ApiError::internal)?;
+    connect_with(cfg, tls).await
+}
+
+async fn connect_with(cfg: &AgentConfig, tls: rustls::ClientConfig) -> ApiResult<GatewayStream> {
     let (host, port) = crate::tlsclient::host_port(&cfg.gateway_url)
         .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
     let name = cfg.server_name.clone().unwrap_or(host.clone());
-    let tls = crate::tlsclient::client_config_with(&cfg.serving_ca_spki_pin, identity)
-        .map_err(ApiError::internal)?;
     let stream = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         tokio::net::TcpStream::connect((host.as_str(), port)),
@@ -679,6 +772,20 @@ pub async fn connect(
         .connect(server_name, stream)
         .await
         .map_err(|e| unreachable(cfg, format!("TLS: {e}")))
+}
+
+/// [`connect`] presenting the node's certificate chain and its key, wherever the key lives.
+pub async fn connect_as(
+    cfg: &AgentConfig,
+    chain: Vec<Vec<u8>>,
+    key: &crate::nodekey::NodeKey,
+) -> ApiResult<GatewayStream> {
+    let tls = crate::tlsclient::client_config_signer(
+        &cfg.serving_ca_spki_pin,
+        Some((chain, key.tls_key().map_err(ApiError::internal)?)),
+    )
+    .map_err(ApiError::internal)?;
+    connect_with(cfg, tls).await
 }
 
 /// Sends one frame and reads the answer's bytes (60 s at most).
@@ -705,6 +812,17 @@ pub fn verify_response(
     key: &SigningKey,
     role: &str,
 ) -> ApiResult<JoinResponseBody> {
+    verify_response_for(cfg, resp, csr, &key.spki_der(), role)
+}
+
+/// [`verify_response`] for the key whose SubjectPublicKeyInfo is `key_spki`.
+pub fn verify_response_for(
+    cfg: &AgentConfig,
+    resp: &protocol::JoinResponse,
+    csr: &[u8],
+    key_spki: &[u8],
+    role: &str,
+) -> ApiResult<JoinResponseBody> {
     let bad =
         |m: &str| ApiError::access_denied(format!("the join response failed verification: {m}"));
     let body_bytes = signed_body(cfg, resp, JOIN_RESPONSE_PURPOSE).map_err(&bad)?;
@@ -720,7 +838,7 @@ pub fn verify_response(
         .into_iter()
         .next()
         .ok_or_else(|| bad("certificate"))?;
-    if pki::cert_spki(&leaf).map_err(|_| bad("certificate"))? != key.spki_der() {
+    if pki::cert_spki(&leaf).map_err(|_| bad("certificate"))? != key_spki {
         return Err(bad("the certificate does not certify this machine's key"));
     }
     let want = format!(

@@ -9,7 +9,8 @@
 //! [`load_identity`] finishes step 3 when it finds an identity whose key is `node.key.next`.
 
 use crate::agent::{self, AgentConfig, GatewayStream, Identity};
-use crate::crypto::{self, SigningKey};
+use crate::crypto;
+use crate::nodekey::NodeKey;
 use crate::error::{ApiError, ApiResult, Code};
 use crate::pki;
 use crate::protocol::{
@@ -21,20 +22,15 @@ use std::time::Duration;
 /// A loaded identity: the record, its key, and the leaf's validity.
 pub struct Loaded {
     pub identity: Identity,
-    pub key: SigningKey,
+    pub key: NodeKey,
     pub chain_der: Vec<Vec<u8>>,
     pub not_before: i64,
     pub not_after: i64,
 }
 
-fn read_key(p: &Path) -> Option<SigningKey> {
-    let text = zeroize::Zeroizing::new(std::fs::read_to_string(p).ok()?);
-    let der = zeroize::Zeroizing::new(
-        pki::pem_decode_all(&text, "PRIVATE KEY")
-            .into_iter()
-            .next()?,
-    );
-    SigningKey::from_pkcs8(&der).ok()
+/// The key in `p` when it is the one `want` (a SubjectPublicKeyInfo) names.
+fn read_key(p: &Path, want: &[u8]) -> ApiResult<Option<NodeKey>> {
+    Ok(NodeKey::load(p)?.filter(|k| k.spki_der() == want))
 }
 
 /// Loads `identity.json` and the key it certifies, completing an interrupted renewal.
@@ -54,10 +50,10 @@ pub fn load_identity(data_dir: &Path) -> ApiResult<Loaded> {
     })?;
     let want = crypto::p256_spki_from_point(&leaf.public_point);
     let (kp, next) = (data_dir.join("node.key"), data_dir.join("node.key.next"));
-    let key = match read_key(&kp).filter(|k| k.spki_der() == want) {
+    let key = match read_key(&kp, &want)? {
         Some(k) => k,
         None => {
-            let k = read_key(&next).filter(|k| k.spki_der() == want).ok_or_else(|| {
+            let k = read_key(&next, &want)?.ok_or_else(|| {
                 ApiError::invalid_state("node.key does not match the identity's certificate; join again as root: bca agent join --reset --yes, then bca agent join")
             })?;
             std::fs::rename(&next, &kp)
@@ -87,8 +83,21 @@ pub async fn renew(
     cur: &Loaded,
     s: &mut GatewayStream,
 ) -> ApiResult<(String, Option<AgentConfig>)> {
-    let key = SigningKey::generate();
-    let csr = crate::csr::create(&key);
+    // The next key is made where the current one lives; a TPM-held key is attested by the AK
+    // the certificate names, checked before anything is sent.
+    let (key, key_attestation) = match cur.key.tpm() {
+        None => (NodeKey::generate(), None),
+        Some(k) => {
+            let tcti: crate::tpm::Tcti = k.tcti().parse().map_err(ApiError::internal)?;
+            let key = NodeKey::generate_in(&tcti)?;
+            (key, Some(()))
+        }
+    };
+    let csr = key.csr()?;
+    let key_attestation = match key_attestation {
+        None => None,
+        Some(()) => Some(attest_key(cur, &key, &csr)?),
+    };
     let now = crate::clock::now();
     let msg = renew_pop_message(&crypto::sha256(&csr), &cur.identity.node_id, now);
     let req = Request {
@@ -97,7 +106,8 @@ pub async fn renew(
             csr: crypto::b64(&csr),
             chain: cur.identity.certificate_chain.clone(),
             client_time: now,
-            pop_sig: crypto::b64(&cur.key.sign(RENEW_POP_PURPOSE, &msg)),
+            pop_sig: crypto::b64(&cur.key.sign(RENEW_POP_PURPOSE, &msg)?),
+            key_attestation,
         }),
         ..Default::default()
     };
@@ -110,7 +120,7 @@ pub async fn renew(
     let resp = reply
         .renew_response
         .ok_or_else(|| ApiError::internal("the answer carries no renewal"))?;
-    let body = agent::verify_response(cfg, &resp, &csr, &key, &cur.identity.role)?;
+    let body = agent::verify_response_for(cfg, &resp, &csr, &key.spki_der(), &cur.identity.role)?;
     if body.node_id != cur.identity.node_id {
         return Err(ApiError::access_denied("the renewal names another node"));
     }
@@ -133,15 +143,48 @@ pub async fn renew(
     Ok((serial, learned))
 }
 
+/// The AK's `TPM2_Certify` of the new TPM-held `key` over the CSR's SHA-256, once the TPM
+/// derives the AK the current certificate names: otherwise the renewal fails here, unsent.
+fn attest_key(
+    cur: &Loaded,
+    key: &NodeKey,
+    csr: &[u8],
+) -> ApiResult<crate::protocol::KeyAttestation> {
+    let tpm_key = key
+        .tpm()
+        .ok_or_else(|| ApiError::internal("the next key is not held by the TPM"))?;
+    let (ak, ak_public) = tpm_key.with_tpm(|t| t.ak_public())?;
+    let named = pki::parse_node_leaf(&cur.chain_der[0])
+        .and_then(|l| {
+            l.statements
+                .iter()
+                .find_map(|s| crate::tpmjoin::statement_ak_name(s))
+        });
+    match named {
+        Some(n) if n == ak.name => {}
+        Some(n) => {
+            return Err(ApiError::invalid_state(format!(
+                "the TPM derives another AK ({}) than the certificate names ({}); it was cleared or replaced: join again as root: bca agent join --reset --yes --attestor tpm",
+                crypto::hex(&ak.name),
+                crypto::hex(&n)
+            )))
+        }
+        // A TPM-held key from before a statement: nothing to prove, nothing sent.
+        None => {}
+    }
+    let c = tpm_key.with_tpm(|t| t.certify(tpm_key.blob(), &crypto::sha256(csr)))?;
+    Ok(crate::protocol::KeyAttestation {
+        ak_public: crypto::b64(&ak_public),
+        key_public: crypto::b64(&tpm_key.blob().public),
+        attest: crypto::b64(&c.attest),
+        signature: crypto::b64(&c.signature),
+    })
+}
+
 /// The three steps of the module's doc, each atomic.
-pub fn write_renewed(data_dir: &Path, key: &SigningKey, identity: Identity) -> ApiResult<()> {
+pub fn write_renewed(data_dir: &Path, key: &NodeKey, identity: Identity) -> ApiResult<()> {
     let next = data_dir.join("node.key.next");
-    crate::fsutil::write_atomic(
-        &next,
-        pki::pem("PRIVATE KEY", key.pkcs8()).as_bytes(),
-        0o600,
-    )
-    .map_err(ApiError::invalid_state)?;
+    crate::fsutil::write_atomic(&next, &key.file_bytes(), 0o600).map_err(ApiError::invalid_state)?;
     crate::fsutil::write_atomic(
         &data_dir.join("identity.json"),
         &serde_json::to_vec_pretty(&identity).expect("serializes"),
@@ -236,7 +279,7 @@ pub fn expired(at: i64) -> ApiError {
 }
 
 async fn session(cfg: &AgentConfig, data_dir: &Path, cur: &Loaded, attempt: &mut u32) -> End {
-    let mut s = match agent::connect(cfg, Some((cur.chain_der.clone(), cur.key.pkcs8()))).await {
+    let mut s = match agent::connect_as(cfg, cur.chain_der.clone(), &cur.key).await {
         Ok(s) => s,
         Err(e) => return End::Lost(e.message),
     };
@@ -455,7 +498,7 @@ fn tpm_check(tpm: Option<&crate::tpm::Tcti>) -> (bool, String) {
 
 /// Sends one heartbeat-free `Hello` and returns the reply (for tests and doctor-like probes).
 pub async fn hello(cfg: &AgentConfig, cur: &Loaded) -> ApiResult<(Reply, GatewayStream)> {
-    let mut s = agent::connect(cfg, Some((cur.chain_der.clone(), cur.key.pkcs8()))).await?;
+    let mut s = agent::connect_as(cfg, cur.chain_der.clone(), &cur.key).await?;
     let hello = Request {
         v: 1,
         hello: Some(Hello::default()),

@@ -395,9 +395,14 @@ pub enum AgentCmd {
         /// Read the token from this file (owner-only, at most 4 KiB); it is deleted after the join.
         #[arg(long)]
         token_file: Option<PathBuf>,
-        /// join-token (default) or discovery (a PXE-booted ramdisk, with role ramdisk).
-        #[arg(long, default_value = "join-token", value_parser = ["join-token", "discovery"])]
+        /// join-token (default), discovery (a PXE-booted ramdisk, with role ramdisk), or tpm (no
+        /// token: the machine's TPM proves it, and holds the node key).
+        #[arg(long, default_value = "join-token", value_parser = ["join-token", "discovery", "tpm"])]
         attestor: String,
+        /// With --attestor tpm: the machine's TPM, device:/dev/tpmrm0 (the default) or
+        /// swtpm:host=…,port=….
+        #[arg(long)]
+        tpm: Option<String>,
         /// How long to keep retrying while the join waits for an operator's approval.
         #[arg(long, default_value = "86400")]
         wait_seconds: u32,
@@ -1151,6 +1156,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             join_encryption_pin,
             token_file,
             attestor,
+            tpm,
             wait_seconds,
             retry_seconds,
         }) => {
@@ -1180,6 +1186,7 @@ fn run(cli: Cli) -> ApiResult<()> {
                 } else {
                     attestor
                 },
+                tpm,
                 wait_seconds,
                 retry_seconds,
             })?;

@@ -68,6 +68,8 @@ pub struct Config {
     #[serde(default)]
     pub discovery: DiscoveryConfig,
     #[serde(default)]
+    pub tpm_attestor: TpmAttestorConfig,
+    #[serde(default)]
     pub boot: crate::boot::BootConfig,
     #[serde(default)]
     pub retention: crate::audit::RetentionConfig,
@@ -119,6 +121,29 @@ pub struct HealthConfig {
 }
 
 /// The `discovery` attestor: machines that PXE-boot the discovery ramdisk.
+/// The `tpm` attestor: machines that join with their TPM and no token.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TpmAttestorConfig {
+    /// `true` (the default): a TPM whose EK is on no allow-list is recorded as a join request for
+    /// an operator (the seed's `enrollment`); `false`: it is refused (`tpm:ek-unknown`).
+    #[serde(default = "default_true")]
+    pub enrollment: bool,
+    /// Lifetime of a node certificate from a `tpm` join (at most `[pki] cert_ttl_seconds`;
+    /// ramdisk certificates at most 7200).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_ttl_seconds: Option<u32>,
+}
+
+impl Default for TpmAttestorConfig {
+    fn default() -> Self {
+        Self {
+            enrollment: true,
+            cert_ttl_seconds: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {

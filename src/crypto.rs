@@ -20,6 +20,17 @@ pub fn sha256(data: &[u8]) -> [u8; 32] {
     out
 }
 
+/// Lower- or upper-case hex to bytes; `None` for an odd length or a non-hex digit.
+pub fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok())
+        .collect()
+}
+
 pub fn hex(data: &[u8]) -> String {
     let mut s = String::with_capacity(data.len() * 2);
     for b in data {
@@ -133,7 +144,7 @@ impl SigningKey {
     }
 }
 
-fn purposed(purpose: &str, message: &[u8]) -> Vec<u8> {
+pub(crate) fn purposed(purpose: &str, message: &[u8]) -> Vec<u8> {
     let mut msg = Vec::with_capacity(purpose.len() + 1 + message.len());
     msg.extend_from_slice(purpose.as_bytes());
     msg.push(0);

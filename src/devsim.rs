@@ -147,6 +147,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
             token_file: None,
             token: Some(token.clone()),
             attestor: String::new(),
+            tpm: None,
             wait_seconds: 0,
             retry_seconds: None,
         })?;

@@ -101,7 +101,7 @@ struct TokenRow {
     voided: bool,
 }
 
-fn deferral(app: &App, signer: &Signer, request_id: &str, csr_sha256: &[u8; 32]) -> JoinResponse {
+pub(crate) fn deferral(app: &App, signer: &Signer, request_id: &str, csr_sha256: &[u8; 32]) -> JoinResponse {
     let body = JoinDeferral {
         request_id: request_id.to_string(),
         state: "pending".into(),
@@ -120,10 +120,13 @@ pub(crate) fn admit(
     r: &Ready,
     now: i64,
 ) -> ApiResult<Decided> {
+    let crate::joinservice::Proof::Bearer(bearer) = &r.proof else {
+        return refused(Reason::Attestor, None);
+    };
     expire(tx, now)?;
     let row = crate::store::query_row(tx,
             "SELECT mac, secret_sha256, boot_lease_epoch, expires_at, spent_at, voided_at FROM discovery_tokens WHERE id = ?1",
-            [&r.bearer.id],
+            [&bearer.id],
             |x| {
                 Ok(TokenRow {
                     mac: x.get(0)?,
@@ -139,7 +142,7 @@ pub(crate) fn admit(
     let Some(t) = row else {
         return refused(Reason::DiscoveryUnknown, None);
     };
-    if !crypto::ct_eq(&crypto::sha256(r.bearer.secret.as_ref()), &t.secret_sha256) {
+    if !crypto::ct_eq(&crypto::sha256(bearer.secret.as_ref()), &t.secret_sha256) {
         return refused(Reason::DiscoverySecretMismatch, None);
     }
     if t.spent || t.voided {
@@ -191,7 +194,7 @@ pub(crate) fn admit(
                 &r.csr,
                 now,
             )?;
-            spend(tx, &r.bearer.id, now)?;
+            spend(tx, &bearer.id, now)?;
             crate::store::exec(
                 tx,
                 "UPDATE nodes SET boot_mac = ?2, updated_at = ?3 WHERE id = ?1",
@@ -276,7 +279,7 @@ pub(crate) fn admit(
                 &r.csr,
                 now,
             )?;
-            spend(tx, &r.bearer.id, now)?;
+            spend(tx, &bearer.id, now)?;
             crate::store::exec(tx,
                 "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
                 params![id, now, node],

@@ -438,6 +438,24 @@ impl Gateway {
                 .unwrap_or(Outcome::InvalidConfig);
             return (Reply::from_outcome(out), Next::Close);
         }
+        if let Some(challenge) = req.tpm_challenge {
+            // The first round of a `tpm` join counts against the source's join rate.
+            if !self
+                .sources
+                .join_allowed(source, self.cfg.joins_per_source_per_minute)
+            {
+                tracing::info!(%peer, "gateway: the source's join rate is exceeded");
+                return (Reply::from_outcome(Outcome::Busy), Next::Close);
+            }
+            let out = self
+                .call(Call::TpmChallenge {
+                    request: challenge,
+                    peer,
+                })
+                .await
+                .unwrap_or(Outcome::InvalidConfig);
+            return (Reply::from_challenge_outcome(out), Next::Close);
+        }
         if let Some(renew) = req.renew {
             return (self.renew(renew, tls, peer).await, Next::Close);
         }

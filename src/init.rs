@@ -188,6 +188,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         join: JoinConfig::default(),
         sessions: Default::default(),
         discovery: Default::default(),
+        tpm_attestor: Default::default(),
         boot: Default::default(),
         retention: Default::default(),
         health: Default::default(),

@@ -129,14 +129,20 @@ enum Prepared {
     Ready(Box<Ready>),
 }
 
+/// What the machine proved in stage 1: a bearer token (`join-token`, `discovery`) or its TPM.
+pub(crate) enum Proof {
+    Bearer(Bearer),
+    Tpm(Box<crate::tpmjoin::TpmProof>),
+}
+
 pub(crate) struct Ready {
-    pub(crate) bearer: Bearer,
+    pub(crate) proof: Proof,
     pub(crate) csr: crate::csr::VerifiedCsr,
     pub(crate) claims: Claims,
     pub(crate) ids: Identifiers,
     pub(crate) key: Option<HardwareKey>,
     pub(crate) role: String,
-    /// `join-token` or `discovery`.
+    /// `join-token`, `discovery` or `tpm`.
     pub(crate) attestor: &'static str,
     /// The peer's IP address, recorded in join requests.
     pub(crate) peer_ip: String,
@@ -145,6 +151,7 @@ pub(crate) struct Ready {
 /// What the writer thread does for one call.
 enum Work {
     Join(Prepared),
+    TpmChallenge(Result<Box<crate::tpmjoin::PreparedChallenge>, Reason>),
     Renew(Box<crate::renewal::Prepared>),
     SessionOpen(Vec<u8>),
     SessionSeen(String),
@@ -297,6 +304,12 @@ impl JoinHandle {
     pub async fn dispatch(&self, call: Call) -> Outcome {
         match call {
             Call::Join { request, peer } => self.join(request, &peer).await,
+            Call::TpmChallenge { request, peer } => {
+                tracing::debug!(%peer, "tpm challenge");
+                let prepared = crate::tpmjoin::prepare_challenge(&request).map(Box::new);
+                self.submit(Work::TpmChallenge(prepared), String::new())
+                    .await
+            }
             Call::Renew {
                 request,
                 peer_leaf,
@@ -382,17 +395,22 @@ impl JoinHandle {
             key: None,
         };
         if let Prepared::Ready(r) = &prepared {
-            if let Some(k) = r.key.as_ref().filter(|k| k.trusted) {
+            // A machine is its TPM's EK for a `tpm` join, else its trusted hardware key.
+            let machine = match &r.proof {
+                Proof::Tpm(p) => Some(format!("ek:{}", p.ek_sha256)),
+                Proof::Bearer(_) => r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone()),
+            };
+            if let Some(k) = machine {
                 let mut set = self
                     .inner
                     .in_flight
                     .lock()
                     .unwrap_or_else(|p| p.into_inner());
-                if !set.insert(k.hex.clone()) {
+                if !set.insert(k.clone()) {
                     tracing::info!(%peer, "join: the same machine is joining concurrently");
                     return Outcome::Conflict;
                 }
-                guard.key = Some(k.hex.clone());
+                guard.key = Some(k);
             }
         }
         let out = self.submit(Work::Join(prepared), role).await;
@@ -411,6 +429,7 @@ fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64
     let attestor = match r.attestor.as_str() {
         "" | "join-token" => "join-token",
         "discovery" => "discovery",
+        "tpm" => "tpm",
         _ => return refuse(Reason::Attestor, None, None),
     };
     if !r.claims.within_limits() {
@@ -429,18 +448,19 @@ fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64
             return refuse(Reason::Csr, Some(crypto::sha256(&der)), hk);
         }
     };
-    let token = match signer.open_seal(&r.sealed_token, &csr.sha256, now, max_skew) {
-        Ok(t) => t,
-        Err(e) => {
-            tracing::debug!(%peer, error = ?e, "join: the seal did not open");
-            return refuse(Reason::Token, Some(csr.sha256), hk);
+    let proof = if attestor == "tpm" {
+        match crate::tpmjoin::prepare_join(r.tpm.as_ref(), &csr) {
+            Ok(p) => Proof::Tpm(Box::new(p)),
+            Err(reason) => return refuse(reason, Some(csr.sha256), hk),
+        }
+    } else {
+        match open_bearer(signer, r, &csr, peer, now, max_skew) {
+            Ok(b) => Proof::Bearer(b),
+            Err(reason) => return refuse(reason, Some(csr.sha256), hk),
         }
     };
-    let Some(bearer) = Bearer::parse(&token) else {
-        return refuse(Reason::Malformed, Some(csr.sha256), hk);
-    };
     Prepared::Ready(Box::new(Ready {
-        bearer,
+        proof,
         csr,
         claims: r.claims.clone(),
         ids,
@@ -453,6 +473,25 @@ fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64
             .unwrap_or(peer)
             .to_string(),
     }))
+}
+
+/// The bearer token inside the seal, which must have been made for this CSR.
+fn open_bearer(
+    signer: &Signer,
+    r: &JoinRequest,
+    csr: &crate::csr::VerifiedCsr,
+    peer: &str,
+    now: i64,
+    max_skew: i64,
+) -> Result<Bearer, Reason> {
+    let token = match signer.open_seal(&r.sealed_token, &csr.sha256, now, max_skew) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::debug!(%peer, error = ?e, "join: the seal did not open");
+            return Err(Reason::Token);
+        }
+    };
+    Bearer::parse(&token).ok_or(Reason::Malformed)
 }
 
 /// Per (attestor, reason): the minute, events written in it, and events suppressed since the last.
@@ -560,6 +599,10 @@ fn process(
 ) -> ApiResult<Outcome> {
     let prepared = match &job.work {
         Work::Join(p) => p,
+        Work::TpmChallenge(Ok(p)) => return crate::tpmjoin::challenge(tx, p, now),
+        Work::TpmChallenge(Err(reason)) => {
+            return refusal(tx, app, job, *reason, None, None, None, now, limits)
+        }
         Work::Renew(p) => return crate::renewal::process(tx, app, signer, p, now, limits),
         Work::SessionOpen(leaf) => return crate::sessions::open(tx, leaf, now),
         Work::SessionSeen(node) => return crate::sessions::seen(tx, node, now),
@@ -582,11 +625,19 @@ fn process(
             hardware_key.clone(),
         ),
         Prepared::Ready(r) => {
+            // A `tpm` join spends its challenge whatever the outcome.
+            let spent = match &r.proof {
+                Proof::Tpm(p) => crate::tpmjoin::spend_challenge(tx, p, now)?,
+                Proof::Bearer(_) => Ok(()),
+            };
             crate::store::exec(tx, "SAVEPOINT one_join", [])?;
-            let d = if r.attestor == "discovery" {
-                crate::discovery::admit(tx, app, signer, r, now)
-            } else {
-                admit_one(tx, app, signer, r, now)
+            let d = match (spent, &r.proof) {
+                (Err(reason), _) => refused(reason, None),
+                (Ok(()), Proof::Tpm(p)) => crate::tpmjoin::admit(tx, app, signer, r, p, now),
+                (Ok(()), _) if r.attestor == "discovery" => {
+                    crate::discovery::admit(tx, app, signer, r, now)
+                }
+                (Ok(()), _) => admit_one(tx, app, signer, r, now),
             };
             match &d {
                 // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
@@ -608,29 +659,54 @@ fn process(
     match decided {
         Decided::Issued(response) => Ok(Outcome::Issued { response }),
         Decided::Deferred(response) => Ok(Outcome::Deferred { response }),
-        Decided::Refused(r) => {
-            tracing::info!(reason = r.reason.as_str(), "join refused");
-            crate::metrics::get().refused(r.reason.as_str());
-            if let Some(suppressed) = limits.admit(r.reason.as_str(), now) {
-                let tenant = r.tenant.unwrap_or_else(|| app.root_tenant.clone());
-                api::publish(
-                    tx,
-                    now,
-                    &tenant,
-                    "security.join.refused",
-                    json!({
-                        "attestor": r.reason.attestor(),
-                        "reason": r.reason.as_str(),
-                        "role": job.role,
-                        "csrSha256": csr_sha.map(|h| crypto::hex(&h)),
-                        "hardwareKey": hk,
-                        "suppressed": suppressed,
-                    }),
-                )?;
-            }
-            Ok(Outcome::Refused)
-        }
+        Decided::Refused(r) => refusal(
+            tx,
+            app,
+            job,
+            r.reason,
+            r.tenant,
+            csr_sha,
+            hk,
+            now,
+            limits,
+        ),
     }
+}
+
+/// A refused join (or `tpm` challenge): logged, counted, and published as
+/// `security.join.refused` within the rate limit; the caller learns nothing more.
+#[allow(clippy::too_many_arguments)]
+fn refusal(
+    tx: &Transaction<'_>,
+    app: &App,
+    job: &Job,
+    reason: Reason,
+    tenant: Option<String>,
+    csr_sha: Option<[u8; 32]>,
+    hk: Option<String>,
+    now: i64,
+    limits: &mut RateLimit,
+) -> ApiResult<Outcome> {
+    tracing::info!(reason = reason.as_str(), "join refused");
+    crate::metrics::get().refused(reason.as_str());
+    if let Some(suppressed) = limits.admit(reason.as_str(), now) {
+        let tenant = tenant.unwrap_or_else(|| app.root_tenant.clone());
+        api::publish(
+            tx,
+            now,
+            &tenant,
+            "security.join.refused",
+            json!({
+                "attestor": reason.attestor(),
+                "reason": reason.as_str(),
+                "role": job.role,
+                "csrSha256": csr_sha.map(|h| crypto::hex(&h)),
+                "hardwareKey": hk,
+                "suppressed": suppressed,
+            }),
+        )?;
+    }
+    Ok(Outcome::Refused)
 }
 
 pub(crate) fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided> {
@@ -649,17 +725,20 @@ fn admit_one(
     now: i64,
 ) -> ApiResult<Decided> {
     let cfg = &app.config;
+    let Proof::Bearer(bearer) = &r.proof else {
+        return refused(Reason::Attestor, None);
+    };
     let token: Option<TokenRow> = crate::store::query_row(
         tx,
         &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
-        [&r.bearer.id],
+        [&bearer.id],
         api::token_row,
     )
     .optional()?;
     let Some(token) = token else {
         return refused(Reason::Unknown, None);
     };
-    if let Err(reason) = admission::check_token(&token, &r.bearer.secret, &r.role, now) {
+    if let Err(reason) = admission::check_token(&token, &bearer.secret, &r.role, now) {
         let tenant = (reason != Reason::SecretMismatch).then_some(token.tenant_id.as_str());
         return refused(reason, tenant);
     }
@@ -738,23 +817,7 @@ fn admit_one(
                  updated_at = ?6 WHERE id = ?1",
                 params![node_id, generation, adm.trust, r.claims.hostname, claims_json, now],
             )?;
-            let serials: Vec<String> = tx
-                .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
-                .query_map([node_id], |row| row.get(0))?
-                .collect::<Result<_, _>>()?;
-            for serial in serials {
-                crate::store::exec(tx,
-                    "UPDATE node_certs SET revoked_at = ?2, revoke_reason = 'reclaimed' WHERE serial = ?1",
-                    params![serial, now],
-                )?;
-                api::publish(
-                    tx,
-                    now,
-                    &token.tenant_id,
-                    "security.certificate-revoked",
-                    json!({"nodeId": node_id, "serial": serial, "reason": "reclaimed"}),
-                )?;
-            }
+            revoke_all(tx, &token.tenant_id, node_id, "reclaimed", now)?;
             (node_id.clone(), *generation, true)
         }
     };
@@ -812,6 +875,36 @@ fn admit_one(
         json!({"nodeId": node_id, "poolId": pool.id}),
     )?;
     Ok(Decided::Issued(response))
+}
+
+/// Revokes every unrevoked certificate of `node_id` (`reason`, with a
+/// `security.certificate-revoked` event for each).
+pub(crate) fn revoke_all(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    node_id: &str,
+    reason: &str,
+    now: i64,
+) -> ApiResult<()> {
+    let serials: Vec<String> = tx
+        .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
+        .query_map([node_id], |row| row.get(0))?
+        .collect::<Result<_, _>>()?;
+    for serial in serials {
+        crate::store::exec(
+            tx,
+            "UPDATE node_certs SET revoked_at = ?2, revoke_reason = ?3 WHERE serial = ?1",
+            params![serial, now, reason],
+        )?;
+        api::publish(
+            tx,
+            now,
+            tenant,
+            "security.certificate-revoked",
+            json!({"nodeId": node_id, "serial": serial, "reason": reason}),
+        )?;
+    }
+    Ok(())
 }
 
 /// Who a certificate is for: decided by the JoinService, never taken from the CSR.

@@ -940,6 +940,7 @@ async fn broker(
                         // What the network may ask, and nothing else (no discovery tokens).
                         let call = match serde_json::from_slice::<Call>(&p) {
                             Ok(c @ (Call::Join { .. }
+                            | Call::TpmChallenge { .. }
                             | Call::Renew { .. }
                             | Call::SessionOpen { .. }
                             | Call::SessionSeen { .. }

@@ -71,6 +71,9 @@ pub struct Request {
     pub heartbeat: Option<Empty>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ping: Option<Empty>,
+    /// The first round of a `tpm` join: the appliance's credential-activation challenge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm_challenge: Option<TpmChallengeRequest>,
 }
 
 impl Request {
@@ -81,6 +84,7 @@ impl Request {
             + self.hello.is_some() as usize
             + self.heartbeat.is_some() as usize
             + self.ping.is_some() as usize
+            + self.tpm_challenge.is_some() as usize
     }
 }
 
@@ -91,7 +95,8 @@ pub struct Empty {}
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JoinRequest {
-    /// The compact JWE of the bearer token.
+    /// The compact JWE of the bearer token (empty for the `tpm` attestor, which has none).
+    #[serde(default)]
     pub sealed_token: String,
     /// The PKCS#10 request, base64 DER.
     pub csr: String,
@@ -101,6 +106,69 @@ pub struct JoinRequest {
     #[serde(default)]
     pub attestor: String,
     pub role: String,
+    /// The `tpm` attestor's evidence (the second round of a `tpm` join).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<TpmEvidence>,
+}
+
+/// What a machine sends to be challenged: its EK and bca's AK, each a marshaled `TPM2B_PUBLIC`
+/// (base64), and the EK's certificate from NV when it has one (base64 DER).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TpmChallengeRequest {
+    pub ek_public: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ek_certificate: Option<String>,
+    pub ak_public: String,
+}
+
+/// The appliance's challenge: a credential (`TPM2_MakeCredential` to the EK, for the AK's Name)
+/// that only that TPM, holding that AK, can activate. Its secret is the join's nonce.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TpmChallenge {
+    pub challenge_id: String,
+    /// `TPM2B_ID_OBJECT`'s contents, base64.
+    pub credential_blob: String,
+    /// `TPM2B_ENCRYPTED_SECRET`'s contents, base64.
+    pub encrypted_secret: String,
+    pub expires_in_seconds: u32,
+}
+
+/// The second round: the activated credential, and the AK's `TPM2_Certify` of the CSR's key over
+/// [`tpm_join_qualifying`]. Public areas are marshaled `TPM2B_PUBLIC`, all fields base64.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TpmEvidence {
+    pub challenge_id: String,
+    /// The credential's secret, as `TPM2_ActivateCredential` returned it.
+    pub credential: String,
+    pub ek_public: String,
+    pub ak_public: String,
+    pub key_public: String,
+    /// The `TPMS_ATTEST` the AK signed, and its `TPMT_SIGNATURE`.
+    pub attest: String,
+    pub signature: String,
+}
+
+/// The qualifying data of a `tpm` join's certification: the appliance's nonce (the credential's
+/// secret) bound to the CSR, `SHA-256("bca tpm-join v1" || 0 || nonce || csr_sha256)`.
+pub fn tpm_join_qualifying(nonce: &[u8], csr_sha256: &[u8; 32]) -> [u8; 32] {
+    let mut m = b"bca tpm-join v1\0".to_vec();
+    m.extend_from_slice(nonce);
+    m.extend_from_slice(csr_sha256);
+    crate::crypto::sha256(&m)
+}
+
+/// A renewal's proof that the new key lives in the TPM whose AK the certificate names: that
+/// AK's `TPM2_Certify` of the CSR's key with `extraData` = the CSR's SHA-256.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KeyAttestation {
+    pub ak_public: String,
+    pub key_public: String,
+    pub attest: String,
+    pub signature: String,
 }
 
 /// `Renew`, sent over mTLS with the node's current certificate.
@@ -115,6 +183,9 @@ pub struct RenewRequest {
     pub client_time: i64,
     /// The current key's signature (purpose `renew-pop`) over [`renew_pop_message`], base64 DER.
     pub pop_sig: String,
+    /// Required when the presented leaf names a TPM AK (`urn:bc:tpm-ak:`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_attestation: Option<KeyAttestation>,
 }
 
 pub const RENEW_POP_PURPOSE: &str = "renew-pop";
@@ -155,6 +226,8 @@ pub struct Reply {
     pub ack: Option<Clock>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pong: Option<Clock>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm_challenge: Option<TpmChallenge>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<WireError>,
 }
@@ -231,6 +304,11 @@ pub struct JoinResponseBody {
 pub enum Call {
     #[serde(rename_all = "camelCase")]
     Join { request: JoinRequest, peer: String },
+    #[serde(rename_all = "camelCase")]
+    TpmChallenge {
+        request: TpmChallengeRequest,
+        peer: String,
+    },
     /// `peer_leaf`: the mTLS client certificate the gateway verified (base64 DER).
     #[serde(rename_all = "camelCase")]
     Renew {
@@ -276,6 +354,9 @@ pub enum Outcome {
     },
     /// The machine's node is adopted and not marked for rediscovery: boot the local disk.
     LocalBoot,
+    Challenge {
+        challenge: TpmChallenge,
+    },
     Done,
 }
 
@@ -309,6 +390,18 @@ impl Reply {
             },
             Outcome::Refused => Reply::error("ACCESS_DENIED", JOIN_REFUSED),
             other => Reply::from_common(other),
+        }
+    }
+
+    /// The answer to a `tpm` challenge request: refused like a join.
+    pub fn from_challenge_outcome(o: Outcome) -> Self {
+        match o {
+            Outcome::Challenge { challenge } => Reply {
+                v: 1,
+                tpm_challenge: Some(challenge),
+                ..Default::default()
+            },
+            other => Reply::from_outcome(other),
         }
     }
 

@@ -38,6 +38,15 @@ pub enum RenewReason {
     Generation,
     Revoked,
     Expired,
+    /// The leaf names a TPM AK and the request carries no `key_attestation`.
+    KeyAttestationMissing,
+    /// The attestation's AK is not the one the leaf names, or not an AK bca accepts.
+    KeyAttestationAk,
+    /// The AK's certification does not verify, or is not over the CSR's SHA-256, or certifies a
+    /// key that could leave its TPM.
+    NodeKeyAttestation,
+    /// The certified key is not the CSR's.
+    NodeKeyMismatch,
 }
 
 impl RenewReason {
@@ -54,6 +63,10 @@ impl RenewReason {
             RenewReason::Generation => "renew:generation",
             RenewReason::Revoked => "renew:revoked",
             RenewReason::Expired => "renew:expired",
+            RenewReason::KeyAttestationMissing => "renew:key-attestation-missing",
+            RenewReason::KeyAttestationAk => "renew:key-attestation-ak",
+            RenewReason::NodeKeyAttestation => "renew:node-key-attestation",
+            RenewReason::NodeKeyMismatch => "renew:node-key-mismatch",
         }
     }
 }
@@ -142,12 +155,68 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         p.result = Err(RenewReason::Replay);
         return p;
     }
+    if let Err(reason) = check_key_attestation(r, &leaf, &csr) {
+        p.result = Err(reason);
+        return p;
+    }
     p.result = Ok(Ready {
         leaf_der,
         leaf,
         csr,
     });
     p
+}
+
+/// When the leaf names a TPM AK (`urn:bc:tpm-ak:`), the new key must be certified by that AK
+/// over the CSR's SHA-256, a key made in the TPM that never leaves it: the statement comes from
+/// the leaf (matched to its `node_certs` row in stage 2), never from the request, so it can be
+/// neither dropped nor downgraded.
+fn check_key_attestation(
+    r: &RenewRequest,
+    leaf: &pki::NodeLeaf,
+    csr: &VerifiedCsr,
+) -> Result<(), RenewReason> {
+    let Some(want_ak) = leaf
+        .statements
+        .iter()
+        .find(|s| s.starts_with("urn:bc:tpm-ak:"))
+        .map(|s| crate::tpmjoin::statement_ak_name(s).ok_or(RenewReason::KeyAttestationAk))
+    else {
+        return Ok(());
+    };
+    let want_ak = want_ak?;
+    let a = r
+        .key_attestation
+        .as_ref()
+        .ok_or(RenewReason::KeyAttestationMissing)?;
+    let field = |s: &str, why| {
+        crypto::b64_decode(s)
+            .filter(|b| !b.is_empty() && b.len() <= 4096)
+            .ok_or(why)
+    };
+    let ak_public = field(&a.ak_public, RenewReason::KeyAttestationAk)?;
+    let ak = crate::tpm::public_key_of(&ak_public).map_err(|_| RenewReason::KeyAttestationAk)?;
+    if ak.name != want_ak {
+        return Err(RenewReason::KeyAttestationAk);
+    }
+    crate::tpm::parse_public(&ak_public)
+        .and_then(|p| crate::tpm::attest::check_ak(&p))
+        .map_err(|_| RenewReason::KeyAttestationAk)?;
+    let certified = crate::tpm::attest::verify_certify(
+        &ak_public,
+        &field(&a.attest, RenewReason::NodeKeyAttestation)?,
+        &field(&a.signature, RenewReason::NodeKeyAttestation)?,
+        &csr.sha256,
+        &field(&a.key_public, RenewReason::NodeKeyAttestation)?,
+    )
+    .map_err(|e| {
+        tracing::debug!(error = %e, "renewal: the key attestation fails");
+        RenewReason::NodeKeyAttestation
+    })?;
+    if certified.spki != crypto::p256_spki_from_point(&csr.public_point) {
+        return Err(RenewReason::NodeKeyMismatch);
+    }
+    Ok(())
 }
 
 /// Stage 2, inside the writer's transaction.

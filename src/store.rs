@@ -31,6 +31,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0004_tpm_eks",
         include_str!("../migrations/0004_tpm_eks.sql"),
     ),
+    (
+        "0005_tpm_attestor",
+        include_str!("../migrations/0005_tpm_attestor.sql"),
+    ),
 ];
 
 pub struct Store {

@@ -105,6 +105,26 @@ pub fn client_config_with(
     serving_ca_pin: &str,
     identity: Option<(Vec<Vec<u8>>, &[u8])>,
 ) -> Result<rustls::ClientConfig, String> {
+    let identity = match identity {
+        None => None,
+        Some((chain, pkcs8)) => {
+            let key = crate::gateway::provider()
+                .key_provider
+                .load_private_key(rustls::pki_types::PrivateKeyDer::Pkcs8(
+                    pkcs8.to_vec().into(),
+                ))
+                .map_err(|e| format!("the node identity: {e}"))?;
+            Some((chain, key))
+        }
+    };
+    client_config_signer(serving_ca_pin, identity)
+}
+
+/// The same, with a key that signs through `key` (a TPM-held key signs in the TPM).
+pub fn client_config_signer(
+    serving_ca_pin: &str,
+    identity: Option<(Vec<Vec<u8>>, Arc<dyn rustls::sign::SigningKey>)>,
+) -> Result<rustls::ClientConfig, String> {
     let builder = rustls::ClientConfig::builder_with_provider(crate::gateway::provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
@@ -112,15 +132,34 @@ pub fn client_config_with(
         .with_custom_certificate_verifier(Arc::new(PinnedCaVerifier::new(serving_ca_pin)));
     let mut cfg = match identity {
         None => builder.with_no_client_auth(),
-        Some((chain, key)) => builder
-            .with_client_auth_cert(
+        Some((chain, key)) => {
+            let certified = rustls::sign::CertifiedKey::new(
                 chain.into_iter().map(CertificateDer::from).collect(),
-                rustls::pki_types::PrivateKeyDer::Pkcs8(key.to_vec().into()),
-            )
-            .map_err(|e| format!("the node identity: {e}"))?,
+                key,
+            );
+            builder.with_client_cert_resolver(Arc::new(Always(Arc::new(certified))))
+        }
     };
     cfg.alpn_protocols = vec![crate::protocol::ALPN.to_vec()];
     Ok(cfg)
+}
+
+/// Presents the one node identity whatever the server asks.
+#[derive(Debug)]
+struct Always(Arc<rustls::sign::CertifiedKey>);
+
+impl rustls::client::ResolvesClientCert for Always {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[SignatureScheme],
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.0.clone())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
 }
 
 /// Host and port of an `https://host[:port]` URL (443 by default).

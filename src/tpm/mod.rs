@@ -133,6 +133,13 @@ pub enum Tcti {
     Swtpm { host: String, port: u16 },
 }
 
+impl Default for Tcti {
+    /// The kernel's resource manager, `/dev/tpmrm0`.
+    fn default() -> Self {
+        Tcti::Device(PathBuf::from("/dev/tpmrm0"))
+    }
+}
+
 impl std::str::FromStr for Tcti {
     type Err = String;
 
@@ -563,6 +570,12 @@ pub fn parse_public(marshaled: &[u8]) -> Result<TpmtPublic, String> {
         return Err("a TPM2B_PUBLIC with trailing bytes".into());
     }
     Ok(p.inner)
+}
+
+/// The key of a marshaled public area (`TPM2B_PUBLIC`): its Name, computed here, and its
+/// SubjectPublicKeyInfo.
+pub fn public_key_of(marshaled: &[u8]) -> Result<PublicKey, String> {
+    PublicKey::of(&parse_public(marshaled)?)
 }
 
 /// `TPM2_MakeCredential` in software for an EK given as a marshaled `TPM2B_PUBLIC`.

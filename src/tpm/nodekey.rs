@@ -12,6 +12,14 @@ pub struct TpmKey {
     point: Vec<u8>,
 }
 
+impl std::fmt::Debug for TpmKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpmKey")
+            .field("point", &crate::crypto::hex(&self.point))
+            .finish_non_exhaustive()
+    }
+}
+
 impl TpmKey {
     /// The key `blob` on `tpm`; its public point is read from the record.
     pub fn new(tpm: Tpm, blob: KeyBlob) -> Result<Self, String> {
@@ -34,6 +42,16 @@ impl TpmKey {
 
     pub fn blob(&self) -> &KeyBlob {
         &self.blob
+    }
+
+    /// Runs `f` with the TPM that holds the key (to certify a key or derive the AK).
+    pub fn with_tpm<T>(&self, f: impl FnOnce(&mut Tpm) -> T) -> T {
+        f(&mut self.tpm.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The TPM's address, as the key's record names it.
+    pub fn tcti(&self) -> String {
+        self.with_tpm(|t| t.tcti().to_string())
     }
 
     /// An ECDSA P-256 signature (DER) over SHA-256 of `msg`, made by the TPM.

@@ -435,6 +435,7 @@ impl Sim {
                 claims: serde_json::from_value(claims.clone()).unwrap(),
                 attestor: attestor.into(),
                 role: role.into(),
+                tpm: None,
             }),
             ..Default::default()
         };

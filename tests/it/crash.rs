@@ -77,6 +77,7 @@ fn renew(sim: &Sim, h: &Held) -> Option<(String, Vec<String>, SigningKey)> {
             chain: h.chain_pem.clone(),
             client_time: now,
             pop_sig: crypto::b64(&h.key.sign(bca::protocol::RENEW_POP_PURPOSE, &msg)),
+            key_attestation: None,
         }),
         ..Default::default()
     };

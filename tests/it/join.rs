@@ -613,6 +613,7 @@ fn josekit_seals_are_accepted_and_bca_seals_open_in_josekit() {
             claims: serde_json::from_value(machine()).unwrap(),
             attestor: "join-token".into(),
             role: "node".into(),
+            tpm: None,
         }),
         ..Default::default()
     };

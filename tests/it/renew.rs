@@ -61,6 +61,7 @@ fn renew_raw(
             chain: presented.to_vec(),
             client_time,
             pop_sig: crypto::b64(&pop.sign(RENEW_POP_PURPOSE, &msg)),
+            key_attestation: None,
         }),
         ..Default::default()
     };
@@ -371,7 +372,7 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     let old_key = std::fs::read(data.join("node.key")).unwrap();
     let cfg = AgentConfig::load(&dir.join("config.toml")).unwrap();
     rt().block_on(async {
-        let mut s = bca::agent::connect(&cfg, Some((cur.chain_der.clone(), cur.key.pkcs8())))
+        let mut s = bca::agent::connect_as(&cfg, cur.chain_der.clone(), &cur.key)
             .await
             .unwrap();
         bca::agent_run::renew(&cfg, &data, &cur, &mut s)

@@ -1,0 +1,509 @@
+//! The `tpm` attestor, the appliance's side: a machine joins with its TPM and no token.
+//!
+//! Two rounds, each one connection to the gateway:
+//! 1. **Challenge** (`tpmChallenge`): the machine sends its EK's and bca's AK's public areas. The
+//!    appliance checks the AK (fixedTPM, fixedParent, restricted, sign, P-256), computes its Name
+//!    from the public area (never taking one from the machine), and answers a credential made in
+//!    software (`TPM2_MakeCredential`) to that EK for that Name around 32 fresh random bytes. Only
+//!    the TPM holding that EK, with that AK loaded, can activate it. The challenge row keeps the
+//!    EK's hash, the AK's Name and the SHA-256 of the secret; it lives 60 s and is used once.
+//! 2. **Join** (`join` with `attestor: "tpm"`, no token): the machine sends the activated secret,
+//!    and the AK's `TPM2_Certify` of the node key, made in the TPM, over
+//!    [`tpm_join_qualifying`](crate::protocol::tpm_join_qualifying) (the secret bound to the CSR's
+//!    SHA-256). Stage 1 checks the certification and that the certified key is the CSR's, a key
+//!    made in the TPM that never leaves it; stage 2 spends the challenge (before the join's
+//!    savepoint, so a refusal spends it too), then admits by the EK: on the allow-list
+//!    (`tpm_eks`), into its pool; else, with `[tpm_attestor] enrollment` (the default), through a
+//!    join request an operator decides, like a discovered machine. A known EK reclaims its node.
+//!    The certificate carries `urn:bc:tpm-ak:sha256:<hex>` (the AK's Name digest) after the SPIFFE
+//!    ID, and the event and audit row say `nodeKey: tpm`.
+//!
+//! What this proves rests on the EK being a real TPM's: an allow-listed hash is the operator's
+//! word that it is (read from the machine with `bca tpm status`), an approved request the
+//! operator's decision. An EK certificate the machine sends is checked to certify its EK and
+//! recorded with the request, not trusted on its own.
+
+use crate::admission::Reason;
+use crate::api;
+use crate::app::App;
+use crate::crypto;
+use crate::error::ApiResult;
+use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
+use crate::protocol::{tpm_join_qualifying, Outcome, TpmChallenge, TpmChallengeRequest, TpmEvidence};
+use rusqlite::{params, OptionalExtension, Transaction};
+use serde_json::json;
+
+/// How long a challenge may be answered.
+pub const CHALLENGE_TTL: i64 = 60;
+/// Challenges open at once, at most; past it a challenge request is answered busy.
+const MAX_OPEN_CHALLENGES: i64 = 10_000;
+/// The largest public area, certificate, attestation or signature the evidence may carry.
+const MAX_FIELD: usize = 4096;
+
+/// A checked challenge request, with its credential made (stage 1).
+pub(crate) struct PreparedChallenge {
+    ek_sha256: String,
+    ak_name: Vec<u8>,
+    secret_sha256: [u8; 32],
+    credential: crate::tpm::credential::Credential,
+}
+
+/// What a `tpm` join proved in stage 1: the EK, the AK, and the challenge it answered.
+pub(crate) struct TpmProof {
+    pub(crate) challenge_id: String,
+    pub(crate) secret_sha256: [u8; 32],
+    /// Hex SHA-256 of the EK's DER SubjectPublicKeyInfo, as the allow-list names it.
+    pub(crate) ek_sha256: String,
+    pub(crate) ak_name: Vec<u8>,
+}
+
+impl TpmProof {
+    /// The certificate's statement about the node key: the AK's Name digest.
+    pub(crate) fn statement(&self) -> String {
+        ak_statement(&self.ak_name)
+    }
+}
+
+/// `urn:bc:tpm-ak:<nameAlg>:<digest>` for an AK Name (`000b` and a SHA-256 digest).
+pub fn ak_statement(ak_name: &[u8]) -> String {
+    format!("urn:bc:tpm-ak:sha256:{}", crypto::hex(&ak_name[2..]))
+}
+
+/// The AK Name a statement names, when it is one.
+pub fn statement_ak_name(statement: &str) -> Option<Vec<u8>> {
+    let hex = statement.strip_prefix("urn:bc:tpm-ak:sha256:")?;
+    let digest = crypto::hex_decode(hex).filter(|d| d.len() == 32)?;
+    Some([&[0x00, 0x0b][..], &digest].concat())
+}
+
+fn field(s: &str) -> Result<Vec<u8>, Reason> {
+    crypto::b64_decode(s)
+        .filter(|b| !b.is_empty() && b.len() <= MAX_FIELD)
+        .ok_or(Reason::TpmMalformed)
+}
+
+/// The EK's public key and its hash, from its marshaled public area.
+fn ek_of(ek_public: &[u8]) -> Result<(crate::tpm::PublicKey, String), Reason> {
+    let ek = crate::tpm::public_key_of(ek_public).map_err(|_| Reason::TpmMalformed)?;
+    let hash = crypto::hex(&crypto::sha256(&ek.spki));
+    Ok((ek, hash))
+}
+
+/// The AK's Name, once it is an AK bca accepts.
+fn ak_of(ak_public: &[u8]) -> Result<Vec<u8>, Reason> {
+    let ak = crate::tpm::parse_public(ak_public).map_err(|_| Reason::TpmMalformed)?;
+    crate::tpm::attest::check_ak(&ak).map_err(|_| Reason::TpmAk)?;
+    Ok(crate::tpm::public_key_of(ak_public)
+        .map_err(|_| Reason::TpmAk)?
+        .name)
+}
+
+/// Stage 1 of a challenge: the EK and AK checked, the credential made.
+pub(crate) fn prepare_challenge(r: &TpmChallengeRequest) -> Result<PreparedChallenge, Reason> {
+    let ek_public = field(&r.ek_public)?;
+    let ak_public = field(&r.ak_public)?;
+    let (ek, ek_sha256) = ek_of(&ek_public)?;
+    if let Some(cert) = &r.ek_certificate {
+        let der = field(cert)?;
+        if crate::pki::cert_spki(&der).ok().as_deref() != Some(&ek.spki[..]) {
+            return Err(Reason::TpmMalformed);
+        }
+    }
+    let ak_name = ak_of(&ak_public)?;
+    let mut secret = zeroize::Zeroizing::new([0u8; 32]);
+    crypto::fill_random(secret.as_mut());
+    let credential = crate::tpm::make_credential(&ek_public, &ak_name, secret.as_ref())
+        .map_err(|_| Reason::TpmMalformed)?;
+    Ok(PreparedChallenge {
+        ek_sha256,
+        ak_name,
+        secret_sha256: crypto::sha256(secret.as_ref()),
+        credential,
+    })
+}
+
+/// Stage 2 of a challenge: recorded, answered.
+pub(crate) fn challenge(
+    tx: &Transaction<'_>,
+    p: &PreparedChallenge,
+    now: i64,
+) -> ApiResult<Outcome> {
+    crate::store::exec(
+        tx,
+        "DELETE FROM tpm_challenges WHERE expires_at <= ?1",
+        [now],
+    )?;
+    let open: i64 = crate::store::query_row(tx, "SELECT count(*) FROM tpm_challenges", [], |r| {
+        r.get(0)
+    })?;
+    if open >= MAX_OPEN_CHALLENGES {
+        return Ok(Outcome::Busy);
+    }
+    let id = crate::ids::new_id("tpmc", now * 1000);
+    crate::store::exec(tx,
+        "INSERT INTO tpm_challenges (id, ek_sha256, ak_name, secret_sha256, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        params![id, p.ek_sha256, crypto::hex(&p.ak_name), p.secret_sha256.to_vec(), now, now + CHALLENGE_TTL],
+    )?;
+    Ok(Outcome::Challenge {
+        challenge: TpmChallenge {
+            challenge_id: id,
+            credential_blob: crypto::b64(&p.credential.id_object),
+            encrypted_secret: crypto::b64(&p.credential.encrypted_secret),
+            expires_in_seconds: CHALLENGE_TTL as u32,
+        },
+    })
+}
+
+/// Stage 1 of a `tpm` join: the evidence well-formed, the AK one bca accepts, its certification
+/// of the CSR's key valid over the nonce bound to the CSR.
+pub(crate) fn prepare_join(
+    ev: Option<&TpmEvidence>,
+    csr: &crate::csr::VerifiedCsr,
+) -> Result<TpmProof, Reason> {
+    let ev = ev.ok_or(Reason::TpmMalformed)?;
+    if ev.challenge_id.is_empty() || ev.challenge_id.len() > 64 {
+        return Err(Reason::TpmMalformed);
+    }
+    let nonce = zeroize::Zeroizing::new(field(&ev.credential)?);
+    if nonce.len() != 32 {
+        return Err(Reason::TpmChallenge);
+    }
+    let (_, ek_sha256) = ek_of(&field(&ev.ek_public)?)?;
+    let ak_public = field(&ev.ak_public)?;
+    let ak_name = ak_of(&ak_public)?;
+    let certified = crate::tpm::attest::verify_certify(
+        &ak_public,
+        &field(&ev.attest)?,
+        &field(&ev.signature)?,
+        &tpm_join_qualifying(&nonce, &csr.sha256),
+        &field(&ev.key_public)?,
+    )
+    .map_err(|e| {
+        tracing::debug!(error = %e, "tpm join: the certification fails");
+        Reason::TpmCertify
+    })?;
+    if certified.spki != crypto::p256_spki_from_point(&csr.public_point) {
+        return Err(Reason::TpmCertify);
+    }
+    Ok(TpmProof {
+        challenge_id: ev.challenge_id.clone(),
+        secret_sha256: crypto::sha256(&nonce),
+        ek_sha256,
+        ak_name,
+    })
+}
+
+/// Spends the challenge the join answers: it must be open, for this EK and AK, and its secret
+/// the one the machine activated. Runs before the join's savepoint: a refused join spends it too.
+pub(crate) fn spend_challenge(
+    tx: &Transaction<'_>,
+    p: &TpmProof,
+    now: i64,
+) -> ApiResult<Result<(), Reason>> {
+    type Row = (String, String, Vec<u8>, i64, Option<i64>);
+    let row: Option<Row> = crate::store::query_row(tx,
+            "SELECT ek_sha256, ak_name, secret_sha256, expires_at, used_at FROM tpm_challenges WHERE id = ?1",
+            [&p.challenge_id],
+            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?)),
+        )
+        .optional()?;
+    let Some((ek, ak, secret, expires_at, used_at)) = row else {
+        return Ok(Err(Reason::TpmChallenge));
+    };
+    if used_at.is_some() {
+        return Ok(Err(Reason::TpmChallenge));
+    }
+    crate::store::exec(
+        tx,
+        "UPDATE tpm_challenges SET used_at = ?2 WHERE id = ?1",
+        params![p.challenge_id, now],
+    )?;
+    let ok = now < expires_at
+        && ek == p.ek_sha256
+        && ak == crypto::hex(&p.ak_name)
+        && crypto::ct_eq(&secret, &p.secret_sha256);
+    Ok(if ok { Ok(()) } else { Err(Reason::TpmChallenge) })
+}
+
+/// A node the EK admitted before (not retired).
+struct KnownNode {
+    id: String,
+    tenant_id: String,
+    pool_id: String,
+    role: String,
+    generation: i64,
+}
+
+/// Where an EK on no allow-list stands with the operator.
+enum Enrollment {
+    /// Approved into this pool for this CSR: the join goes ahead and consumes the request.
+    Approved { pool_id: String, request_id: String },
+    Decided(Decided),
+}
+
+/// Stage 2 of a `tpm` join, inside its savepoint (the challenge already spent).
+pub(crate) fn admit(
+    tx: &Transaction<'_>,
+    app: &App,
+    signer: &Signer,
+    r: &Ready,
+    p: &TpmProof,
+    now: i64,
+) -> ApiResult<Decided> {
+    let cfg = &app.config;
+    if r.role != "node" && r.role != "ramdisk" {
+        return refused(Reason::TpmRoleMismatch, None);
+    }
+    let allowed: Option<String> = crate::store::query_row(
+        tx,
+        "SELECT pool_id FROM tpm_eks WHERE ek_sha256 = ?1",
+        [&p.ek_sha256],
+        |x| x.get(0),
+    )
+    .optional()?;
+    let (pool_id, request) = match allowed {
+        Some(pool) => (pool, None),
+        None => match enroll(tx, app, signer, r, p, now)? {
+            Enrollment::Approved {
+                pool_id,
+                request_id,
+            } => (pool_id, Some(request_id)),
+            Enrollment::Decided(d) => return Ok(d),
+        },
+    };
+    // The allow-list has no foreign key: the pool is checked again here.
+    let Some(pool) = api::pool_by_id(tx, &pool_id)?
+        .filter(|p| p.archived_at.is_none() && p.agent == "bcd")
+    else {
+        return refused(Reason::Pool, None);
+    };
+    let tenant = Some(pool.tenant_id.as_str());
+    if pool.site_id != cfg.site_id {
+        return refused(Reason::Site, tenant);
+    }
+    if !pool.allows_attestor("tpm") {
+        return refused(Reason::PoolAttestor, tenant);
+    }
+    let known: Option<KnownNode> = crate::store::query_row(
+        tx,
+        "SELECT id, tenant_id, pool_id, role, identity_generation FROM nodes
+         WHERE tpm_ek_sha256 = ?1 AND state != 'retired' ORDER BY created_at DESC LIMIT 1",
+        [&p.ek_sha256],
+        |x| {
+            Ok(KnownNode {
+                id: x.get(0)?,
+                tenant_id: x.get(1)?,
+                pool_id: x.get(2)?,
+                role: x.get(3)?,
+                generation: x.get(4)?,
+            })
+        },
+    )
+    .optional()?;
+    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
+    let trusted = r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone());
+    let (node_id, generation, reclaim) = match known {
+        Some(k) => {
+            if k.tenant_id != pool.tenant_id || k.pool_id != pool.id || k.role != r.role {
+                return refused(Reason::Reclaim, tenant);
+            }
+            let generation = k.generation + 1;
+            crate::store::exec(tx,
+                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', hostname = ?3, claims_json = ?4, updated_at = ?5 WHERE id = ?1",
+                params![k.id, generation, r.claims.hostname, claims_json, now],
+            )?;
+            crate::joinservice::revoke_all(tx, &pool.tenant_id, &k.id, "reclaimed", now)?;
+            (k.id, generation, true)
+        }
+        None => {
+            // A machine whose hardware key is already another node's joins as that node only by
+            // a token reclaim; here it is refused rather than given a second identity.
+            if let Some(h) = &trusted {
+                let taken: Option<String> = crate::store::query_row(
+                    tx,
+                    "SELECT id FROM nodes WHERE hardware_key = ?1 AND hardware_key_trusted = 1",
+                    [h],
+                    |x| x.get(0),
+                )
+                .optional()?;
+                if taken.is_some() {
+                    return refused(Reason::Reclaim, tenant);
+                }
+            }
+            let id = crate::ids::new_id("node", now * 1000);
+            crate::store::exec(tx,
+                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
+                 identity_generation, attestor, hostname, claims_json, created_at, updated_at, tpm_ek_sha256)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'tpm', ?9, ?10, ?11, ?11, ?12)",
+                params![
+                    id,
+                    pool.tenant_id,
+                    cfg.site_id,
+                    pool.id,
+                    r.role,
+                    if pool.tenant_id == app.root_tenant { "platform" } else { "tenant-owned" },
+                    r.key.as_ref().map(|k| k.hex.clone()),
+                    trusted.is_some() as i64,
+                    r.claims.hostname,
+                    claims_json,
+                    now,
+                    p.ek_sha256
+                ],
+            )?;
+            (id, 1, false)
+        }
+    };
+    let pki_ttl = cfg.pki.cert_ttl_seconds as i64;
+    let ttl = if r.role == "ramdisk" {
+        (cfg.discovery.cert_ttl_seconds as i64).min(7200)
+    } else {
+        cfg.tpm_attestor
+            .cert_ttl_seconds
+            .map_or(pki_ttl, |t| (t as i64).min(pki_ttl))
+    };
+    let (response, serial) = certify(
+        tx,
+        app,
+        signer,
+        &Subject {
+            node_id: &node_id,
+            generation,
+            role: &r.role,
+            statements: &[p.statement()],
+            ttl,
+        },
+        &r.csr,
+        now,
+    )?;
+    if let Some(id) = &request {
+        crate::store::exec(tx,
+            "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
+            params![id, now, node_id],
+        )?;
+    }
+    let data = json!({
+        "nodeId": node_id,
+        "poolId": pool.id,
+        "attestor": "tpm",
+        "reclaim": reclaim,
+        "hardwareKeyTrusted": trusted.is_some(),
+        "certificateSerial": serial,
+        "nodeKey": "tpm",
+        "role": r.role,
+        "ekSha256": p.ek_sha256,
+        "akName": crypto::hex(&p.ak_name),
+        "joinRequestId": request,
+    });
+    api::publish(tx, now, &pool.tenant_id, "node.joined", data.clone())?;
+    api::audit(
+        tx,
+        now,
+        &pool.tenant_id,
+        if reclaim {
+            "node.reclaimed"
+        } else {
+            "node.joined"
+        },
+        &format!("tpm:{}", p.ek_sha256),
+        &node_id,
+        data,
+    )?;
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET state = 'adopted' WHERE id = ?1",
+        [&node_id],
+    )?;
+    api::publish(
+        tx,
+        now,
+        &pool.tenant_id,
+        "node.adopted",
+        json!({"nodeId": node_id, "poolId": pool.id}),
+    )?;
+    Ok(Decided::Issued(response))
+}
+
+/// An EK on no allow-list: a join request keyed by the EK's hash, decided by an operator.
+fn enroll(
+    tx: &Transaction<'_>,
+    app: &App,
+    signer: &Signer,
+    r: &Ready,
+    p: &TpmProof,
+    now: i64,
+) -> ApiResult<Enrollment> {
+    let cfg = &app.config;
+    if !cfg.tpm_attestor.enrollment {
+        return refused(Reason::TpmEkUnknown, None).map(Enrollment::Decided);
+    }
+    crate::discovery::expire(tx, now)?;
+    let machine_key = format!("ek:{}", p.ek_sha256);
+    let csr_hex = crypto::hex(&r.csr.sha256);
+    let rejected: Option<String> = crate::store::query_row(tx,
+            "SELECT id FROM join_requests WHERE machine_key = ?1 AND state = 'rejected' AND csr_sha256 = ?2",
+            params![machine_key, csr_hex],
+            |x| x.get(0),
+        )
+        .optional()?;
+    if rejected.is_some() {
+        return refused(Reason::TpmRejected, None).map(Enrollment::Decided);
+    }
+    let current: Option<(String, String, Option<String>, String)> = crate::store::query_row(tx,
+            "SELECT id, state, pool_id, csr_sha256 FROM join_requests WHERE machine_key = ?1 AND state IN ('pending', 'approved')
+             ORDER BY created_at DESC LIMIT 1",
+            [&machine_key],
+            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
+        )
+        .optional()?;
+    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
+    let pending_until = now + cfg.discovery.pending_ttl_seconds as i64;
+    let trusted = r.key.as_ref().is_some_and(|k| k.trusted);
+    let id = match current {
+        Some((id, state, Some(pool_id), csr)) if state == "approved" && csr == csr_hex => {
+            return Ok(Enrollment::Approved {
+                pool_id,
+                request_id: id,
+            });
+        }
+        Some((id, _, _, _)) => {
+            crate::store::exec(tx,
+                "UPDATE join_requests SET state = 'pending', pool_id = NULL, decided_at = NULL, decided_by = NULL, reason = NULL,
+                 csr_sha256 = ?2, claims_json = ?3, ip = ?4, updated_at = ?5, expires_at = ?6 WHERE id = ?1",
+                params![id, csr_hex, claims_json, r.peer_ip, now, pending_until],
+            )?;
+            id
+        }
+        None => {
+            let id = crate::ids::new_id("jreq", now * 1000);
+            crate::store::exec(tx,
+                "INSERT INTO join_requests (id, site_id, attestor, machine_key, hardware_key, hardware_key_trusted, claims_json, ip,
+                 vouched_by, csr_sha256, state, created_at, updated_at, expires_at)
+                 VALUES (?1, ?2, 'tpm', ?3, ?4, ?5, ?6, ?7, ?8, ?9, 'pending', ?10, ?10, ?11)",
+                params![
+                    id,
+                    cfg.site_id,
+                    machine_key,
+                    r.key.as_ref().map(|k| k.hex.clone()),
+                    trusted as i64,
+                    claims_json,
+                    r.peer_ip,
+                    format!("tpm-ek:{}", p.ek_sha256),
+                    csr_hex,
+                    now,
+                    pending_until
+                ],
+            )?;
+            api::publish(
+                tx,
+                now,
+                &app.root_tenant,
+                "join-request.created",
+                json!({"requestId": id, "attestor": "tpm", "ekSha256": p.ek_sha256}),
+            )?;
+            id
+        }
+    };
+    Ok(Enrollment::Decided(Decided::Deferred(
+        crate::discovery::deferral(app, signer, &id, &r.csr.sha256),
+    )))
+}
