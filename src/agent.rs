@@ -6,8 +6,8 @@
 
 use crate::claims::Claims;
 use crate::crypto::{self, SigningKey};
-use crate::nodekey::NodeKey;
 use crate::error::{ApiError, ApiResult, Code};
+use crate::nodekey::NodeKey;
 use crate::pki::{self, Jwk};
 use crate::protocol::{self, JoinRequest, JoinResponseBody, Reply, Request, JOIN_RESPONSE_PURPOSE};
 use serde::{Deserialize, Serialize};
@@ -660,7 +660,7 @@ fn wire_error(e: protocol::WireError) -> ApiError {
 /// The `tpm` attestor's evidence for one attempt: the appliance's challenge for this TPM's EK
 /// and bca's AK, activated in the TPM, and the AK's certification of the node key over the
 /// challenge's secret bound to the CSR.
-fn tpm_evidence(
+pub fn tpm_evidence(
     cfg: &AgentConfig,
     key: &NodeKey,
     csr: &[u8],

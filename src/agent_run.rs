@@ -10,8 +10,8 @@
 
 use crate::agent::{self, AgentConfig, GatewayStream, Identity};
 use crate::crypto;
-use crate::nodekey::NodeKey;
 use crate::error::{ApiError, ApiResult, Code};
+use crate::nodekey::NodeKey;
 use crate::pki;
 use crate::protocol::{
     renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
@@ -154,12 +154,11 @@ fn attest_key(
         .tpm()
         .ok_or_else(|| ApiError::internal("the next key is not held by the TPM"))?;
     let (ak, ak_public) = tpm_key.with_tpm(|t| t.ak_public())?;
-    let named = pki::parse_node_leaf(&cur.chain_der[0])
-        .and_then(|l| {
-            l.statements
-                .iter()
-                .find_map(|s| crate::tpmjoin::statement_ak_name(s))
-        });
+    let named = pki::parse_node_leaf(&cur.chain_der[0]).and_then(|l| {
+        l.statements
+            .iter()
+            .find_map(|s| crate::tpmjoin::statement_ak_name(s))
+    });
     match named {
         Some(n) if n == ak.name => {}
         Some(n) => {
@@ -184,7 +183,8 @@ fn attest_key(
 /// The three steps of the module's doc, each atomic.
 pub fn write_renewed(data_dir: &Path, key: &NodeKey, identity: Identity) -> ApiResult<()> {
     let next = data_dir.join("node.key.next");
-    crate::fsutil::write_atomic(&next, &key.file_bytes(), 0o600).map_err(ApiError::invalid_state)?;
+    crate::fsutil::write_atomic(&next, &key.file_bytes(), 0o600)
+        .map_err(ApiError::invalid_state)?;
     crate::fsutil::write_atomic(
         &data_dir.join("identity.json"),
         &serde_json::to_vec_pretty(&identity).expect("serializes"),

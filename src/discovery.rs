@@ -101,7 +101,12 @@ struct TokenRow {
     voided: bool,
 }
 
-pub(crate) fn deferral(app: &App, signer: &Signer, request_id: &str, csr_sha256: &[u8; 32]) -> JoinResponse {
+pub(crate) fn deferral(
+    app: &App,
+    signer: &Signer,
+    request_id: &str,
+    csr_sha256: &[u8; 32],
+) -> JoinResponse {
     let body = JoinDeferral {
         request_id: request_id.to_string(),
         state: "pending".into(),

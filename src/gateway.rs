@@ -431,7 +431,7 @@ impl Gateway {
             }
             let out = self
                 .call(Call::Join {
-                    request: join,
+                    request: Box::new(join),
                     peer,
                 })
                 .await

@@ -303,7 +303,7 @@ impl JoinHandle {
     /// see which calls the network child may make).
     pub async fn dispatch(&self, call: Call) -> Outcome {
         match call {
-            Call::Join { request, peer } => self.join(request, &peer).await,
+            Call::Join { request, peer } => self.join(*request, &peer).await,
             Call::TpmChallenge { request, peer } => {
                 tracing::debug!(%peer, "tpm challenge");
                 let prepared = crate::tpmjoin::prepare_challenge(&request).map(Box::new);
@@ -659,17 +659,7 @@ fn process(
     match decided {
         Decided::Issued(response) => Ok(Outcome::Issued { response }),
         Decided::Deferred(response) => Ok(Outcome::Deferred { response }),
-        Decided::Refused(r) => refusal(
-            tx,
-            app,
-            job,
-            r.reason,
-            r.tenant,
-            csr_sha,
-            hk,
-            now,
-            limits,
-        ),
+        Decided::Refused(r) => refusal(tx, app, job, r.reason, r.tenant, csr_sha, hk, now, limits),
     }
 }
 

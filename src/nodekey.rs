@@ -84,9 +84,9 @@ impl NodeKey {
     /// What `node.key` holds: the PKCS#8 PEM, or the TPM key's record.
     pub fn file_bytes(&self) -> Zeroizing<Vec<u8>> {
         match self {
-            NodeKey::Soft(k) => Zeroizing::new(
-                crate::pki::pem("PRIVATE KEY", k.pkcs8()).into_bytes(),
-            ),
+            NodeKey::Soft(k) => {
+                Zeroizing::new(crate::pki::pem("PRIVATE KEY", k.pkcs8()).into_bytes())
+            }
             NodeKey::Tpm(k) => {
                 let blob = k.blob();
                 let record = TpmRecord {
@@ -111,9 +111,10 @@ impl NodeKey {
             let Ok(r) = serde_json::from_str::<TpmRecord>(&text) else {
                 return Ok(None);
             };
-            let (Some(public), Some(private)) =
-                (crypto::b64_decode(&r.public), crypto::b64_decode(&r.private))
-            else {
+            let (Some(public), Some(private)) = (
+                crypto::b64_decode(&r.public),
+                crypto::b64_decode(&r.private),
+            ) else {
                 return Ok(None);
             };
             if r.kind != "tpm" {
@@ -122,14 +123,14 @@ impl NodeKey {
             let tcti: Tcti = r.tpm.parse().map_err(|e: String| {
                 ApiError::invalid_state(format!("{}: the TPM {:?}: {e}", path.display(), r.tpm))
             })?;
-            let tpm = Tpm::open(&tcti).map_err(|e| {
+            // The TPM must answer now: a node whose TPM is gone fails here, loudly.
+            Tpm::open(&tcti).map_err(|e| {
                 ApiError::unavailable(format!(
                     "the node key is held by the TPM at {tcti}, which cannot be opened: {e}"
                 ))
             })?;
-            let key = TpmKey::new(tpm, KeyBlob { private, public }).map_err(|e| {
-                ApiError::invalid_state(format!("{}: {e}", path.display()))
-            })?;
+            let key = TpmKey::at(tcti, KeyBlob { private, public })
+                .map_err(|e| ApiError::invalid_state(format!("{}: {e}", path.display())))?;
             return Ok(Some(NodeKey::Tpm(Arc::new(key))));
         }
         let der = Zeroizing::new(

@@ -303,7 +303,10 @@ pub struct JoinResponseBody {
 #[serde(rename_all = "camelCase", tag = "call")]
 pub enum Call {
     #[serde(rename_all = "camelCase")]
-    Join { request: JoinRequest, peer: String },
+    Join {
+        request: Box<JoinRequest>,
+        peer: String,
+    },
     #[serde(rename_all = "camelCase")]
     TpmChallenge {
         request: TpmChallengeRequest,

@@ -120,10 +120,13 @@ pub fn client_config_with(
     client_config_signer(serving_ca_pin, identity)
 }
 
+/// A node's certificate chain (DER, leaf first) and the key that signs its handshakes.
+pub type ClientIdentity = (Vec<Vec<u8>>, Arc<dyn rustls::sign::SigningKey>);
+
 /// The same, with a key that signs through `key` (a TPM-held key signs in the TPM).
 pub fn client_config_signer(
     serving_ca_pin: &str,
-    identity: Option<(Vec<Vec<u8>>, Arc<dyn rustls::sign::SigningKey>)>,
+    identity: Option<ClientIdentity>,
 ) -> Result<rustls::ClientConfig, String> {
     let builder = rustls::ClientConfig::builder_with_provider(crate::gateway::provider())
         .with_protocol_versions(&[&rustls::version::TLS13])

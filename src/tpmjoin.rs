@@ -29,7 +29,9 @@ use crate::app::App;
 use crate::crypto;
 use crate::error::ApiResult;
 use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
-use crate::protocol::{tpm_join_qualifying, Outcome, TpmChallenge, TpmChallengeRequest, TpmEvidence};
+use crate::protocol::{
+    tpm_join_qualifying, Outcome, TpmChallenge, TpmChallengeRequest, TpmEvidence,
+};
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
 
@@ -133,9 +135,8 @@ pub(crate) fn challenge(
         "DELETE FROM tpm_challenges WHERE expires_at <= ?1",
         [now],
     )?;
-    let open: i64 = crate::store::query_row(tx, "SELECT count(*) FROM tpm_challenges", [], |r| {
-        r.get(0)
-    })?;
+    let open: i64 =
+        crate::store::query_row(tx, "SELECT count(*) FROM tpm_challenges", [], |r| r.get(0))?;
     if open >= MAX_OPEN_CHALLENGES {
         return Ok(Outcome::Busy);
     }
@@ -222,7 +223,11 @@ pub(crate) fn spend_challenge(
         && ek == p.ek_sha256
         && ak == crypto::hex(&p.ak_name)
         && crypto::ct_eq(&secret, &p.secret_sha256);
-    Ok(if ok { Ok(()) } else { Err(Reason::TpmChallenge) })
+    Ok(if ok {
+        Ok(())
+    } else {
+        Err(Reason::TpmChallenge)
+    })
 }
 
 /// A node the EK admitted before (not retired).
@@ -237,7 +242,10 @@ struct KnownNode {
 /// Where an EK on no allow-list stands with the operator.
 enum Enrollment {
     /// Approved into this pool for this CSR: the join goes ahead and consumes the request.
-    Approved { pool_id: String, request_id: String },
+    Approved {
+        pool_id: String,
+        request_id: String,
+    },
     Decided(Decided),
 }
 
@@ -272,8 +280,8 @@ pub(crate) fn admit(
         },
     };
     // The allow-list has no foreign key: the pool is checked again here.
-    let Some(pool) = api::pool_by_id(tx, &pool_id)?
-        .filter(|p| p.archived_at.is_none() && p.agent == "bcd")
+    let Some(pool) =
+        api::pool_by_id(tx, &pool_id)?.filter(|p| p.archived_at.is_none() && p.agent == "bcd")
     else {
         return refused(Reason::Pool, None);
     };

@@ -39,3 +39,5 @@ mod timing;
 mod tls;
 #[path = "it/tpm.rs"]
 mod tpm;
+#[path = "it/tpmjoin.rs"]
+mod tpmjoin;

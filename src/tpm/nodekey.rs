@@ -2,12 +2,13 @@
 //! SHA-256) the PKCS#10 request the join sends, and later whatever the node signs. The agent keeps
 //! only the key's record ([`super::KeyBlob`]); the private key never leaves the TPM.
 
-use super::{KeyBlob, PublicKey, Tpm, TpmFailure};
-use std::sync::Mutex;
+use super::{KeyBlob, PublicKey, Tcti, Tpm, TpmFailure};
 
-/// A TPM-held P-256 key, loaded for each signature and flushed after it.
+/// A TPM-held P-256 key, loaded for each signature and flushed after it. The TPM is opened for
+/// each use and closed after it: swtpm serves one connection at a time, and a node must still be
+/// able to make its next key, or let `bca agent doctor` in, while it holds this one.
 pub struct TpmKey {
-    tpm: Mutex<Tpm>,
+    tcti: Tcti,
     blob: KeyBlob,
     point: Vec<u8>,
 }
@@ -21,18 +22,20 @@ impl std::fmt::Debug for TpmKey {
 }
 
 impl TpmKey {
-    /// The key `blob` on `tpm`; its public point is read from the record.
+    /// The key `blob` on `tpm` (closed here; reopened for each use); its public point is read
+    /// from the record.
     pub fn new(tpm: Tpm, blob: KeyBlob) -> Result<Self, String> {
+        Self::at(tpm.tcti().clone(), blob)
+    }
+
+    /// The key `blob` on the TPM at `tcti`.
+    pub fn at(tcti: Tcti, blob: KeyBlob) -> Result<Self, String> {
         let public = super::parse_public(&blob.public)?;
         let key = PublicKey::of(&public)?;
         let point = crate::crypto::p256_point_from_spki(&key.spki)
             .ok_or("the TPM key is not a P-256 key")?
             .to_vec();
-        Ok(Self {
-            tpm: Mutex::new(tpm),
-            blob,
-            point,
-        })
+        Ok(Self { tcti, blob, point })
     }
 
     /// The uncompressed public point.
@@ -44,23 +47,24 @@ impl TpmKey {
         &self.blob
     }
 
-    /// Runs `f` with the TPM that holds the key (to certify a key or derive the AK).
-    pub fn with_tpm<T>(&self, f: impl FnOnce(&mut Tpm) -> T) -> T {
-        f(&mut self.tpm.lock().unwrap_or_else(|p| p.into_inner()))
+    /// Runs `f` with the TPM that holds the key (to certify a key or derive the AK), opened for
+    /// it and closed after.
+    pub fn with_tpm<T>(
+        &self,
+        f: impl FnOnce(&mut Tpm) -> Result<T, TpmFailure>,
+    ) -> Result<T, TpmFailure> {
+        f(&mut Tpm::open(&self.tcti)?)
     }
 
     /// The TPM's address, as the key's record names it.
     pub fn tcti(&self) -> String {
-        self.with_tpm(|t| t.tcti().to_string())
+        self.tcti.to_string()
     }
 
     /// An ECDSA P-256 signature (DER) over SHA-256 of `msg`, made by the TPM.
     pub fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, TpmFailure> {
         let digest = crate::crypto::sha256(msg);
-        self.tpm
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .sign(&self.blob, &digest)
+        self.with_tpm(|t| t.sign(&self.blob, &digest))
     }
 
     /// A PKCS#10 request for this key with no names (the JoinService decides them), signed by
