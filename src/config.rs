@@ -342,6 +342,11 @@ impl Config {
         if !(1..=600).contains(&self.discovery.retry_after_seconds) {
             return Err("discovery.retry_after_seconds must be 1 to 600".into());
         }
+        if let Some(t) = self.tpm_attestor.cert_ttl_seconds {
+            if !(10..=86_400).contains(&t) {
+                return Err("tpm_attestor.cert_ttl_seconds must be 10 to 86400".into());
+            }
+        }
         if !(1..=1_000_000).contains(&self.sessions.max_connections_per_source) {
             return Err("sessions.max_connections_per_source must be 1 to 1000000".into());
         }

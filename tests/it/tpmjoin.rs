@@ -487,3 +487,67 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
     );
     tpm.assert_nothing_loaded(a.dir.path());
 }
+
+#[test]
+fn without_enrollment_an_unknown_ek_is_refused_and_the_pool_is_checked_at_every_join() {
+    let tpm = Swtpm::start(true);
+    let mut a = Appliance::start_cfg("file", &[], |c| {
+        replace_table(&c, "tpm_attestor", "[tpm_attestor]\nenrollment = false\n\n")
+    });
+    let dir = a.agent_dir();
+    let claims = write_claims(&a, &machine());
+    let o = tpm_join(&dir, &claims, &tpm, &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("Join refused"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let (_, ev) = a.last_event("security.join.refused").unwrap();
+    assert_eq!(ev["reason"], "tpm:ek-unknown");
+    assert_eq!(a.count("SELECT count(*) FROM join_requests"), 0);
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 0);
+    assert!(!dir.join("data/identity.json").exists());
+
+    // The allow-list has no foreign key: a pool that stopped accepting the attestor, or was
+    // archived, refuses the EK at the join.
+    let pool = a.pool("tpm-rack");
+    let hash = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()])["ek"]["rsa"]["publicKeySha256"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    a.cli_json(&["tpm", "allow-ek", &hash, "--pool", &pool]);
+    a.api_ok(
+        "pools/update",
+        serde_json::json!({"tenantId": a.root_tenant(), "poolId": pool,
+            "policy": {"joinAttestors": ["join-token"]}}),
+    );
+    let o = tpm_join(&dir, &claims, &tpm, &[]);
+    assert_eq!(o.status.code(), Some(1));
+    let (tenant, ev) = a.last_event("security.join.refused").unwrap();
+    assert_eq!(ev["reason"], "join:pool-attestor");
+    assert_eq!(tenant, a.root_tenant());
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 0);
+
+    // A bad [tpm_attestor] value: serve names it and starts nothing.
+    a.stop();
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        replace_table(
+            &text,
+            "tpm_attestor",
+            "[tpm_attestor]\nenrollment = false\ncert_ttl_seconds = 5\n\n",
+        ),
+    )
+    .unwrap();
+    let out = serve_exit(&a.state(), PASSPHRASE);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("tpm_attestor.cert_ttl_seconds must be 10 to 86400"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
