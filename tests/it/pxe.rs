@@ -153,6 +153,17 @@ fn appliance(ns: &Netns, mode: &str) -> Appliance {
 }
 
 fn vm(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) -> (Killed, PathBuf) {
+    vm_with(ns, a, mac, uefi, &[])
+}
+
+/// [`vm`] with more QEMU arguments (a TPM).
+fn vm_with(
+    ns: &Netns,
+    a: &Appliance,
+    mac: &str,
+    uefi: bool,
+    extra: &[String],
+) -> (Killed, PathBuf) {
     let console = a
         .dir
         .path()
@@ -181,7 +192,8 @@ fn vm(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) -> (Killed, PathBuf) {
             mac.replace(':', "")
         ),
     ])
-    .args(["-boot", "n"]);
+    .args(["-boot", "n"])
+    .args(extra);
     if uefi {
         let vars = a.dir.path().join("OVMF_VARS.fd");
         std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars).unwrap();
@@ -302,6 +314,97 @@ fn a_vm_pxe_boots_with_ovmf_and_is_approved() {
     let ns = Netns::new("uefi", 98);
     let a = appliance(&ns, "dhcp");
     boot_and_approve(&ns, &a, "52:54:00:ef:10:01", true);
+}
+
+/// A VM with a TPM (swtpm behind QEMU's `-tpmdev emulator`) whose EK an operator allowed into a
+/// pool: its ramdisk joins with `--attestor tpm`, no join request, no token spent, the node key
+/// made in the VM's TPM.
+#[test]
+fn a_vm_with_a_tpm_pxe_boots_and_joins_with_its_tpm_when_its_ek_is_allowed() {
+    require_tools();
+    let ns = Netns::new("vtpm", 97);
+    let a = appliance(&ns, "dhcp");
+    let pool = a.pool("tpm-rack");
+    // The operator reads the EK's hash from the TPM (here over swtpm's TCP server on the state
+    // the VM's swtpm then serves: the same seeds, the same EK).
+    let state = a.dir.path().join("vtpm");
+    std::fs::create_dir(&state).unwrap();
+    let hash = {
+        let t = crate::tpm::Swtpm::start_at(&state, true);
+        a.cli_json(&["tpm", "status", "--tpm", &t.tcti()])["ek"]["rsa"]["publicKeySha256"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    a.cli_json(&["tpm", "allow-ek", &hash, "--pool", &pool]);
+    let sock = state.join("ctrl.sock");
+    let _swtpm = Killed(
+        Command::new("swtpm")
+            .args(["socket", "--tpm2", "--tpmstate"])
+            .arg(format!("dir={}", state.display()))
+            .arg("--ctrl")
+            .arg(format!("type=unixio,path={}", sock.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "swtpm did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mac = "52:54:00:79:70:01";
+    let (_vm, console) = vm_with(
+        &ns,
+        &a,
+        mac,
+        false,
+        &[
+            "-chardev".into(),
+            format!("socket,id=chrtpm,path={}", sock.display()),
+            "-tpmdev".into(),
+            "emulator,id=tpm0,chardev=chrtpm".into(),
+            "-device".into(),
+            "tpm-tis,tpmdev=tpm0".into(),
+        ],
+    );
+    let node = wait_for("the ramdisk node", 300, &console, || {
+        a.cli_json(&["nodes", "list", "--pool", &pool])["items"]
+            .as_array()
+            .unwrap()
+            .first()
+            .cloned()
+    });
+    assert_eq!(node["role"], "ramdisk");
+    let id = node["id"].as_str().unwrap().to_string();
+    wait_for("the ramdisk's session", 60, &console, || {
+        (a.cli_json(&["nodes", "get", &id])["connected"] == true).then_some(())
+    });
+    let (_, ev) = a.last_event("node.joined").unwrap();
+    assert_eq!(ev["attestor"], "tpm");
+    assert_eq!(ev["nodeKey"], "tpm");
+    assert_eq!(ev["ekSha256"], hash.as_str());
+    assert_eq!(a.count("SELECT count(*) FROM join_requests"), 0);
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert!(log.contains("bca: joining with the TPM"), "{log}");
+    assert!(log.contains("bca: joined"), "{log}");
+    // The certificate names the VM's AK.
+    let cert: String = a
+        .db()
+        .query_row(
+            "SELECT hex(der) FROM node_certs WHERE node_id = ?1",
+            [&id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let der: Vec<u8> = (0..cert.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&cert[i..i + 2], 16).unwrap())
+        .collect();
+    let leaf = bca::pki::parse_node_leaf(&der).unwrap();
+    assert_eq!(leaf.statements.len(), 1);
+    assert!(leaf.statements[0].starts_with("urn:bc:tpm-ak:sha256:"));
 }
 
 /// The site's own DHCP server (dnsmasq) in a namespace of its own, on the same wire as the

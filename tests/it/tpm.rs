@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 pub struct Swtpm {
     child: Child,
     pub port: u16,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Drop for Swtpm {
@@ -23,10 +23,17 @@ impl Swtpm {
     /// A fresh TPM; `manufactured`: with EK certificates in NV, as `swtpm_setup` writes them.
     pub fn start(manufactured: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
+        let mut t = Self::start_at(dir.path(), manufactured);
+        t._dir = Some(dir);
+        t
+    }
+
+    /// A TPM whose state lives in `dir` (kept after it stops, for another swtpm to serve).
+    pub fn start_at(dir: &Path, manufactured: bool) -> Self {
         if manufactured {
             let o = Command::new("swtpm_setup")
                 .args(["--tpm2", "--create-ek-cert", "--lock-nvram", "--tpmstate"])
-                .arg(dir.path())
+                .arg(dir)
                 .output()
                 .expect("swtpm_setup (apt-get install swtpm-tools; make test installs it)");
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -44,7 +51,7 @@ impl Swtpm {
             .arg("--ctrl")
             .arg(format!("type=tcp,port={ctrl}"))
             .arg("--tpmstate")
-            .arg(format!("dir={}", dir.path().display()))
+            .arg(format!("dir={}", dir.display()))
             .args(["--flags", "not-need-init,startup-clear"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -56,7 +63,7 @@ impl Swtpm {
         Swtpm {
             child,
             port,
-            _dir: dir,
+            _dir: None,
         }
     }
 
