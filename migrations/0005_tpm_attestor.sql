@@ -5,6 +5,7 @@ CREATE TABLE tpm_challenges (
     ek_sha256      TEXT NOT NULL,
     ak_name        TEXT NOT NULL,
     secret_sha256  BLOB NOT NULL,
+    ek_certified   INTEGER NOT NULL DEFAULT 0,   -- the EK certificate chains to the EK CA bundle
     created_at     INTEGER NOT NULL,
     expires_at     INTEGER NOT NULL,
     used_at        INTEGER

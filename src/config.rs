@@ -133,6 +133,13 @@ pub struct TpmAttestorConfig {
     /// ramdisk certificates at most 7200).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cert_ttl_seconds: Option<u32>,
+    /// A PEM bundle of the CAs trusted to issue EK certificates (an absolute path): a TPM whose
+    /// EK certificate one of them issued is admitted into `ek_ca_pool` with no allow-list entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ek_ca_bundle: Option<String>,
+    /// The pool (id) a TPM certified by the bundle joins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ek_ca_pool: Option<String>,
 }
 
 impl Default for TpmAttestorConfig {
@@ -140,6 +147,8 @@ impl Default for TpmAttestorConfig {
         Self {
             enrollment: true,
             cert_ttl_seconds: None,
+            ek_ca_bundle: None,
+            ek_ca_pool: None,
         }
     }
 }
@@ -341,6 +350,18 @@ impl Config {
         }
         if !(1..=600).contains(&self.discovery.retry_after_seconds) {
             return Err("discovery.retry_after_seconds must be 1 to 600".into());
+        }
+        match (&self.tpm_attestor.ek_ca_bundle, &self.tpm_attestor.ek_ca_pool) {
+            (Some(b), Some(_)) if !b.starts_with('/') => {
+                return Err("tpm_attestor.ek_ca_bundle must be an absolute path".into())
+            }
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(
+                    "tpm_attestor.ek_ca_bundle and tpm_attestor.ek_ca_pool go together: the bundle says which TPMs, the pool where they join"
+                        .into(),
+                )
+            }
+            _ => {}
         }
         if let Some(t) = self.tpm_attestor.cert_ttl_seconds {
             if !(10..=86_400).contains(&t) {

@@ -177,6 +177,8 @@ struct Inner {
     jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
     in_flight: Mutex<HashSet<String>>,
     renew_proofs: Mutex<crate::renewal::ReplayCache>,
+    /// `[tpm_attestor] ek_ca_bundle`, read at start.
+    ek_cas: crate::tpmjoin::EkCas,
     /// False once the writer thread has ended (stopped or panicked).
     alive: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -204,6 +206,10 @@ impl JoinService {
             keys: std::sync::RwLock::new(SignerKeys::new(&app.pki, &keys)?),
         });
         drop(keys);
+        let ek_cas = match &app.config.tpm_attestor.ek_ca_bundle {
+            Some(p) => crate::tpmjoin::EkCas::load(std::path::Path::new(p))?,
+            None => crate::tpmjoin::EkCas::default(),
+        };
         // No session outlives a restart of the appliance.
         app.store
             .write(|tx| {
@@ -224,6 +230,7 @@ impl JoinService {
             jobs: Mutex::new(Some(tx)),
             in_flight: Mutex::default(),
             renew_proofs: Mutex::default(),
+            ek_cas,
         });
         let writer = std::thread::Builder::new()
             .name("join-writer".into())
@@ -306,7 +313,8 @@ impl JoinHandle {
             Call::Join { request, peer } => self.join(*request, &peer).await,
             Call::TpmChallenge { request, peer } => {
                 tracing::debug!(%peer, "tpm challenge");
-                let prepared = crate::tpmjoin::prepare_challenge(&request).map(Box::new);
+                let prepared =
+                    crate::tpmjoin::prepare_challenge(&request, &self.inner.ek_cas).map(Box::new);
                 self.submit(Work::TpmChallenge(prepared), String::new())
                     .await
             }
@@ -628,16 +636,18 @@ fn process(
             // A `tpm` join spends its challenge whatever the outcome.
             let spent = match &r.proof {
                 Proof::Tpm(p) => crate::tpmjoin::spend_challenge(tx, p, now)?,
-                Proof::Bearer(_) => Ok(()),
+                Proof::Bearer(_) => Ok(false),
             };
             crate::store::exec(tx, "SAVEPOINT one_join", [])?;
             let d = match (spent, &r.proof) {
                 (Err(reason), _) => refused(reason, None),
-                (Ok(()), Proof::Tpm(p)) => crate::tpmjoin::admit(tx, app, signer, r, p, now),
-                (Ok(()), _) if r.attestor == "discovery" => {
+                (Ok(certified), Proof::Tpm(p)) => {
+                    crate::tpmjoin::admit(tx, app, signer, r, p, certified, now)
+                }
+                (Ok(_), _) if r.attestor == "discovery" => {
                     crate::discovery::admit(tx, app, signer, r, now)
                 }
-                (Ok(()), _) => admit_one(tx, app, signer, r, now),
+                (Ok(_), _) => admit_one(tx, app, signer, r, now),
             };
             match &d {
                 // A deferral keeps what it wrote (the join request); a refusal keeps nothing.

@@ -45,6 +45,8 @@ const MAX_FIELD: usize = 4096;
 /// A checked challenge request, with its credential made (stage 1).
 pub(crate) struct PreparedChallenge {
     ek_sha256: String,
+    /// The EK's certificate was issued by a CA of the EK CA bundle.
+    ek_certified: bool,
     ak_name: Vec<u8>,
     secret_sha256: [u8; 32],
     credential: crate::tpm::credential::Credential,
@@ -101,15 +103,20 @@ fn ak_of(ak_public: &[u8]) -> Result<Vec<u8>, Reason> {
 }
 
 /// Stage 1 of a challenge: the EK and AK checked, the credential made.
-pub(crate) fn prepare_challenge(r: &TpmChallengeRequest) -> Result<PreparedChallenge, Reason> {
+pub(crate) fn prepare_challenge(
+    r: &TpmChallengeRequest,
+    cas: &EkCas,
+) -> Result<PreparedChallenge, Reason> {
     let ek_public = field(&r.ek_public)?;
     let ak_public = field(&r.ak_public)?;
     let (ek, ek_sha256) = ek_of(&ek_public)?;
+    let mut ek_certified = false;
     if let Some(cert) = &r.ek_certificate {
         let der = field(cert)?;
         if crate::pki::cert_spki(&der).ok().as_deref() != Some(&ek.spki[..]) {
             return Err(Reason::TpmMalformed);
         }
+        ek_certified = cas.certifies(&der);
     }
     let ak_name = ak_of(&ak_public)?;
     let mut secret = zeroize::Zeroizing::new([0u8; 32]);
@@ -118,6 +125,7 @@ pub(crate) fn prepare_challenge(r: &TpmChallengeRequest) -> Result<PreparedChall
         .map_err(|_| Reason::TpmMalformed)?;
     Ok(PreparedChallenge {
         ek_sha256,
+        ek_certified,
         ak_name,
         secret_sha256: crypto::sha256(secret.as_ref()),
         credential,
@@ -142,8 +150,9 @@ pub(crate) fn challenge(
     }
     let id = crate::ids::new_id("tpmc", now * 1000);
     crate::store::exec(tx,
-        "INSERT INTO tpm_challenges (id, ek_sha256, ak_name, secret_sha256, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        params![id, p.ek_sha256, crypto::hex(&p.ak_name), p.secret_sha256.to_vec(), now, now + CHALLENGE_TTL],
+        "INSERT INTO tpm_challenges (id, ek_sha256, ak_name, secret_sha256, ek_certified, created_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![id, p.ek_sha256, crypto::hex(&p.ak_name), p.secret_sha256.to_vec(), p.ek_certified as i64, now, now + CHALLENGE_TTL],
     )?;
     Ok(Outcome::Challenge {
         challenge: TpmChallenge {
@@ -196,19 +205,20 @@ pub(crate) fn prepare_join(
 
 /// Spends the challenge the join answers: it must be open, for this EK and AK, and its secret
 /// the one the machine activated. Runs before the join's savepoint: a refused join spends it too.
+/// `Ok(true)` when the challenge found the EK certified by the EK CA bundle.
 pub(crate) fn spend_challenge(
     tx: &Transaction<'_>,
     p: &TpmProof,
     now: i64,
-) -> ApiResult<Result<(), Reason>> {
-    type Row = (String, String, Vec<u8>, i64, Option<i64>);
+) -> ApiResult<Result<bool, Reason>> {
+    type Row = (String, String, Vec<u8>, i64, Option<i64>, i64);
     let row: Option<Row> = crate::store::query_row(tx,
-            "SELECT ek_sha256, ak_name, secret_sha256, expires_at, used_at FROM tpm_challenges WHERE id = ?1",
+            "SELECT ek_sha256, ak_name, secret_sha256, expires_at, used_at, ek_certified FROM tpm_challenges WHERE id = ?1",
             [&p.challenge_id],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?)),
+            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?, x.get(5)?)),
         )
         .optional()?;
-    let Some((ek, ak, secret, expires_at, used_at)) = row else {
+    let Some((ek, ak, secret, expires_at, used_at, certified)) = row else {
         return Ok(Err(Reason::TpmChallenge));
     };
     if used_at.is_some() {
@@ -224,7 +234,7 @@ pub(crate) fn spend_challenge(
         && ak == crypto::hex(&p.ak_name)
         && crypto::ct_eq(&secret, &p.secret_sha256);
     Ok(if ok {
-        Ok(())
+        Ok(certified == 1)
     } else {
         Err(Reason::TpmChallenge)
     })
@@ -256,6 +266,7 @@ pub(crate) fn admit(
     signer: &Signer,
     r: &Ready,
     p: &TpmProof,
+    ek_certified: bool,
     now: i64,
 ) -> ApiResult<Decided> {
     let cfg = &app.config;
@@ -269,13 +280,16 @@ pub(crate) fn admit(
         |x| x.get(0),
     )
     .optional()?;
-    let (pool_id, request) = match allowed {
-        Some(pool) => (pool, None),
-        None => match enroll(tx, app, signer, r, p, now)? {
+    // The allow-list first, then the EK CA bundle's pool, then an operator.
+    let ca_pool = cfg.tpm_attestor.ek_ca_pool.clone().filter(|_| ek_certified);
+    let (pool_id, request, admitted_by) = match (allowed, ca_pool) {
+        (Some(pool), _) => (pool, None, "allow-list"),
+        (None, Some(pool)) => (pool, None, "ek-ca"),
+        (None, None) => match enroll(tx, app, signer, r, p, now)? {
             Enrollment::Approved {
                 pool_id,
                 request_id,
-            } => (pool_id, Some(request_id)),
+            } => (pool_id, Some(request_id), "join-request"),
             Enrollment::Decided(d) => return Ok(d),
         },
     };
@@ -400,6 +414,8 @@ pub(crate) fn admit(
         "role": r.role,
         "ekSha256": p.ek_sha256,
         "akName": crypto::hex(&p.ak_name),
+        "ekCertified": ek_certified,
+        "admittedBy": admitted_by,
         "joinRequestId": request,
     });
     api::publish(tx, now, &pool.tenant_id, "node.joined", data.clone())?;
@@ -514,4 +530,188 @@ fn enroll(
     Ok(Enrollment::Decided(Decided::Deferred(
         crate::discovery::deferral(app, signer, &id, &r.csr.sha256),
     )))
+}
+
+/// The EK CA bundle (`[tpm_attestor] ek_ca_bundle`): the certificates trusted to issue EK
+/// certificates, the TPM manufacturers' issuing CAs (and their roots, which changes nothing:
+/// every certificate in the bundle is an anchor). An EK certificate whose signature one of them
+/// verifies, issued by its subject, certifies its EK; the EK certificate's own validity dates are
+/// not checked (TPMs keep their EK certificates for life, and many carry dates long past).
+#[derive(Default)]
+pub struct EkCas {
+    cas: Vec<EkCa>,
+}
+
+struct EkCa {
+    subject: Vec<u8>,
+    key: CaKey,
+}
+
+enum CaKey {
+    /// The `RSAPublicKey` DER.
+    Rsa(Vec<u8>),
+    /// The curve's OID and the uncompressed point.
+    Ec(String, Vec<u8>),
+}
+
+const OID_RSA: &str = "1.2.840.113549.1.1.1";
+const OID_EC: &str = "1.2.840.10045.2.1";
+const OID_P256: &str = "1.2.840.10045.3.1.7";
+const OID_P384: &str = "1.3.132.0.34";
+
+impl EkCas {
+    /// Reads a PEM bundle; every certificate must be a CA with an RSA, P-256 or P-384 key.
+    pub fn load(path: &std::path::Path) -> Result<Self, String> {
+        use x509_parser::prelude::*;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("the EK CA bundle {}: {e}", path.display()))?;
+        let ders = crate::pki::pem_decode_all(&text, "CERTIFICATE");
+        if ders.is_empty() {
+            return Err(format!(
+                "the EK CA bundle {} holds no PEM certificate",
+                path.display()
+            ));
+        }
+        let mut cas = Vec::new();
+        for (i, der) in ders.iter().enumerate() {
+            let bad = |m: &str| {
+                format!(
+                    "the EK CA bundle {}: certificate {}: {m}",
+                    path.display(),
+                    i + 1
+                )
+            };
+            let (_, c) = X509Certificate::from_der(der).map_err(|_| bad("not X.509"))?;
+            let is_ca = c
+                .basic_constraints()
+                .ok()
+                .flatten()
+                .is_some_and(|b| b.value.ca);
+            if !is_ca {
+                return Err(bad("not a CA (basicConstraints CA:TRUE)"));
+            }
+            let spki = c.public_key();
+            let key = match spki.algorithm.algorithm.to_id_string().as_str() {
+                OID_RSA => CaKey::Rsa(spki.subject_public_key.data.to_vec()),
+                OID_EC => {
+                    let curve = spki
+                        .algorithm
+                        .parameters
+                        .as_ref()
+                        .and_then(|p| p.as_oid().ok())
+                        .map(|o| o.to_id_string())
+                        .unwrap_or_default();
+                    if curve != OID_P256 && curve != OID_P384 {
+                        return Err(bad("an EC key on a curve other than P-256 or P-384"));
+                    }
+                    CaKey::Ec(curve, spki.subject_public_key.data.to_vec())
+                }
+                _ => return Err(bad("a key that is neither RSA nor EC")),
+            };
+            cas.push(EkCa {
+                subject: c.subject().as_raw().to_vec(),
+                key,
+            });
+        }
+        Ok(Self { cas })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cas.is_empty()
+    }
+
+    /// Whether a CA of the bundle issued `ek_cert` (DER): its issuer is the CA's subject and the
+    /// CA's key verifies its signature (RSA PKCS#1 v1.5 or ECDSA, with SHA-256/384/512; SHA-1
+    /// is refused).
+    pub fn certifies(&self, ek_cert: &[u8]) -> bool {
+        use aws_lc_rs::signature as sig;
+        use x509_parser::prelude::*;
+        let Ok((_, c)) = X509Certificate::from_der(ek_cert) else {
+            return false;
+        };
+        let alg = c.signature_algorithm.algorithm.to_id_string();
+        let tbs: &[u8] = c.tbs_certificate.as_ref();
+        let signature = &c.signature_value.data;
+        self.cas
+            .iter()
+            .filter(|ca| ca.subject == c.issuer().as_raw())
+            .any(|ca| {
+                let algorithm: &dyn sig::VerificationAlgorithm = match (&ca.key, alg.as_str()) {
+                    (CaKey::Rsa(_), "1.2.840.113549.1.1.11") => &sig::RSA_PKCS1_2048_8192_SHA256,
+                    (CaKey::Rsa(_), "1.2.840.113549.1.1.12") => &sig::RSA_PKCS1_2048_8192_SHA384,
+                    (CaKey::Rsa(_), "1.2.840.113549.1.1.13") => &sig::RSA_PKCS1_2048_8192_SHA512,
+                    (CaKey::Ec(curve, _), "1.2.840.10045.4.3.2") if curve == OID_P256 => {
+                        &sig::ECDSA_P256_SHA256_ASN1
+                    }
+                    (CaKey::Ec(curve, _), "1.2.840.10045.4.3.3") if curve == OID_P256 => {
+                        &sig::ECDSA_P256_SHA384_ASN1
+                    }
+                    (CaKey::Ec(curve, _), "1.2.840.10045.4.3.2") if curve == OID_P384 => {
+                        &sig::ECDSA_P384_SHA256_ASN1
+                    }
+                    (CaKey::Ec(curve, _), "1.2.840.10045.4.3.3") if curve == OID_P384 => {
+                        &sig::ECDSA_P384_SHA384_ASN1
+                    }
+                    _ => return false,
+                };
+                let key = match &ca.key {
+                    CaKey::Rsa(k) | CaKey::Ec(_, k) => k,
+                };
+                sig::UnparsedPublicKey::new(algorithm, key)
+                    .verify(tbs, signature)
+                    .is_ok()
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ca(cn: &str) -> (rcgen::Certificate, rcgen::KeyPair) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        (p.self_signed(&key).unwrap(), key)
+    }
+
+    fn bundle(certs: &[&rcgen::Certificate]) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let pem: String = certs.iter().map(|c| c.pem()).collect();
+        std::fs::write(f.path(), pem).unwrap();
+        f
+    }
+
+    #[test]
+    fn the_bundle_certifies_what_its_cas_signed_and_nothing_that_only_copies_their_names() {
+        let (real, real_key) = ca("TPM Manufacturer EK CA");
+        let (forged, forged_key) = ca("TPM Manufacturer EK CA");
+        let ek_key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        let issued = p.clone().signed_by(&ek_key, &real, &real_key).unwrap();
+        let copied = p.signed_by(&ek_key, &forged, &forged_key).unwrap();
+
+        let f = bundle(&[&real]);
+        let cas = EkCas::load(f.path()).unwrap();
+        assert!(cas.certifies(issued.der()));
+        assert!(
+            !cas.certifies(copied.der()),
+            "same issuer name, another key"
+        );
+        assert!(!cas.certifies(b"not a certificate"));
+        // The CA itself is no EK certificate it issued.
+        assert!(!EkCas::load(bundle(&[&forged]).path())
+            .unwrap()
+            .certifies(issued.der()));
+
+        // A leaf in the bundle is refused at load, by name.
+        let e = match EkCas::load(bundle(&[&real, &issued]).path()) {
+            Err(e) => e,
+            Ok(_) => panic!("a leaf was taken as a CA"),
+        };
+        assert!(e.contains("certificate 2: not a CA"), "{e}");
+    }
 }

@@ -551,3 +551,82 @@ fn without_enrollment_an_unknown_ek_is_refused_and_the_pool_is_checked_at_every_
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn an_ek_the_ek_ca_bundle_certifies_joins_its_pool_and_others_wait() {
+    let tpm = Swtpm::start(true);
+    let bare = Swtpm::start(false);
+    let mut a = Appliance::start();
+    let pool = a.pool("certified");
+    // The manufacturer's CAs: here swtpm_setup's local CA, its issuing CA and its root.
+    let bundle = a.dir.path().join("ek-cas.pem");
+    let mut pem = std::fs::read_to_string("/var/lib/swtpm-localca/issuercert.pem").unwrap();
+    pem.push_str(
+        &std::fs::read_to_string("/var/lib/swtpm-localca/swtpm-localca-rootca-cert.pem").unwrap(),
+    );
+    std::fs::write(&bundle, pem).unwrap();
+
+    a.stop();
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let section = |b: &str, p: Option<&str>| {
+        let mut s = format!("[tpm_attestor]\nenrollment = true\nek_ca_bundle = \"{b}\"\n");
+        if let Some(p) = p {
+            s.push_str(&format!("ek_ca_pool = \"{p}\"\n"));
+        }
+        s.push('\n');
+        s
+    };
+    let b = bundle.to_str().unwrap();
+    let not_pem = cfg.to_str().unwrap();
+    for (sec, says) in [
+        (section(b, None), "go together"),
+        (
+            section("ek-cas.pem", Some(&pool)),
+            "must be an absolute path",
+        ),
+        (section(not_pem, Some(&pool)), "holds no PEM certificate"),
+    ] {
+        std::fs::write(&cfg, replace_table(&text, "tpm_attestor", &sec)).unwrap();
+        let out = serve_exit(&a.state(), PASSPHRASE);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{says}: {err}");
+    }
+    std::fs::write(
+        &cfg,
+        replace_table(&text, "tpm_attestor", &section(b, Some(&pool))),
+    )
+    .unwrap();
+    a.serve(PASSPHRASE);
+
+    // A TPM whose EK certificate the bundle's CA issued joins the bundle's pool, on no list.
+    let dir = a.agent_dir();
+    let o = tpm_join(&dir, &write_claims(&a, &machine()), &tpm, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (_, ev) = a.last_event("node.joined").unwrap();
+    assert_eq!(ev["admittedBy"], "ek-ca");
+    assert_eq!(ev["ekCertified"], true);
+    assert_eq!(ev["poolId"], pool.as_str());
+    assert_eq!(a.count("SELECT count(*) FROM tpm_eks"), 0);
+
+    // A TPM with no EK certificate: nothing vouches for it, so it waits for an operator.
+    let dir = a.agent_dir();
+    let o = tpm_join(
+        &dir,
+        &write_claims(&a, &machine()),
+        &bare,
+        &["--wait-seconds", "0"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("still pending"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        a.count("SELECT count(*) FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'"),
+        1
+    );
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 1);
+}
