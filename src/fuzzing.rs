@@ -149,7 +149,31 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-/// A TPM response to each command bca sends (code, parameters, the public area of a key).
+/// A TPM response to each command bca sends (code, parameters, the public area of a key); and
+/// what a machine sends the `tpm` attestor: the pieces of a certification (split at the first
+/// bytes' lengths) as the JoinService checks them, a public area, an EK certificate.
 pub fn tpm(data: &[u8]) {
     crate::tpm::parse_any(data);
+    let _ = crate::tpm::public_key_of(data);
+    let _ = crate::tpmjoin::EkCas::default().certifies(data);
+    let mut parts = Vec::new();
+    let mut rest = data;
+    for _ in 0..3 {
+        let Some((&n, tail)) = rest.split_first() else {
+            return;
+        };
+        let n = (n as usize).min(tail.len());
+        parts.push(&tail[..n]);
+        rest = &tail[n..];
+    }
+    let _ = crate::tpm::attest::verify_certify(parts[0], parts[1], parts[2], &[0u8; 32], rest);
+    let b64 = crate::crypto::b64;
+    let _ = crate::tpmjoin::prepare_challenge(
+        &crate::protocol::TpmChallengeRequest {
+            ek_public: b64(parts[0]),
+            ek_certificate: Some(b64(parts[1])),
+            ak_public: b64(rest),
+        },
+        &crate::tpmjoin::EkCas::default(),
+    );
 }
