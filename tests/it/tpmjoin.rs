@@ -325,6 +325,28 @@ fn a_machine_joins_with_its_tpm_renews_only_with_its_ak_and_reclaims_its_node() 
         a.count("SELECT count(*) FROM events WHERE type LIKE 'security.renew%'"),
         before
     );
+    // A TPM that is gone: the identity does not load, so `bca agent run` stops with the reason.
+    let gone = fresh.tcti();
+    drop(fresh);
+    std::fs::write(moved.join("node.key"), record.replace(&old_tcti, &gone)).unwrap();
+    let e = match bca::agent_run::load_identity(&moved) {
+        Err(e) => e,
+        Ok(_) => panic!("a node key whose TPM is gone loaded"),
+    };
+    assert!(e.message.contains("cannot be opened"), "{e}");
+    let o = Command::new(bin())
+        .args(["agent", "run", "--config"])
+        .arg(dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(&moved)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("cannot be opened"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
