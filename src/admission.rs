@@ -56,6 +56,8 @@ pub enum Reason {
     TpmRejected,
     /// A role other than `node` or `ramdisk`.
     TpmRoleMismatch,
+    /// Too many unknown EKs wait for an operator (in all, or from this source).
+    TpmEnrollmentLimit,
 }
 
 impl Reason {
@@ -105,6 +107,7 @@ impl Reason {
             Reason::TpmEkUnknown => "tpm:ek-unknown",
             Reason::TpmRejected => "tpm:rejected",
             Reason::TpmRoleMismatch => "tpm:role-mismatch",
+            Reason::TpmEnrollmentLimit => "tpm:enrollment-limit",
         }
     }
 }

@@ -129,6 +129,8 @@ pub struct JoinOptions {
     pub attestor: String,
     /// With `tpm`: the machine's TPM (default `device:/dev/tpmrm0`).
     pub tpm: Option<String>,
+    /// With `tpm`: an EK on no list is refused instead of waiting for an operator.
+    pub no_enroll: bool,
     /// How long to keep retrying a deferred join.
     pub wait_seconds: u32,
     /// Retry a deferred join after this many seconds instead of what the appliance says.
@@ -525,6 +527,11 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
                 "--tpm names the TPM of --attestor tpm; other attestors use none",
             ))
         }
+        (None, false) if o.no_enroll => {
+            return Err(ApiError::invalid_input(
+                "--no-enroll is for --attestor tpm: other attestors have no EK to enroll",
+            ))
+        }
         (Some(t), true) => Some(
             t.parse()
                 .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))?,
@@ -565,7 +572,10 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     let resp = loop {
         // A `tpm` join answers a fresh challenge each attempt; a token is sealed anew.
         let (sealed, evidence) = if tpm {
-            (String::new(), Some(tpm_evidence(&cfg, &key, &csr)?))
+            (
+                String::new(),
+                Some(tpm_evidence(&cfg, &key, &csr, o.no_enroll)?),
+            )
         } else {
             let sealed = crate::jwe::seal(&token, &enc_point, &csr, crate::clock::now())
                 .map_err(ApiError::internal)?;
@@ -664,21 +674,28 @@ pub fn tpm_evidence(
     cfg: &AgentConfig,
     key: &NodeKey,
     csr: &[u8],
+    no_enrollment: bool,
 ) -> ApiResult<protocol::TpmEvidence> {
     use crate::tpm::EkAlg;
     let k = key
         .tpm()
         .ok_or_else(|| ApiError::internal("a tpm join's key is not held by the TPM"))?;
-    // The EK whose certificate the TPM carries (RSA first, as most do), else the RSA EK.
-    let (alg, cert) = k.with_tpm(|t| -> Result<_, crate::tpm::TpmFailure> {
+    // The EK whose certificate in NV certifies it (RSA first, as most TPMs carry one), else the
+    // RSA EK with no certificate. A certificate that cannot be read or certifies another key
+    // is not sent.
+    let (alg, cert, ek_public) = k.with_tpm(|t| -> Result<_, crate::tpm::TpmFailure> {
         for alg in [EkAlg::Rsa, EkAlg::Ecc] {
-            if let Some(c) = t.nv_read(alg.cert_index())? {
-                return Ok((alg, Some(c)));
+            let Ok(Some(c)) = t.nv_read(alg.cert_index()) else {
+                continue;
+            };
+            let ek = t.ek_public_area(alg)?;
+            let spki = crate::tpm::public_key_of(&ek).map(|p| p.spki).ok();
+            if spki.is_some() && pki::cert_spki(&c).ok() == spki && c.len() <= 4096 {
+                return Ok((alg, Some(c), ek));
             }
         }
-        Ok((EkAlg::Rsa, None))
+        Ok((EkAlg::Rsa, None, t.ek_public_area(EkAlg::Rsa)?))
     })?;
-    let ek_public = k.with_tpm(|t| t.ek_public_area(alg))?;
     let (_, ak_public) = k.with_tpm(|t| t.ak_public())?;
     let ask = Request {
         v: 1,
@@ -712,6 +729,7 @@ pub fn tpm_evidence(
         key_public: crypto::b64(&k.blob().public),
         attest: crypto::b64(&c.attest),
         signature: crypto::b64(&c.signature),
+        no_enrollment,
     })
 }
 

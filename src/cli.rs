@@ -405,6 +405,10 @@ pub enum AgentCmd {
         /// swtpm:host=…,port=….
         #[arg(long)]
         tpm: Option<String>,
+        /// With --attestor tpm: when the TPM's EK is on no allow-list, fail instead of waiting
+        /// for an operator (the discovery ramdisk then uses its discovery token).
+        #[arg(long)]
+        no_enroll: bool,
         /// How long to keep retrying while the join waits for an operator's approval.
         #[arg(long, default_value = "86400")]
         wait_seconds: u32,
@@ -1159,6 +1163,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             token_file,
             attestor,
             tpm,
+            no_enroll,
             wait_seconds,
             retry_seconds,
         }) => {
@@ -1189,6 +1194,7 @@ fn run(cli: Cli) -> ApiResult<()> {
                     attestor
                 },
                 tpm,
+                no_enroll,
                 wait_seconds,
                 retry_seconds,
             })?;

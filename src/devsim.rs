@@ -148,6 +148,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
             token: Some(token.clone()),
             attestor: String::new(),
             tpm: None,
+            no_enroll: false,
             wait_seconds: 0,
             retry_seconds: None,
         })?;

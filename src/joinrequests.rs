@@ -102,7 +102,7 @@ struct DecideInput {
 }
 
 const COLS: &str = "id, site_id, pool_id, attestor, hardware_key, claims_json, mac, ip, vouched_by, boot_lease_epoch, csr_sha256,
-    state, created_at, updated_at, expires_at, decided_at, decided_by, reason, consumed_at, node_id";
+    state, created_at, updated_at, expires_at, decided_at, decided_by, reason, consumed_at, node_id, ek_certified";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
     let claims: Value = serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or(Value::Null);
@@ -119,6 +119,7 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
         "createdAt": t(12)?, "updatedAt": t(13)?, "expiresAt": t(14)?, "decidedAt": t(15)?,
         "decidedBy": r.get::<_, Option<String>>(16)?, "reason": r.get::<_, Option<String>>(17)?,
         "consumedAt": t(18)?, "nodeId": r.get::<_, Option<String>>(19)?,
+        "ekCertified": r.get::<_, Option<i64>>(20)?.map(|v| v == 1),
     }))
 }
 

@@ -314,7 +314,10 @@ impl JoinHandle {
             Call::TpmChallenge { request, peer } => {
                 tracing::debug!(%peer, "tpm challenge");
                 let prepared =
-                    crate::tpmjoin::prepare_challenge(&request, &self.inner.ek_cas).map(Box::new);
+                    crate::tpmjoin::prepare_challenge(&request, &self.inner.ek_cas).map(|mut p| {
+                        p.source = crate::tpmjoin::source_key(&peer);
+                        Box::new(p)
+                    });
                 self.submit(Work::TpmChallenge(prepared), String::new())
                     .await
             }
@@ -689,6 +692,12 @@ fn refusal(
 ) -> ApiResult<Outcome> {
     tracing::info!(reason = reason.as_str(), "join refused");
     crate::metrics::get().refused(reason.as_str());
+    // The join's own attestor, also for the `join:` reasons any attestor may meet.
+    let attestor = match &job.work {
+        Work::Join(Prepared::Ready(r)) => r.attestor,
+        Work::TpmChallenge(_) => "tpm",
+        _ => reason.attestor(),
+    };
     if let Some(suppressed) = limits.admit(reason.as_str(), now) {
         let tenant = tenant.unwrap_or_else(|| app.root_tenant.clone());
         api::publish(
@@ -697,7 +706,7 @@ fn refusal(
             &tenant,
             "security.join.refused",
             json!({
-                "attestor": reason.attestor(),
+                "attestor": attestor,
                 "reason": reason.as_str(),
                 "role": job.role,
                 "csrSha256": csr_sha.map(|h| crypto::hex(&h)),
@@ -905,6 +914,22 @@ pub(crate) fn revoke_all(
         )?;
     }
     Ok(())
+}
+
+/// A node certificate's lifetime, at a join and at every renewal: `[pki] cert_ttl_seconds`; a
+/// `ramdisk`'s `[discovery] cert_ttl_seconds` (at most 2 hours); a `tpm` node's
+/// `[tpm_attestor] cert_ttl_seconds` when set (at most the `[pki]` one).
+pub(crate) fn cert_ttl(cfg: &crate::config::Config, role: &str, attestor: &str) -> i64 {
+    let pki_ttl = cfg.pki.cert_ttl_seconds as i64;
+    if role == "ramdisk" {
+        (cfg.discovery.cert_ttl_seconds as i64).min(7200)
+    } else if attestor == "tpm" {
+        cfg.tpm_attestor
+            .cert_ttl_seconds
+            .map_or(pki_ttl, |t| (t as i64).min(pki_ttl))
+    } else {
+        pki_ttl
+    }
 }
 
 /// Who a certificate is for: decided by the JoinService, never taken from the CSR.

@@ -149,6 +149,10 @@ pub struct TpmEvidence {
     /// The `TPMS_ATTEST` the AK signed, and its `TPMT_SIGNATURE`.
     pub attest: String,
     pub signature: String,
+    /// An EK on no list is refused instead of queued for an operator (the discovery ramdisk,
+    /// which then joins with its discovery token).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_enrollment: bool,
 }
 
 /// The qualifying data of a `tpm` join's certification: the appliance's nonce (the credential's

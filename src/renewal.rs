@@ -241,14 +241,14 @@ pub(crate) fn process(
     let Some((node_id, generation, role, not_after, revoked_at)) = row else {
         return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
     };
-    let node: Option<(String, i64)> = crate::store::query_row(
+    let node: Option<(String, i64, String)> = crate::store::query_row(
         tx,
-        "SELECT state, identity_generation FROM nodes WHERE id = ?1",
+        "SELECT state, identity_generation, attestor FROM nodes WHERE id = ?1",
         [&node_id],
-        |x| Ok((x.get(0)?, x.get(1)?)),
+        |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?)),
     )
     .optional()?;
-    let Some((state, current_generation)) = node else {
+    let Some((state, current_generation, attestor)) = node else {
         return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
     };
     let reason = if state == "retired" {
@@ -274,7 +274,7 @@ pub(crate) fn process(
             generation,
             role: &role,
             statements: &r.leaf.statements,
-            ttl: app.config.pki.cert_ttl_seconds as i64,
+            ttl: crate::joinservice::cert_ttl(&app.config, &role, &attestor),
         },
         &r.csr,
         now,

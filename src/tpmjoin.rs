@@ -37,13 +37,42 @@ use serde_json::json;
 
 /// How long a challenge may be answered.
 pub const CHALLENGE_TTL: i64 = 60;
-/// Challenges open at once, at most; past it a challenge request is answered busy.
+/// Challenges open at once, at most, and from one source (an IPv4 address or an IPv6 /64): past
+/// either, the oldest is evicted, so a flood never locks the attestor for everyone (a real
+/// machine answers its challenge within a second).
 const MAX_OPEN_CHALLENGES: i64 = 10_000;
+const MAX_CHALLENGES_PER_SOURCE: i64 = 16;
+/// Pending `tpm` join requests at most, in all and from one source: past either, an unknown EK is
+/// refused (`tpm:enrollment-limit`) until an operator decides or they expire.
+const MAX_PENDING_REQUESTS: usize = 1024;
+const MAX_PENDING_PER_SOURCE: usize = 16;
+
+/// What limits count by: an IPv4 address, or the /64 of an IPv6 one (one host holds a whole /64).
+/// `peer` is `ip`, `ip:port` or `[ip]:port`.
+pub(crate) fn source_key(peer: &str) -> String {
+    let ip = peer
+        .parse::<std::net::SocketAddr>()
+        .map(|a| a.ip())
+        .or_else(|_| peer.parse::<std::net::IpAddr>());
+    match ip {
+        Ok(std::net::IpAddr::V4(v4)) => v4.to_string(),
+        Ok(std::net::IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => {
+                let s = v6.segments();
+                format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+            }
+        },
+        Err(_) => peer.to_string(),
+    }
+}
 /// The largest public area, certificate, attestation or signature the evidence may carry.
 const MAX_FIELD: usize = 4096;
 
 /// A checked challenge request, with its credential made (stage 1).
 pub(crate) struct PreparedChallenge {
+    /// The caller's [`source_key`], set by the caller.
+    pub(crate) source: String,
     ek_sha256: String,
     /// The EK's certificate was issued by a CA of the EK CA bundle.
     ek_certified: bool,
@@ -59,6 +88,9 @@ pub(crate) struct TpmProof {
     /// Hex SHA-256 of the EK's DER SubjectPublicKeyInfo, as the allow-list names it.
     pub(crate) ek_sha256: String,
     pub(crate) ak_name: Vec<u8>,
+    /// The machine asked not to be queued for an operator (the ramdisk, which then uses its
+    /// discovery token).
+    pub(crate) no_enrollment: bool,
 }
 
 impl TpmProof {
@@ -110,20 +142,22 @@ pub(crate) fn prepare_challenge(
     let ek_public = field(&r.ek_public)?;
     let ak_public = field(&r.ak_public)?;
     let (ek, ek_sha256) = ek_of(&ek_public)?;
-    let mut ek_certified = false;
-    if let Some(cert) = &r.ek_certificate {
-        let der = field(cert)?;
-        if crate::pki::cert_spki(&der).ok().as_deref() != Some(&ek.spki[..]) {
-            return Err(Reason::TpmMalformed);
+    // A certificate counts only when it certifies this EK (an encoding bca does not rebuild
+    // byte for byte, an NV header: it certifies nothing, and the join goes on without it).
+    let ek_certified = match &r.ek_certificate {
+        Some(cert) => {
+            let der = field(cert)?;
+            crate::pki::cert_spki(&der).ok().as_deref() == Some(&ek.spki[..]) && cas.certifies(&der)
         }
-        ek_certified = cas.certifies(&der);
-    }
+        None => false,
+    };
     let ak_name = ak_of(&ak_public)?;
     let mut secret = zeroize::Zeroizing::new([0u8; 32]);
     crypto::fill_random(secret.as_mut());
     let credential = crate::tpm::make_credential(&ek_public, &ak_name, secret.as_ref())
         .map_err(|_| Reason::TpmMalformed)?;
     Ok(PreparedChallenge {
+        source: String::new(),
         ek_sha256,
         ek_certified,
         ak_name,
@@ -143,16 +177,24 @@ pub(crate) fn challenge(
         "DELETE FROM tpm_challenges WHERE expires_at <= ?1",
         [now],
     )?;
-    let open: i64 =
-        crate::store::query_row(tx, "SELECT count(*) FROM tpm_challenges", [], |r| r.get(0))?;
-    if open >= MAX_OPEN_CHALLENGES {
-        return Ok(Outcome::Busy);
-    }
+    // Room for this one: the source's oldest, then the oldest of all, evicted past the limits.
+    crate::store::exec(
+        tx,
+        "DELETE FROM tpm_challenges WHERE id IN (SELECT id FROM tpm_challenges WHERE source = ?1
+         ORDER BY rowid DESC LIMIT -1 OFFSET ?2)",
+        params![p.source, MAX_CHALLENGES_PER_SOURCE - 1],
+    )?;
+    crate::store::exec(
+        tx,
+        "DELETE FROM tpm_challenges WHERE id IN (SELECT id FROM tpm_challenges
+         ORDER BY rowid DESC LIMIT -1 OFFSET ?1)",
+        [MAX_OPEN_CHALLENGES - 1],
+    )?;
     let id = crate::ids::new_id("tpmc", now * 1000);
     crate::store::exec(tx,
-        "INSERT INTO tpm_challenges (id, ek_sha256, ak_name, secret_sha256, ek_certified, created_at, expires_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        params![id, p.ek_sha256, crypto::hex(&p.ak_name), p.secret_sha256.to_vec(), p.ek_certified as i64, now, now + CHALLENGE_TTL],
+        "INSERT INTO tpm_challenges (id, source, ek_sha256, ak_name, secret_sha256, ek_certified, created_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        params![id, p.source, p.ek_sha256, crypto::hex(&p.ak_name), p.secret_sha256.to_vec(), p.ek_certified as i64, now, now + CHALLENGE_TTL],
     )?;
     Ok(Outcome::Challenge {
         challenge: TpmChallenge {
@@ -200,6 +242,7 @@ pub(crate) fn prepare_join(
         secret_sha256: crypto::sha256(&nonce),
         ek_sha256,
         ak_name,
+        no_enrollment: ev.no_enrollment,
     })
 }
 
@@ -211,23 +254,21 @@ pub(crate) fn spend_challenge(
     p: &TpmProof,
     now: i64,
 ) -> ApiResult<Result<bool, Reason>> {
-    type Row = (String, String, Vec<u8>, i64, Option<i64>, i64);
+    type Row = (String, String, Vec<u8>, i64, i64);
     let row: Option<Row> = crate::store::query_row(tx,
-            "SELECT ek_sha256, ak_name, secret_sha256, expires_at, used_at, ek_certified FROM tpm_challenges WHERE id = ?1",
+            "SELECT ek_sha256, ak_name, secret_sha256, expires_at, ek_certified FROM tpm_challenges WHERE id = ?1",
             [&p.challenge_id],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?, x.get(5)?)),
+            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?)),
         )
         .optional()?;
-    let Some((ek, ak, secret, expires_at, used_at, certified)) = row else {
+    // Spent means gone: a second answer finds nothing.
+    let Some((ek, ak, secret, expires_at, certified)) = row else {
         return Ok(Err(Reason::TpmChallenge));
     };
-    if used_at.is_some() {
-        return Ok(Err(Reason::TpmChallenge));
-    }
     crate::store::exec(
         tx,
-        "UPDATE tpm_challenges SET used_at = ?2 WHERE id = ?1",
-        params![p.challenge_id, now],
+        "DELETE FROM tpm_challenges WHERE id = ?1",
+        [&p.challenge_id],
     )?;
     let ok = now < expires_at
         && ek == p.ek_sha256
@@ -280,12 +321,30 @@ pub(crate) fn admit(
         |x| x.get(0),
     )
     .optional()?;
-    // The allow-list first, then the EK CA bundle's pool, then an operator.
+    let known: Option<KnownNode> = crate::store::query_row(
+        tx,
+        "SELECT id, tenant_id, pool_id, role, identity_generation FROM nodes
+         WHERE tpm_ek_sha256 = ?1 AND state != 'retired' ORDER BY created_at DESC LIMIT 1",
+        [&p.ek_sha256],
+        |x| {
+            Ok(KnownNode {
+                id: x.get(0)?,
+                tenant_id: x.get(1)?,
+                pool_id: x.get(2)?,
+                role: x.get(3)?,
+                generation: x.get(4)?,
+            })
+        },
+    )
+    .optional()?;
+    // The allow-list first, then the EK CA bundle's pool, then the node this EK already is
+    // (admitted once, by whichever way: retire it to cut the machine off), then an operator.
     let ca_pool = cfg.tpm_attestor.ek_ca_pool.clone().filter(|_| ek_certified);
-    let (pool_id, request, admitted_by) = match (allowed, ca_pool) {
-        (Some(pool), _) => (pool, None, "allow-list"),
-        (None, Some(pool)) => (pool, None, "ek-ca"),
-        (None, None) => match enroll(tx, app, signer, r, p, now)? {
+    let (pool_id, request, admitted_by) = match (allowed, ca_pool, &known) {
+        (Some(pool), _, _) => (pool, None, "allow-list"),
+        (None, Some(pool), _) => (pool, None, "ek-ca"),
+        (None, None, Some(k)) => (k.pool_id.clone(), None, "known-ek"),
+        (None, None, None) => match enroll(tx, app, signer, r, p, ek_certified, now)? {
             Enrollment::Approved {
                 pool_id,
                 request_id,
@@ -306,33 +365,20 @@ pub(crate) fn admit(
     if !pool.allows_attestor("tpm") {
         return refused(Reason::PoolAttestor, tenant);
     }
-    let known: Option<KnownNode> = crate::store::query_row(
-        tx,
-        "SELECT id, tenant_id, pool_id, role, identity_generation FROM nodes
-         WHERE tpm_ek_sha256 = ?1 AND state != 'retired' ORDER BY created_at DESC LIMIT 1",
-        [&p.ek_sha256],
-        |x| {
-            Ok(KnownNode {
-                id: x.get(0)?,
-                tenant_id: x.get(1)?,
-                pool_id: x.get(2)?,
-                role: x.get(3)?,
-                generation: x.get(4)?,
-            })
-        },
-    )
-    .optional()?;
     let claims_json = serde_json::to_string(&r.claims).expect("serializes");
     let trusted = r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone());
     let (node_id, generation, reclaim) = match known {
         Some(k) => {
-            if k.tenant_id != pool.tenant_id || k.pool_id != pool.id || k.role != r.role {
+            // The same role, or a machine discovered as a ramdisk that now runs its OS.
+            let role_ok = k.role == r.role || k.role == "ramdisk";
+            if k.tenant_id != pool.tenant_id || k.pool_id != pool.id || !role_ok {
                 return refused(Reason::Reclaim, tenant);
             }
             let generation = k.generation + 1;
             crate::store::exec(tx,
-                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', hostname = ?3, claims_json = ?4, updated_at = ?5 WHERE id = ?1",
-                params![k.id, generation, r.claims.hostname, claims_json, now],
+                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', role = ?3, hostname = ?4, claims_json = ?5,
+                 updated_at = ?6 WHERE id = ?1",
+                params![k.id, generation, r.role, r.claims.hostname, claims_json, now],
             )?;
             crate::joinservice::revoke_all(tx, &pool.tenant_id, &k.id, "reclaimed", now)?;
             (k.id, generation, true)
@@ -365,7 +411,9 @@ pub(crate) fn admit(
                     r.role,
                     if pool.tenant_id == app.root_tenant { "platform" } else { "tenant-owned" },
                     r.key.as_ref().map(|k| k.hex.clone()),
-                    trusted.is_some() as i64,
+                    // The EK is the machine's key: the claims' hardware key is recorded, never
+                    // trusted (no token reclaim or discovery shortcut reaches this node by it).
+                    0,
                     r.claims.hostname,
                     claims_json,
                     now,
@@ -375,14 +423,7 @@ pub(crate) fn admit(
             (id, 1, false)
         }
     };
-    let pki_ttl = cfg.pki.cert_ttl_seconds as i64;
-    let ttl = if r.role == "ramdisk" {
-        (cfg.discovery.cert_ttl_seconds as i64).min(7200)
-    } else {
-        cfg.tpm_attestor
-            .cert_ttl_seconds
-            .map_or(pki_ttl, |t| (t as i64).min(pki_ttl))
-    };
+    let ttl = crate::joinservice::cert_ttl(cfg, &r.role, "tpm");
     let (response, serial) = certify(
         tx,
         app,
@@ -408,7 +449,7 @@ pub(crate) fn admit(
         "poolId": pool.id,
         "attestor": "tpm",
         "reclaim": reclaim,
-        "hardwareKeyTrusted": trusted.is_some(),
+        "hardwareKeyTrusted": false,
         "certificateSerial": serial,
         "nodeKey": "tpm",
         "role": r.role,
@@ -454,10 +495,11 @@ fn enroll(
     signer: &Signer,
     r: &Ready,
     p: &TpmProof,
+    ek_certified: bool,
     now: i64,
 ) -> ApiResult<Enrollment> {
     let cfg = &app.config;
-    if !cfg.tpm_attestor.enrollment {
+    if !cfg.tpm_attestor.enrollment || p.no_enrollment {
         return refused(Reason::TpmEkUnknown, None).map(Enrollment::Decided);
     }
     crate::discovery::expire(tx, now)?;
@@ -492,17 +534,31 @@ fn enroll(
         Some((id, _, _, _)) => {
             crate::store::exec(tx,
                 "UPDATE join_requests SET state = 'pending', pool_id = NULL, decided_at = NULL, decided_by = NULL, reason = NULL,
-                 csr_sha256 = ?2, claims_json = ?3, ip = ?4, updated_at = ?5, expires_at = ?6 WHERE id = ?1",
-                params![id, csr_hex, claims_json, r.peer_ip, now, pending_until],
+                 csr_sha256 = ?2, claims_json = ?3, ip = ?4, updated_at = ?5, expires_at = ?6, ek_certified = ?7 WHERE id = ?1",
+                params![id, csr_hex, claims_json, r.peer_ip, now, pending_until, ek_certified as i64],
             )?;
             id
         }
         None => {
+            // Unknown EKs cost an operator's attention: a bounded queue, in all and per source.
+            let pending: Vec<String> = tx
+                .prepare(
+                    "SELECT ip FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'",
+                )?
+                .query_map([], |x| x.get::<_, Option<String>>(0))?
+                .map(|ip| ip.map(|ip| ip.map(|ip| source_key(&ip)).unwrap_or_default()))
+                .collect::<Result<_, _>>()?;
+            let mine = source_key(&r.peer_ip);
+            if pending.len() >= MAX_PENDING_REQUESTS
+                || pending.iter().filter(|s| **s == mine).count() >= MAX_PENDING_PER_SOURCE
+            {
+                return refused(Reason::TpmEnrollmentLimit, None).map(Enrollment::Decided);
+            }
             let id = crate::ids::new_id("jreq", now * 1000);
             crate::store::exec(tx,
                 "INSERT INTO join_requests (id, site_id, attestor, machine_key, hardware_key, hardware_key_trusted, claims_json, ip,
-                 vouched_by, csr_sha256, state, created_at, updated_at, expires_at)
-                 VALUES (?1, ?2, 'tpm', ?3, ?4, ?5, ?6, ?7, ?8, ?9, 'pending', ?10, ?10, ?11)",
+                 vouched_by, csr_sha256, state, created_at, updated_at, expires_at, ek_certified)
+                 VALUES (?1, ?2, 'tpm', ?3, ?4, ?5, ?6, ?7, ?8, ?9, 'pending', ?10, ?10, ?11, ?12)",
                 params![
                     id,
                     cfg.site_id,
@@ -514,7 +570,8 @@ fn enroll(
                     format!("tpm-ek:{}", p.ek_sha256),
                     csr_hex,
                     now,
-                    pending_until
+                    pending_until,
+                    ek_certified as i64
                 ],
             )?;
             api::publish(
@@ -629,6 +686,14 @@ impl EkCas {
         let Ok((_, c)) = X509Certificate::from_der(ek_cert) else {
             return false;
         };
+        // An EK certificate certifies a TPM's key, never another CA.
+        if c.basic_constraints()
+            .ok()
+            .flatten()
+            .is_some_and(|b| b.value.ca)
+        {
+            return false;
+        }
         let alg = c.signature_algorithm.algorithm.to_id_string();
         let tbs: &[u8] = c.tbs_certificate.as_ref();
         let signature = &c.signature_value.data;

@@ -415,14 +415,42 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
         "tpm:ak",
     );
     // A certification made for another CSR.
-    let good = bca::agent::tpm_evidence(&cfg, &key, &csr).unwrap();
+    let good = bca::agent::tpm_evidence(&cfg, &key, &csr, false).unwrap();
     let other = NodeKey::generate_in(&tcti).unwrap().csr().unwrap();
     refused(&join(Some(good.clone()), &other), "tpm:certify");
     // A secret the TPM did not activate: the certification is bound to the real one.
-    let good = bca::agent::tpm_evidence(&cfg, &key, &csr).unwrap();
+    let good = bca::agent::tpm_evidence(&cfg, &key, &csr, false).unwrap();
     let mut wrong = good.clone();
     wrong.credential = crypto::b64(&[9u8; 32]);
     refused(&join(Some(wrong), &csr), "tpm:certify");
+    // A machine that asked not to be queued (the ramdisk's --no-enroll): refused, no request.
+    let quiet = bca::agent::tpm_evidence(&cfg, &key, &csr, true).unwrap();
+    refused(&join(Some(quiet), &csr), "tpm:ek-unknown");
+    // A flood of challenges from one source evicts that source's oldest, never the attestor:
+    // the first challenge, 16 challenges later, is gone; a fresh one still works (below).
+    let evicted = bca::agent::tpm_evidence(&cfg, &key, &csr, false).unwrap();
+    let (_, ak_public) = key.tpm().unwrap().with_tpm(|t| t.ak_public()).unwrap();
+    for _ in 0..16 {
+        let ask = Request {
+            v: 1,
+            tpm_challenge: Some(bca::protocol::TpmChallengeRequest {
+                ek_public: crypto::b64(&ek),
+                ek_certificate: None,
+                ak_public: crypto::b64(&ak_public),
+            }),
+            ..Default::default()
+        };
+        let raw = bca::agent::exchange_raw(&cfg, &serde_json::to_vec(&ask).unwrap()).unwrap();
+        let reply: Reply = serde_json::from_slice(&raw).unwrap();
+        assert!(
+            reply.tpm_challenge.is_some(),
+            "{}",
+            String::from_utf8_lossy(&raw)
+        );
+    }
+    assert_eq!(a.count("SELECT count(*) FROM tpm_challenges"), 16);
+    refused(&join(Some(evicted), &csr), "tpm:challenge");
+    let good = bca::agent::tpm_evidence(&cfg, &key, &csr, false).unwrap();
     assert_eq!(a.count("SELECT count(*) FROM nodes"), nodes);
     assert_eq!(a.count("SELECT count(*) FROM join_requests"), 0);
     // The right evidence: the EK is on no allow-list, so the answer is a signed deferral and a
@@ -481,6 +509,8 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
     });
     assert_eq!(request["attestor"], "tpm");
     assert_eq!(request["vouchedBy"], format!("tpm-ek:{hash}"));
+    // A TPM without an EK certificate: nothing vouches for its EK but the operator.
+    assert_eq!(request["ekCertified"], false);
     let id = request["id"].as_str().unwrap().to_string();
     assert_eq!(a.count("SELECT count(*) FROM nodes"), nodes);
     a.cli_json(&["join-requests", "approve", &id, "--pool", &pool]);
