@@ -152,11 +152,8 @@ fn appliance(ns: &Netns, mode: &str) -> Appliance {
     }
 }
 
-fn vm(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) -> (Killed, PathBuf) {
-    vm_with(ns, a, mac, uefi, &[])
-}
-
-/// [`vm`] with more QEMU arguments (a TPM).
+/// A disk-less VM on the namespace's tap, booting from the network, with `extra` QEMU arguments
+/// (a TPM).
 fn vm_with(
     ns: &Netns,
     a: &Appliance,
@@ -230,10 +227,45 @@ fn wait_for<T>(what: &str, secs: u64, console: &Path, mut f: impl FnMut() -> Opt
     }
 }
 
+/// A swtpm for QEMU on the TPM state in `state` (`-tpmdev emulator`), and the QEMU arguments
+/// that give it to a VM as a TIS TPM.
+fn vm_tpm(state: &Path) -> (Killed, Vec<String>) {
+    let sock = state.join("ctrl.sock");
+    let swtpm = Killed(
+        Command::new("swtpm")
+            .args(["socket", "--tpm2", "--tpmstate"])
+            .arg(format!("dir={}", state.display()))
+            .arg("--ctrl")
+            .arg(format!("type=unixio,path={}", sock.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "swtpm did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let args = vec![
+        "-chardev".into(),
+        format!("socket,id=chrtpm,path={}", sock.display()),
+        "-tpmdev".into(),
+        "emulator,id=tpm0,chardev=chrtpm".into(),
+        "-device".into(),
+        "tpm-tis,tpmdev=tpm0".into(),
+    ];
+    (swtpm, args)
+}
+
 /// The whole story for one VM: boot, ask, approval, join as ramdisk.
 fn boot_and_approve(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) {
+    boot_and_approve_with(ns, a, mac, uefi, &[])
+}
+
+fn boot_and_approve_with(ns: &Netns, a: &Appliance, mac: &str, uefi: bool, extra: &[String]) {
     let pool = a.pool(&format!("intake-{}", rand_hex(2)));
-    let (_vm, console) = vm(ns, a, mac, uefi);
+    let (_vm, console) = vm_with(ns, a, mac, uefi, extra);
     let req = wait_for("the VM's join request", 300, &console, || {
         a.cli_json(&["join-requests", "list"])["items"]
             .as_array()
@@ -313,7 +345,20 @@ fn a_vm_pxe_boots_with_ovmf_and_is_approved() {
     require_tools();
     let ns = Netns::new("uefi", 98);
     let a = appliance(&ns, "dhcp");
-    boot_and_approve(&ns, &a, "52:54:00:ef:10:01", true);
+    // With a TPM whose EK is on no list: the ramdisk tries it (--no-enroll), is refused, and
+    // falls back to its discovery token; the operator sees one request, discovery's.
+    let state = a.dir.path().join("vtpm");
+    std::fs::create_dir(&state).unwrap();
+    let (_swtpm, tpm) = vm_tpm(&state);
+    boot_and_approve_with(&ns, &a, "52:54:00:ef:10:01", true, &tpm);
+    let log = std::fs::read_to_string(a.dir.path().join("console-525400ef1001.log")).unwrap();
+    assert!(log.contains("bca: joining with the TPM"), "{log}");
+    let (_, ev) = a.last_event("security.join.refused").unwrap();
+    assert_eq!(ev["reason"], "tpm:ek-unknown");
+    assert_eq!(
+        a.count("SELECT count(*) FROM join_requests WHERE attestor = 'tpm'"),
+        0
+    );
 }
 
 /// A VM with a TPM (swtpm behind QEMU's `-tpmdev emulator`) whose EK an operator allowed into a
@@ -337,38 +382,9 @@ fn a_vm_with_a_tpm_pxe_boots_and_joins_with_its_tpm_when_its_ek_is_allowed() {
             .to_string()
     };
     a.cli_json(&["tpm", "allow-ek", &hash, "--pool", &pool]);
-    let sock = state.join("ctrl.sock");
-    let _swtpm = Killed(
-        Command::new("swtpm")
-            .args(["socket", "--tpm2", "--tpmstate"])
-            .arg(format!("dir={}", state.display()))
-            .arg("--ctrl")
-            .arg(format!("type=unixio,path={}", sock.display()))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let t = Instant::now();
-    while !sock.exists() {
-        assert!(t.elapsed() < Duration::from_secs(10), "swtpm did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (_swtpm, tpm) = vm_tpm(&state);
     let mac = "52:54:00:79:70:01";
-    let (_vm, console) = vm_with(
-        &ns,
-        &a,
-        mac,
-        false,
-        &[
-            "-chardev".into(),
-            format!("socket,id=chrtpm,path={}", sock.display()),
-            "-tpmdev".into(),
-            "emulator,id=tpm0,chardev=chrtpm".into(),
-            "-device".into(),
-            "tpm-tis,tpmdev=tpm0".into(),
-        ],
-    );
+    let (_vm, console) = vm_with(&ns, &a, mac, false, &tpm);
     let node = wait_for("the ramdisk node", 300, &console, || {
         a.cli_json(&["nodes", "list", "--pool", &pool])["items"]
             .as_array()
