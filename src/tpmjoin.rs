@@ -13,15 +13,18 @@
 //!    SHA-256). Stage 1 checks the certification and that the certified key is the CSR's, a key
 //!    made in the TPM that never leaves it; stage 2 spends the challenge (before the join's
 //!    savepoint, so a refusal spends it too), then admits by the EK: on the allow-list
-//!    (`tpm_eks`), into its pool; else, with `[tpm_attestor] enrollment` (the default), through a
-//!    join request an operator decides, like a discovered machine. A known EK reclaims its node.
+//!    (`tpm_eks`), into its pool; certified by the EK CA bundle, into `ek_ca_pool`; a known EK,
+//!    into its node's pool; else, with `[tpm_attestor] enrollment` (the default), through a join
+//!    request an operator decides, like a discovered machine (a bounded queue). A known EK
+//!    reclaims its node.
 //!    The certificate carries `urn:bc:tpm-ak:sha256:<hex>` (the AK's Name digest) after the SPIFFE
 //!    ID, and the event and audit row say `nodeKey: tpm`.
 //!
 //! What this proves rests on the EK being a real TPM's: an allow-listed hash is the operator's
 //! word that it is (read from the machine with `bca tpm status`), an approved request the
-//! operator's decision. An EK certificate the machine sends is checked to certify its EK and
-//! recorded with the request, not trusted on its own.
+//! operator's decision, the EK CA bundle the manufacturers' word. An EK certificate the machine
+//! sends counts only when it certifies its EK and a bundle CA issued it (`ekCertified`, shown
+//! with a join request).
 
 use crate::admission::Reason;
 use crate::api;
