@@ -220,22 +220,10 @@ pub(crate) fn admit(
         }
     }
     let csr_hex = crypto::hex(&r.csr.sha256);
-    let rejected: Option<String> = crate::store::query_row(tx,
-            "SELECT id FROM join_requests WHERE machine_key = ?1 AND state = 'rejected' AND csr_sha256 = ?2",
-            params![machine_key, csr_hex],
-            |x| x.get(0),
-        )
-        .optional()?;
-    if rejected.is_some() {
+    if rejected(tx, &machine_key, &csr_hex)? {
         return refused(Reason::DiscoveryRejected, None);
     }
-    let current: Option<(String, String, Option<String>, String)> = crate::store::query_row(tx,
-            "SELECT id, state, pool_id, csr_sha256 FROM join_requests WHERE machine_key = ?1 AND state IN ('pending', 'approved')
-             ORDER BY created_at DESC LIMIT 1",
-            [&machine_key],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
-        )
-        .optional()?;
+    let current = open_request(tx, &machine_key)?;
     let claims_json = serde_json::to_string(&r.claims).expect("serializes");
     let pending_until = now + cfg.discovery.pending_ttl_seconds as i64;
     match current {
@@ -300,18 +288,7 @@ pub(crate) fn admit(
                 &id,
                 known.is_some(),
             )?;
-            crate::store::exec(
-                tx,
-                "UPDATE nodes SET state = 'adopted' WHERE id = ?1 AND state = 'adopting'",
-                [&node],
-            )?;
-            api::publish(
-                tx,
-                now,
-                &pool.tenant_id,
-                "node.adopted",
-                json!({"nodeId": node, "poolId": pool.id}),
-            )?;
+            crate::joinservice::adopt(tx, &pool.tenant_id, &node, &pool.id, now)?;
             Ok(Decided::Issued(response))
         }
         Some((id, _, _, _)) => {
@@ -356,6 +333,34 @@ pub(crate) fn admit(
             Ok(Decided::Deferred(deferral(app, signer, &id, &r.csr.sha256)))
         }
     }
+}
+
+/// Whether an operator rejected this machine's request for this CSR (a retry with it fails).
+pub(crate) fn rejected(tx: &Transaction<'_>, machine_key: &str, csr_hex: &str) -> ApiResult<bool> {
+    Ok(crate::store::query_row(tx,
+            "SELECT id FROM join_requests WHERE machine_key = ?1 AND state = 'rejected' AND csr_sha256 = ?2",
+            params![machine_key, csr_hex],
+            |x| x.get::<_, String>(0),
+        )
+        .optional()?
+        .is_some())
+}
+
+/// A machine's open request: id, state (`pending` or `approved`), pool, CSR hash.
+pub(crate) type OpenRequest = (String, String, Option<String>, String);
+
+/// A machine's newest open request.
+pub(crate) fn open_request(
+    tx: &Transaction<'_>,
+    machine_key: &str,
+) -> ApiResult<Option<OpenRequest>> {
+    Ok(crate::store::query_row(tx,
+            "SELECT id, state, pool_id, csr_sha256 FROM join_requests WHERE machine_key = ?1 AND state IN ('pending', 'approved')
+             ORDER BY created_at DESC LIMIT 1",
+            [machine_key],
+            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
+        )
+        .optional()?)
 }
 
 fn spend(tx: &Transaction<'_>, token: &str, now: i64) -> ApiResult<()> {

@@ -421,14 +421,16 @@ impl Gateway {
                 Next::Close,
             );
         }
-        if let Some(join) = req.join {
-            if !self
+        // A join, and the first round of a `tpm` join, count against the source's join rate.
+        if (req.join.is_some() || req.tpm_challenge.is_some())
+            && !self
                 .sources
                 .join_allowed(source, self.cfg.joins_per_source_per_minute)
-            {
-                tracing::info!(%peer, "gateway: the source's join rate is exceeded");
-                return (Reply::from_outcome(Outcome::Busy), Next::Close);
-            }
+        {
+            tracing::info!(%peer, "gateway: the source's join rate is exceeded");
+            return (Reply::from_outcome(Outcome::Busy), Next::Close);
+        }
+        if let Some(join) = req.join {
             let out = self
                 .call(Call::Join {
                     request: Box::new(join),
@@ -439,14 +441,6 @@ impl Gateway {
             return (Reply::from_outcome(out), Next::Close);
         }
         if let Some(challenge) = req.tpm_challenge {
-            // The first round of a `tpm` join counts against the source's join rate.
-            if !self
-                .sources
-                .join_allowed(source, self.cfg.joins_per_source_per_minute)
-            {
-                tracing::info!(%peer, "gateway: the source's join rate is exceeded");
-                return (Reply::from_outcome(Outcome::Busy), Next::Close);
-            }
             let out = self
                 .call(Call::TpmChallenge {
                     request: challenge,

@@ -870,20 +870,31 @@ fn admit_one(
         &node_id,
         data,
     )?;
-    // No acceptance checks yet: the node is adopted at once.
+    adopt(tx, &token.tenant_id, &node_id, &pool.id, now)?;
+    Ok(Decided::Issued(response))
+}
+
+/// No acceptance checks yet: a node that just joined (`adopting`) is adopted at once, with its
+/// `node.adopted` event.
+pub(crate) fn adopt(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    node_id: &str,
+    pool_id: &str,
+    now: i64,
+) -> ApiResult<()> {
     crate::store::exec(
         tx,
-        "UPDATE nodes SET state = 'adopted' WHERE id = ?1",
-        [&node_id],
+        "UPDATE nodes SET state = 'adopted' WHERE id = ?1 AND state = 'adopting'",
+        [node_id],
     )?;
     api::publish(
         tx,
         now,
-        &token.tenant_id,
+        tenant,
         "node.adopted",
-        json!({"nodeId": node_id, "poolId": pool.id}),
-    )?;
-    Ok(Decided::Issued(response))
+        json!({"nodeId": node_id, "poolId": pool_id}),
+    )
 }
 
 /// Revokes every unrevoked certificate of `node_id` (`reason`, with a

@@ -476,18 +476,7 @@ pub(crate) fn admit(
         &node_id,
         data,
     )?;
-    crate::store::exec(
-        tx,
-        "UPDATE nodes SET state = 'adopted' WHERE id = ?1",
-        [&node_id],
-    )?;
-    api::publish(
-        tx,
-        now,
-        &pool.tenant_id,
-        "node.adopted",
-        json!({"nodeId": node_id, "poolId": pool.id}),
-    )?;
+    crate::joinservice::adopt(tx, &pool.tenant_id, &node_id, &pool.id, now)?;
     Ok(Decided::Issued(response))
 }
 
@@ -508,22 +497,10 @@ fn enroll(
     crate::discovery::expire(tx, now)?;
     let machine_key = format!("ek:{}", p.ek_sha256);
     let csr_hex = crypto::hex(&r.csr.sha256);
-    let rejected: Option<String> = crate::store::query_row(tx,
-            "SELECT id FROM join_requests WHERE machine_key = ?1 AND state = 'rejected' AND csr_sha256 = ?2",
-            params![machine_key, csr_hex],
-            |x| x.get(0),
-        )
-        .optional()?;
-    if rejected.is_some() {
+    if crate::discovery::rejected(tx, &machine_key, &csr_hex)? {
         return refused(Reason::TpmRejected, None).map(Enrollment::Decided);
     }
-    let current: Option<(String, String, Option<String>, String)> = crate::store::query_row(tx,
-            "SELECT id, state, pool_id, csr_sha256 FROM join_requests WHERE machine_key = ?1 AND state IN ('pending', 'approved')
-             ORDER BY created_at DESC LIMIT 1",
-            [&machine_key],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
-        )
-        .optional()?;
+    let current = crate::discovery::open_request(tx, &machine_key)?;
     let claims_json = serde_json::to_string(&r.claims).expect("serializes");
     let pending_until = now + cfg.discovery.pending_ttl_seconds as i64;
     let trusted = r.key.as_ref().is_some_and(|k| k.trusted);

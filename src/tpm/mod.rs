@@ -1075,16 +1075,27 @@ impl Tpm {
     ) -> Result<T, TpmFailure> {
         let (private, public) = load_parts(&key.private, &key.public)?;
         self.with_srk(|tpm, srk| {
-            let load = TpmLoadCommand {
-                handles: [TpmHandle::new(srk)],
-                in_private: private,
-                in_public: public,
-            };
-            let r: TpmLoadResponse = tpm.run("TPM2_Load", &load, &[password()])?;
-            let object = r.handles[0].value();
+            let object = tpm.load(srk, private, public)?;
             let out = f(tpm, object);
             tpm.flushed(object, out)
         })
+    }
+
+    /// `TPM2_Load` of an object under `parent` (with its empty auth): the object's handle, which
+    /// the caller flushes.
+    fn load(
+        &mut self,
+        parent: u32,
+        in_private: Tpm2bPrivate,
+        in_public: Tpm2bPublic,
+    ) -> Result<u32, TpmFailure> {
+        let cmd = TpmLoadCommand {
+            handles: [TpmHandle::new(parent)],
+            in_private,
+            in_public,
+        };
+        let r: TpmLoadResponse = self.run("TPM2_Load", &cmd, &[password()])?;
+        Ok(r.handles[0].value())
     }
 
     /// `TPM2_Sign` of a SHA-256 `digest` with `key` (ECDSA): the signature as DER.
@@ -1321,13 +1332,7 @@ impl Tpm {
                 _ => return Err(fail("the storage key is not an ECC key".into())),
             };
             let srk = srk.handles[0].value();
-            let cmd = TpmLoadCommand {
-                handles: [TpmHandle::new(srk)],
-                in_private: private,
-                in_public: public,
-            };
-            let r: TpmLoadResponse = tpm.run("TPM2_Load", &cmd, &[password()])?;
-            let item = r.handles[0].value();
+            let item = tpm.load(srk, private, public)?;
             let cmd = TpmUnsealCommand {
                 handles: [TpmHandle::new(item)],
             };

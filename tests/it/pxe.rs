@@ -258,6 +258,17 @@ fn vm_tpm(state: &Path) -> (Killed, Vec<String>) {
     (swtpm, args)
 }
 
+/// The first node in `pool`, waited for (`secs` at most; the console's tail on a timeout).
+fn first_node(a: &Appliance, pool: &str, secs: u64, console: &Path) -> Value {
+    wait_for("the ramdisk node", secs, console, || {
+        a.cli_json(&["nodes", "list", "--pool", pool])["items"]
+            .as_array()
+            .unwrap()
+            .first()
+            .cloned()
+    })
+}
+
 /// The whole story for one VM: boot, ask, approval, join as ramdisk.
 fn boot_and_approve(ns: &Netns, a: &Appliance, mac: &str, uefi: bool) {
     boot_and_approve_with(ns, a, mac, uefi, &[])
@@ -286,13 +297,7 @@ fn boot_and_approve_with(ns: &Netns, a: &Appliance, mac: &str, uefi: bool, extra
         "--reason",
         "rack intake",
     ]);
-    let node = wait_for("the ramdisk node", 120, &console, || {
-        a.cli_json(&["nodes", "list", "--pool", &pool])["items"]
-            .as_array()
-            .unwrap()
-            .first()
-            .cloned()
-    });
+    let node = first_node(a, &pool, 120, &console);
     assert_eq!(node["role"], "ramdisk");
     wait_for("the ramdisk's session", 60, &console, || {
         (a.cli_json(&["nodes", "get", node["id"].as_str().unwrap()])["connected"] == true)
@@ -385,13 +390,7 @@ fn a_vm_with_a_tpm_pxe_boots_and_joins_with_its_tpm_when_its_ek_is_allowed() {
     let (_swtpm, tpm) = vm_tpm(&state);
     let mac = "52:54:00:79:70:01";
     let (_vm, console) = vm_with(&ns, &a, mac, false, &tpm);
-    let node = wait_for("the ramdisk node", 300, &console, || {
-        a.cli_json(&["nodes", "list", "--pool", &pool])["items"]
-            .as_array()
-            .unwrap()
-            .first()
-            .cloned()
-    });
+    let node = first_node(&a, &pool, 300, &console);
     assert_eq!(node["role"], "ramdisk");
     let id = node["id"].as_str().unwrap().to_string();
     wait_for("the ramdisk's session", 60, &console, || {

@@ -13,28 +13,32 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-/// `bca agent join --attestor tpm` with no token anywhere.
+/// `bca agent join --attestor tpm` with no token anywhere, not yet run.
+fn tpm_join_cmd(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Command {
+    let mut c = Command::new(bin());
+    c.args([
+        "agent",
+        "join",
+        "--attestor",
+        "tpm",
+        "--tpm",
+        &tpm.tcti(),
+        "--config",
+    ])
+    .arg(dir.join("config.toml"))
+    .arg("--data-dir")
+    .arg(dir.join("data"))
+    .arg("--claims")
+    .arg(claims)
+    .args(extra)
+    .env_remove("BCD_JOIN_TOKEN")
+    .stdin(Stdio::null());
+    c
+}
+
+/// [`tpm_join_cmd`], run to its end.
 fn tpm_join(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Output {
-    Command::new(bin())
-        .args([
-            "agent",
-            "join",
-            "--attestor",
-            "tpm",
-            "--tpm",
-            &tpm.tcti(),
-            "--config",
-        ])
-        .arg(dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--claims")
-        .arg(claims)
-        .args(extra)
-        .env_remove("BCD_JOIN_TOKEN")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
+    tpm_join_cmd(dir, claims, tpm, extra).output().unwrap()
 }
 
 fn leaf_text(dir: &Path) -> String {
@@ -471,27 +475,16 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
     );
 
     // The machine joins; its EK is on no allow-list, so it waits for an operator.
-    let mut agent = Command::new(bin())
-        .args([
-            "agent",
-            "join",
-            "--attestor",
-            "tpm",
-            "--tpm",
-            &tpm.tcti(),
-            "--config",
-        ])
-        .arg(dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--claims")
-        .arg(&claims)
-        .args(["--retry-seconds", "1", "--wait-seconds", "60"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut agent = tpm_join_cmd(
+        &dir,
+        &claims,
+        &tpm,
+        &["--retry-seconds", "1", "--wait-seconds", "60"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let hash = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()])["ek"]["rsa"]["publicKeySha256"]
         .as_str()
         .unwrap()
