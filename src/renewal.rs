@@ -189,11 +189,7 @@ fn check_key_attestation(
         .key_attestation
         .as_ref()
         .ok_or(RenewReason::KeyAttestationMissing)?;
-    let field = |s: &str, why| {
-        crypto::b64_decode(s)
-            .filter(|b| !b.is_empty() && b.len() <= 4096)
-            .ok_or(why)
-    };
+    let field = |s: &str, why| crate::tpmjoin::evidence_field(s).ok_or(why);
     let ak_public = field(&a.ak_public, RenewReason::KeyAttestationAk)?;
     let ak = crate::tpm::public_key_of(&ak_public).map_err(|_| RenewReason::KeyAttestationAk)?;
     if ak.name != want_ak {

@@ -115,10 +115,13 @@ pub fn statement_ak_name(statement: &str) -> Option<Vec<u8>> {
     Some([&[0x00, 0x0b][..], &digest].concat())
 }
 
+/// One base64 field of TPM evidence (a join's or a renewal's): not empty, at most 4 KiB decoded.
+pub(crate) fn evidence_field(s: &str) -> Option<Vec<u8>> {
+    crypto::b64_decode(s).filter(|b| !b.is_empty() && b.len() <= MAX_FIELD)
+}
+
 fn field(s: &str) -> Result<Vec<u8>, Reason> {
-    crypto::b64_decode(s)
-        .filter(|b| !b.is_empty() && b.len() <= MAX_FIELD)
-        .ok_or(Reason::TpmMalformed)
+    evidence_field(s).ok_or(Reason::TpmMalformed)
 }
 
 /// The EK's public key and its hash, from its marshaled public area.
