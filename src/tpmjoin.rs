@@ -343,9 +343,23 @@ pub(crate) fn admit(
         },
     )
     .optional()?;
+    // A machine whose node was retired is cut off from the bundle's blanket trust: its EK goes
+    // to an operator (an allow-list entry, the operator's own word, still admits it; deleting
+    // the retired node lifts the block).
+    let retired = known.is_none()
+        && crate::store::query_row(
+            tx,
+            "SELECT EXISTS(SELECT 1 FROM nodes WHERE tpm_ek_sha256 = ?1 AND state = 'retired')",
+            [&p.ek_sha256],
+            |x| x.get::<_, bool>(0),
+        )?;
     // The allow-list first, then the EK CA bundle's pool, then the node this EK already is
     // (admitted once, by whichever way: retire it to cut the machine off), then an operator.
-    let ca_pool = cfg.tpm_attestor.ek_ca_pool.clone().filter(|_| ek_certified);
+    let ca_pool = cfg
+        .tpm_attestor
+        .ek_ca_pool
+        .clone()
+        .filter(|_| ek_certified && !retired);
     let (pool_id, request, admitted_by) = match (allowed, ca_pool, &known) {
         (Some(pool), _, _) => (pool, None, "allow-list"),
         (None, Some(pool), _) => (pool, None, "ek-ca"),

@@ -655,6 +655,29 @@ fn an_ek_the_ek_ca_bundle_certifies_joins_its_pool_and_others_wait() {
     assert_eq!(ev["poolId"], pool.as_str());
     assert_eq!(a.count("SELECT count(*) FROM tpm_eks"), 0);
 
+    // Retired, the machine is cut off from the bundle's trust: its next join waits for an
+    // operator instead of becoming a new node.
+    let node = ev["nodeId"].as_str().unwrap().to_string();
+    a.cli_json(&["nodes", "retire", &node]);
+    let again = a.agent_dir();
+    let o = tpm_join(
+        &again,
+        &write_claims(&a, &machine()),
+        &tpm,
+        &["--wait-seconds", "0"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("still pending"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 1);
+    assert_eq!(
+        a.count("SELECT count(*) FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'"),
+        1
+    );
+
     // A TPM with no EK certificate: nothing vouches for it, so it waits for an operator.
     let dir = a.agent_dir();
     let o = tpm_join(
@@ -671,7 +694,7 @@ fn an_ek_the_ek_ca_bundle_certifies_joins_its_pool_and_others_wait() {
     );
     assert_eq!(
         a.count("SELECT count(*) FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'"),
-        1
+        2
     );
     assert_eq!(a.count("SELECT count(*) FROM nodes"), 1);
 }
