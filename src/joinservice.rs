@@ -406,9 +406,12 @@ impl JoinHandle {
             key: None,
         };
         if let Prepared::Ready(r) = &prepared {
-            // A machine is its TPM's EK for a `tpm` join, else its trusted hardware key.
+            // A machine is its trusted hardware key. A `tpm` join is keyed by its challenge, not
+            // its EK: the EK is public and unproven until the challenge is spent, so keying by it
+            // would let anyone who knows a machine's EK race its join into a conflict; two joins
+            // of one EK with two challenges are serialised by the writer (the second reclaims).
             let machine = match &r.proof {
-                Proof::Tpm(p) => Some(format!("ek:{}", p.ek_sha256)),
+                Proof::Tpm(p) => Some(format!("tpm-challenge:{}", p.challenge_id)),
                 Proof::Bearer(_) => r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone()),
             };
             if let Some(k) = machine {

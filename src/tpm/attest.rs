@@ -73,6 +73,9 @@ fn check_certified_key(k: &TpmtPublic) -> Result<(), String> {
     if a.contains(TpmaObject::RESTRICTED) {
         return Err("the certified key is restricted: it cannot sign a CSR or a handshake".into());
     }
+    if a.contains(TpmaObject::DECRYPT) {
+        return Err("the certified key also decrypts: a node key only signs".into());
+    }
     if !p256(k) {
         return Err("the certified key is not a NIST P-256 key".into());
     }

@@ -821,6 +821,10 @@ fn a_key_made_in_the_tpm_is_certified_by_the_ak_as_openssl_and_tpm2_tools_read_i
             "fixedtpm|fixedparent|sensitivedataorigin|userwithauth|sign",
         ),
         ("loose", "sensitivedataorigin|userwithauth|sign"),
+        (
+            "both",
+            "fixedtpm|fixedparent|sensitivedataorigin|userwithauth|sign|decrypt",
+        ),
     ] {
         tool(&[
             "tpm2_create",
@@ -891,6 +895,15 @@ fn a_key_made_in_the_tpm_is_certified_by_the_ak_as_openssl_and_tpm2_tools_read_i
     )
     .unwrap_err();
     assert!(e.contains("not fixedTPM"), "{e}");
+    let e = verify_certify(
+        &read("tak.pub"),
+        &read("both.attest"),
+        &read("both.sig"),
+        &fixed,
+        &read("both.pub"),
+    )
+    .unwrap_err();
+    assert!(e.contains("also decrypts"), "{e}");
     tpm.assert_nothing_loaded(d);
 }
 
