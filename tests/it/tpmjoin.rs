@@ -597,6 +597,23 @@ fn without_enrollment_an_unknown_ek_is_refused_and_the_pool_is_checked_at_every_
     );
 }
 
+/// A `tpm` join from a fresh agent directory that does not wait: it exits 1, its request still
+/// pending.
+fn join_waits(a: &Appliance, tpm: &Swtpm) {
+    let o = tpm_join(
+        &a.agent_dir(),
+        &write_claims(a, &machine()),
+        tpm,
+        &["--wait-seconds", "0"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("still pending"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 #[test]
 fn an_ek_the_ek_ca_bundle_certifies_joins_its_pool_and_others_wait() {
     let tpm = Swtpm::start(true);
@@ -659,19 +676,7 @@ fn an_ek_the_ek_ca_bundle_certifies_joins_its_pool_and_others_wait() {
     // operator instead of becoming a new node.
     let node = ev["nodeId"].as_str().unwrap().to_string();
     a.cli_json(&["nodes", "retire", &node]);
-    let again = a.agent_dir();
-    let o = tpm_join(
-        &again,
-        &write_claims(&a, &machine()),
-        &tpm,
-        &["--wait-seconds", "0"],
-    );
-    assert_eq!(o.status.code(), Some(1));
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("still pending"),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    join_waits(&a, &tpm);
     assert_eq!(a.count("SELECT count(*) FROM nodes"), 1);
     assert_eq!(
         a.count("SELECT count(*) FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'"),
@@ -679,19 +684,7 @@ fn an_ek_the_ek_ca_bundle_certifies_joins_its_pool_and_others_wait() {
     );
 
     // A TPM with no EK certificate: nothing vouches for it, so it waits for an operator.
-    let dir = a.agent_dir();
-    let o = tpm_join(
-        &dir,
-        &write_claims(&a, &machine()),
-        &bare,
-        &["--wait-seconds", "0"],
-    );
-    assert_eq!(o.status.code(), Some(1));
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("still pending"),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    join_waits(&a, &bare);
     assert_eq!(
         a.count("SELECT count(*) FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'"),
         2
