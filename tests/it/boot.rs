@@ -138,7 +138,11 @@ fn the_proxy_answers_the_uefi_boot_server_request_on_4011() {
     );
     // Garbage and non-PXE requests get nothing; the server keeps answering.
     s.send_to(b"not dhcp", ("127.0.0.1", proxy)).unwrap();
-    let leases = a.cli_json(&["boot", "leases"]);
+    // The record of who booted what is written after the answer (in the background).
+    let leases = wait_for("the boot record", 5, || {
+        let l = a.cli_json(&["boot", "leases"]);
+        (!l["items"].as_array()?.is_empty()).then_some(l)
+    });
     assert_eq!(leases["items"][0]["mac"], "52:54:00:aa:bb:cc");
     assert_eq!(leases["items"][0]["file"], "snponly.efi");
     s.send_to(&buf, ("127.0.0.1", proxy)).unwrap();
