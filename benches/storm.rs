@@ -222,14 +222,70 @@ fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
     }
 }
 
-/// The appliance's own cryptography of one join, in a tight loop on this core: the TLS handshake's
-/// server side, opening the seal, verifying the CSR, signing the certificate and the response.
-fn ceiling(n: usize) -> f64 {
+/// An appliance's keys and configuration for the ceilings' tight loops.
+fn ceiling_setup() -> (bca::keys::KeyBundle, bca::config::Config) {
     let keys = bca::keys::KeyBundle::generate();
     let cfg: bca::config::Config = toml::from_str(
         "trust_domain = \"b.example\"\nsite_id = \"site_x\"\nsite_name = \"x\"\nkey_protection = \"file\"\n",
     )
     .unwrap();
+    (keys, cfg)
+}
+
+/// Signs a node certificate for `public_point` and the response over it, as the JoinService
+/// does for a join and for a renewal.
+fn ceiling_issue(
+    keys: &bca::keys::KeyBundle,
+    node_ca: &(rcgen::Certificate, rcgen::KeyPair),
+    public_point: &[u8],
+) -> Vec<u8> {
+    let (der, _) = bca::pki::issue_node_cert(
+        &bca::pki::NodeCertSpec {
+            spiffe_id: "spiffe://b.example/site/site_x/node/node_x",
+            statements: &[],
+            role: "node",
+            not_before: 0,
+            not_after: 86_400,
+            public_point,
+        },
+        node_ca,
+    )
+    .unwrap();
+    keys.join_signing
+        .sign(protocol::JOIN_RESPONSE_PURPOSE, &der)
+}
+
+/// The appliance's own cryptography of one renewal, in a tight loop on this core: verifying the
+/// new CSR and the proof signed by the current key, signing the certificate and the response.
+fn renewal_ceiling(n: usize) -> f64 {
+    let (keys, cfg) = ceiling_setup();
+    let node_ca = bca::pki::issuer(bca::pki::CaKind::Node, &cfg, &keys.node_ca);
+    // (CSR, the proof's message, its signature, the current key's public point)
+    type Renewal = (Vec<u8>, Vec<u8>, Vec<u8>, Vec<u8>);
+    let inputs: Vec<Renewal> = (0..n)
+        .map(|_| {
+            let (old, new) = (SigningKey::generate(), SigningKey::generate());
+            let csr = bca::csr::create(&new);
+            let msg = protocol::renew_pop_message(&crypto::sha256(&csr), "node_x", 0);
+            let sig = old.sign(protocol::RENEW_POP_PURPOSE, &msg);
+            (csr, msg, sig, old.public_point().to_vec())
+        })
+        .collect();
+    let t = Instant::now();
+    for (csr, msg, sig, old) in &inputs {
+        let v = bca::csr::verify(csr).unwrap();
+        assert!(crypto::verify(old, protocol::RENEW_POP_PURPOSE, msg, sig));
+        let _ = ceiling_issue(&keys, &node_ca, &v.public_point);
+    }
+    let per = t.elapsed().as_secs_f64() / n as f64;
+    line("renewal_ceiling_us", per * 1e6, "us");
+    1.0 / per
+}
+
+/// The appliance's own cryptography of one join, in a tight loop on this core: the TLS handshake's
+/// server side, opening the seal, verifying the CSR, signing the certificate and the response.
+fn ceiling(n: usize) -> f64 {
+    let (keys, cfg) = ceiling_setup();
     let issued = bca::pki::create(&cfg, &keys, &["localhost".into()], bca::clock::now()).unwrap();
     let server_cfg = Arc::new(
         bca::gateway::server_config(
@@ -295,21 +351,7 @@ fn ceiling(n: usize) -> f64 {
         let t = Instant::now();
         let v = bca::csr::verify(csr).unwrap();
         let _ = bca::jwe::open(sealed, &dec, &v.sha256, bca::clock::now(), 300).unwrap();
-        let (der, _) = bca::pki::issue_node_cert(
-            &bca::pki::NodeCertSpec {
-                spiffe_id: "spiffe://b.example/site/site_x/node/node_x",
-                statements: &[],
-                role: "node",
-                not_before: 0,
-                not_after: 86_400,
-                public_point: &v.public_point,
-            },
-            &node_ca,
-        )
-        .unwrap();
-        let _ = keys
-            .join_signing
-            .sign(protocol::JOIN_RESPONSE_PURPOSE, &der);
+        let _ = ceiling_issue(&keys, &node_ca, &v.public_point);
         rest += t.elapsed();
     }
     let per = (server_time + rest).as_secs_f64() / n as f64;
@@ -537,6 +579,8 @@ fn main() {
 
     let ceil = ceiling(500);
     line("join_ceiling", ceil, "joins/s/core");
+    let renewal_ceil = renewal_ceiling(500);
+    line("renewal_ceiling", renewal_ceil, "renewals/s/core");
 
     privsep_cost(conc);
 
@@ -693,6 +737,11 @@ fn main() {
         "renewals/s/core",
     );
     line(
+        "renewal_ceiling_fraction",
+        rl.len() as f64 / wall.as_secs_f64() / renewal_ceil,
+        "",
+    );
+    line(
         "renewal_storm_appliance_core_busy",
         renew_cpu / wall.as_secs_f64(),
         "",
@@ -713,15 +762,20 @@ fn main() {
     let back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let attempts = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let given_up = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let failures = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
+        &'static str,
+        usize,
+    >::new()));
     let restarted = Arc::new(tokio::sync::Notify::new());
     let keepers: Vec<_> = lives
         .into_iter()
         .map(|mut l| {
-            let (cfg, back, attempts, given_up) = (
+            let (cfg, back, attempts, given_up, failures) = (
                 cfg.clone(),
                 back.clone(),
                 attempts.clone(),
                 given_up.clone(),
+                failures.clone(),
             );
             rt.spawn(async move {
                 let mut probe = [0u8; 1];
@@ -736,9 +790,29 @@ fn main() {
                     ))
                     .await;
                     attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if let Ok(s) = open_session(&cfg, l.chain.clone(), &l.key).await {
-                        back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        return Some((t, s));
+                    match open_session(&cfg, l.chain.clone(), &l.key).await {
+                        Ok(s) => {
+                            back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            return Some((t, s));
+                        }
+                        Err(e) => {
+                            // Why attempts fail: the backoff's cost is in them.
+                            let why = if e.contains("refused") {
+                                "refused"
+                            } else if e.contains("timed out") {
+                                "timed_out"
+                            } else if e.contains("TLS") {
+                                "tls"
+                            } else {
+                                "other"
+                            };
+                            let mut f = failures.lock().unwrap();
+                            let n = f.entry(why).or_insert(0);
+                            *n += 1;
+                            if *n <= 2 {
+                                eprintln!("# a reconnect attempt failed ({why}): {e}");
+                            }
+                        }
                     }
                     if t.elapsed() > Duration::from_secs(120) {
                         given_up.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -782,6 +856,10 @@ fn main() {
         "",
     );
     line("reconnect_given_up", (n_live - reconnected) as f64, "");
+    for why in ["refused", "timed_out", "tls", "other"] {
+        let n = failures.lock().unwrap().get(why).copied().unwrap_or(0);
+        line(&format!("reconnect_failed_{why}"), n as f64, "attempts");
+    }
     let sessions_back = rt.block_on(async {
         let mut live = Vec::new();
         for k in keepers {
