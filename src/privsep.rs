@@ -578,13 +578,10 @@ pub fn child_main() -> Result<(), String> {
         let gw = Gateway::with_parts(init.sessions, registry.clone(), tls, Relay::Parent(link));
         gw.serve(listener, stop_rx).await;
         let _ = public.await;
-        // Sessions end on the same stop and report themselves closed.
-        for _ in 0..50 {
-            if registry.is_empty() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        // Stopped: the sessions stay open, answering nothing, until the parent has recorded them
+        // closed and ends this process (or exits: the socketpair's end, then the parent-death
+        // signal, end it too). Their nodes notice all at once, as the appliance exits.
+        std::future::pending::<()>().await;
         Ok::<_, String>(())
     })
 }
@@ -634,8 +631,15 @@ impl Sockets {
 }
 
 /// The running boundary, as `serve` holds it.
+/// A network child told to stop, still running: it holds its sessions' connections until this
+/// is dropped (which kills it) or the parent exits (its end of the socketpair closes).
+pub struct Stopped {
+    _child: tokio::process::Child,
+    _link: std::os::fd::OwnedFd,
+}
+
 pub struct Supervisor {
-    task: tokio::task::JoinHandle<()>,
+    task: tokio::task::JoinHandle<Option<Stopped>>,
 }
 
 impl Supervisor {
@@ -680,9 +684,11 @@ impl Supervisor {
         Ok(Self { task })
     }
 
-    /// Returns once the child has stopped (the `stop` given to [`Self::start`] was sent).
-    pub async fn wait(self) {
-        let _ = self.task.await;
+    /// Returns once told to stop (the `stop` given to [`Self::start`] was sent) and the child's
+    /// sessions are recorded closed: the child, stopped but still holding their connections.
+    /// Dropping it ends it (and them): `serve` does so last, as it exits.
+    pub async fn wait(self) -> Option<Stopped> {
+        self.task.await.ok().flatten()
     }
 }
 
@@ -809,7 +815,7 @@ async fn supervise(
     first: Child,
     mut close_rx: mpsc::UnboundedReceiver<String>,
     mut stop: watch::Receiver<bool>,
-) {
+) -> Option<Stopped> {
     let cert = app.gateway_cert.get().cloned().expect("checked at start");
     let mut cert_rx = cert.subscribe();
     let mut next = Some(first);
@@ -822,7 +828,7 @@ async fn supervise(
                 Err(e) => {
                     tracing::error!(error = %e, "privsep: the network child did not start; retrying");
                     if pause(&mut stop, &mut backoff).await {
-                        return;
+                        return None;
                     }
                     continue;
                 }
@@ -832,6 +838,9 @@ async fn supervise(
         let init_chain = init.chain.clone();
         cert_rx.borrow_and_update();
         let started = std::time::Instant::now();
+        // The parent's end of the socketpair, kept past `broker` when stopping: the child ends
+        // itself when that end closes.
+        let link = std::os::fd::AsFd::as_fd(&stream).try_clone_to_owned();
         let stopping = broker(
             &app,
             &join,
@@ -843,6 +852,14 @@ async fn supervise(
             &mut stop,
         )
         .await;
+        if stopping {
+            // Its sessions are recorded closed (`broker`); it still holds their connections, to
+            // be ended as the appliance exits (see `Supervisor::wait`).
+            return link.ok().map(|link| Stopped {
+                _child: child,
+                _link: link,
+            });
+        }
         let status = match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
             Ok(s) => s.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
             Err(_) => {
@@ -850,17 +867,13 @@ async fn supervise(
                 "killed after 5 s".into()
             }
         };
-        if stopping {
-            tracing::debug!(%status, "privsep: the network child stopped");
-            return;
-        }
         tracing::warn!(%status, "privsep: the network child ended; restarting it");
         crate::metrics::count_privsep_restart();
         if started.elapsed() > Duration::from_secs(30) {
             backoff = Duration::from_millis(100);
         }
         if pause(&mut stop, &mut backoff).await {
-            return;
+            return None;
         }
     }
 }
@@ -899,12 +912,16 @@ async fn broker(
     let (mut rd, mut wr) = stream.into_split();
     // Bounded: a child that sends without reading is ended, not queued for without limit.
     let (out_tx, mut out_rx) = mpsc::channel::<Vec<u8>>(OUT_QUEUE);
-    let writer = tokio::spawn(async move {
+    tokio::spawn(async move {
         while let Some(b) = out_rx.recv().await {
             if wr.write_all(&b).await.is_err() {
                 break;
             }
         }
+        // Dropped, a write half would shut the socket down, and a stopping child would take
+        // that for its parent's end and exit with its sessions before they are recorded
+        // closed. It ends with the parent's end of the socketpair instead (`Stopped`).
+        wr.forget();
     });
     let (in_tx, mut in_rx) = mpsc::channel::<Frame>(1024);
     let reader = tokio::spawn(async move {
@@ -931,7 +948,7 @@ async fn broker(
     if stopping {
         send(encode(0, Kind::Stop, &[]));
     }
-    loop {
+    while !stopping {
         tokio::select! {
             f = in_rx.recv() => {
                 let Some((id, kind, p)) = f else { break };
@@ -1032,19 +1049,39 @@ async fn broker(
         }
     }
     reader.abort();
-    writer.abort();
-    // The child is gone: its sessions are over. Recorded in the background, so that the restart
-    // does not wait for thousands of writes; a session whose open is still in flight is closed
-    // as soon as it is answered (`track`).
+    // The child is gone, or stopping: its sessions are over. A session whose open is still in
+    // flight is closed as soon as it is answered (`track`).
     let held = held.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let (app, join) = (app.clone(), join.clone());
-    tokio::spawn(async move {
-        for (node, sid) in held.unwrap_or_default() {
-            if app.sessions.unregister(&node, sid) {
+    let closed: Vec<String> = held
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(node, sid)| app.sessions.unregister(node, *sid))
+        .map(|(node, _)| node)
+        .collect();
+    if stopping {
+        // All in one transaction, before the caller ends the child (which still holds the
+        // connections): the nodes see their sessions end only as the appliance exits.
+        let app = app.clone();
+        let n = closed.len();
+        match tokio::task::spawn_blocking(move || crate::sessions::closed_all(&app, &closed)).await
+        {
+            Ok(Ok(())) => {
+                tracing::info!(sessions = n, "stopping: the sessions were recorded closed")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "stopping: the sessions could not be recorded closed; the next start clears them")
+            }
+            Err(e) => tracing::warn!(error = %e, "stopping: recording the sessions closed failed"),
+        }
+    } else {
+        // Recorded in the background, so that the child's restart does not wait for them.
+        let join = join.clone();
+        tokio::spawn(async move {
+            for node in closed {
                 join.dispatch(Call::SessionClosed { node_id: node }).await;
             }
-        }
-    });
+        });
+    }
     stopping
 }
 

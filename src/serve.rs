@@ -78,7 +78,7 @@ pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
 async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
     let mut tries = 0;
     loop {
-        match tokio::net::TcpListener::bind(addr).await {
+        match listen_tcp(addr).await {
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 20 => {
                 tries += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -86,6 +86,23 @@ async fn bind_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
             r => return r,
         }
     }
+}
+
+/// A TCP listener with a deep accept queue (4,096, the kernel's default `somaxconn`; tokio's own
+/// is 1,024): when the gateway's handshake places are all taken (`[sessions] max_handshakes`),
+/// connections wait there rather than have their SYNs dropped and retried a second later.
+async fn listen_tcp(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let a = tokio::net::lookup_host(addr).await?.next().ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "the name has no address")
+    })?;
+    let s = if a.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    s.set_reuseaddr(true)?;
+    s.bind(a)?;
+    s.listen(4096)
 }
 
 async fn bind_admin(path: &Path, group: Option<u32>) -> Result<tokio::net::UnixListener, String> {
@@ -209,6 +226,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     // The network edge (gateway, HTTP, DHCP, TFTP) runs in a confined child unless privilege
     // separation is off; the parent keeps the sockets, so connections wait in their backlogs
     // while a child restarts.
+    let mut supervisor = None;
     if app.config.privsep.enabled {
         let into_std = |l: tokio::net::TcpListener, what: &str| {
             l.into_std()
@@ -230,9 +248,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         )
         .await;
         match sup {
-            Ok(sup) => {
-                tasks.spawn(sup.wait());
-            }
+            Ok(sup) => supervisor = Some(sup),
             Err(e) => {
                 join.stop().await;
                 return Err(e);
@@ -279,12 +295,26 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
     let _ = stop_tx.send(true);
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
+    let (child, _) = tokio::join!(
+        async {
+            match supervisor {
+                Some(s) => tokio::time::timeout(std::time::Duration::from_secs(5), s.wait())
+                    .await
+                    .ok()
+                    .flatten(),
+                None => None,
+            }
+        },
+        tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            while tasks.join_next().await.is_some() {}
+        })
+    );
     join.stop().await;
     let _ = std::fs::remove_file(&admin_path);
+    // Last: the network child, stopped, still holds the sessions' connections (recorded closed
+    // already); ending it closes them as the appliance exits, so their nodes reconnect to the
+    // next start rather than into this one's listener.
+    drop(child);
     tracing::info!("stopped");
     Ok(())
 }

@@ -151,6 +151,20 @@ pub fn seen(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
     Ok(Outcome::Done)
 }
 
+/// Records the sessions of `nodes` closed in one transaction (the appliance is stopping).
+pub fn closed_all(app: &crate::app::App, nodes: &[String]) -> ApiResult<()> {
+    if nodes.is_empty() {
+        return Ok(());
+    }
+    let now = crate::clock::now();
+    app.store.write(|tx| {
+        for node in nodes {
+            closed(tx, node, now)?;
+        }
+        Ok(())
+    })
+}
+
 pub fn closed(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
     let tenant: Option<String> = crate::store::query_row(
         tx,

@@ -168,6 +168,52 @@ fn the_gateway_survives_slow_garbage_oversize_and_flooding_clients() {
     assert_eq!(a.cli_json(&["health"])["status"], "ok");
 }
 
+/// `[sessions] max_handshakes`: when every handshake place is taken, a new connection waits in
+/// the kernel's accept queue (its deadline not yet running) and is served once a place frees; it
+/// is neither refused nor timed out.
+#[test]
+fn a_gateway_with_every_handshake_place_taken_makes_new_connections_wait_not_fail() {
+    let a = Appliance::start_cfg("file", &[], |c| {
+        replace_table(
+            &c,
+            "sessions",
+            "[sessions]\nmax_handshakes = 2\nrequest_deadline_seconds = 30\n",
+        )
+    });
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, json!({"maxUses": 10}));
+    let good = Arc::new(Sim::new(&a));
+    // Two silent connections hold both places.
+    let mut held: Vec<TcpStream> = (0..2).map(|_| tcp_from("127.0.0.2", &a.gateway)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let (good, token) = (good.clone(), token.clone());
+        std::thread::spawn(move || {
+            let body = good.admitted(&token, &machine());
+            let _ = tx.send(body.node_id);
+        });
+    }
+    assert!(
+        rx.recv_timeout(Duration::from_millis(1500)).is_err(),
+        "a join was served while every handshake place was held"
+    );
+    assert_eq!(a.count("SELECT COUNT(*) FROM nodes"), 0);
+    // One holder leaves: its place goes to the waiting join, which is admitted.
+    drop(held.remove(0));
+    let node = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the waiting join was answered once a place was free");
+    assert_eq!(
+        a.count(&format!("SELECT COUNT(*) FROM nodes WHERE id = '{node}'")),
+        1
+    );
+    // The remaining holder still has its place; the freed one serves joins one after another.
+    good.admitted(&token, &machine());
+    assert!(!closed_within(&mut held[0], Duration::from_millis(100)));
+    assert_eq!(a.count("SELECT COUNT(*) FROM nodes"), 2);
+}
+
 #[test]
 fn dhcp_and_tftp_survive_malformed_oversize_and_flooding_packets() {
     let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());

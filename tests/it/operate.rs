@@ -377,6 +377,35 @@ fn bad_retention_settings_are_named() {
     );
 }
 
+#[test]
+fn bad_gateway_limits_are_named_and_nothing_starts() {
+    let (dir, out) = init_dir("file", &[]);
+    assert!(out.status.success());
+    let cfg = dir.path().join("state/config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    for (table, msg) in [
+        (
+            "[sessions]\nmax_handshakes = 0\n",
+            "sessions.max_handshakes must be 1 to 65536",
+        ),
+        (
+            "[sessions]\nmax_handshakes = 65537\n",
+            "sessions.max_handshakes must be 1 to 65536",
+        ),
+    ] {
+        std::fs::write(&cfg, replace_table(&text, "sessions", table)).unwrap();
+        let o = Command::new(bin())
+            .args(["serve", "--state-dir"])
+            .arg(dir.path().join("state"))
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(msg), "{err}");
+        assert!(!dir.path().join("state/admin.sock").exists());
+    }
+}
+
 fn claims_with(serial: &str, mac: &str) -> Value {
     let mut m = machine();
     m["serials"]["product"] = json!(serial);

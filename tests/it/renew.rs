@@ -279,6 +279,66 @@ fn sessions_show_connected_and_revocation_closes_them() {
     assert!(e.is_err(), "a foreign certificate opened a session");
 }
 
+/// A stopping appliance records every session closed at once, and its nodes see their sessions
+/// end only after that (as it exits): a node that reconnects at once meets the next appliance,
+/// not this one's closing listener.
+#[test]
+fn a_stopping_appliance_records_its_sessions_closed_before_its_nodes_see_them_end() {
+    let mut a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({"maxUses": 3}));
+    let nodes: Vec<Node> = (0..3)
+        .map(|_| join_node(&sim, &token, &machine()))
+        .collect();
+    let sessions: Vec<_> = nodes.iter().map(|n| hello(&sim.cfg, n)).collect();
+    assert!(sessions.iter().all(|(r, _, _)| r.welcome.is_some()));
+    assert_eq!(connected(&a), 3);
+    // Each node waits on its session; when it ends, what the database says at that moment.
+    let watchers: Vec<_> = sessions
+        .into_iter()
+        .map(|(_, mut s, rt)| {
+            let db = a.db();
+            std::thread::spawn(move || {
+                let r = rt.block_on(async {
+                    tokio::time::timeout(Duration::from_secs(20), bca::protocol::read_frame(&mut s))
+                        .await
+                });
+                let count = |sql: &str| -> i64 { db.query_row(sql, [], |r| r.get(0)).unwrap() };
+                (
+                    match r {
+                        Ok(Err(_)) => Ok(()),
+                        Ok(Ok(frame)) => {
+                            Err(format!("a frame: {}", String::from_utf8_lossy(&frame)))
+                        }
+                        Err(_) => Err("still open after 20 s".to_string()),
+                    },
+                    count("SELECT COUNT(*) FROM nodes WHERE connected = 1"),
+                    count("SELECT COUNT(*) FROM events WHERE type = 'node.disconnected'"),
+                )
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        a.count("SELECT COUNT(*) FROM events WHERE type = 'node.disconnected'"),
+        0
+    );
+    let status = a.stop().unwrap();
+    assert!(status.success(), "{status}");
+    for w in watchers {
+        let (ended_without_a_frame, still_connected, disconnected) = w.join().unwrap();
+        if let Err(e) = ended_without_a_frame {
+            panic!("the session did not end with the appliance: {e}");
+        }
+        assert_eq!(
+            still_connected, 0,
+            "a node saw its session end before it was recorded"
+        );
+        assert_eq!(disconnected, 3);
+    }
+}
+
 #[test]
 fn agent_run_reconnects_after_a_restart_spread_over_time() {
     let mut a = Appliance::start_cfg("file", &[], |c| {
