@@ -462,6 +462,14 @@ fn quick_storm(name: &str, privsep: bool, n: usize, conc: usize) -> f64 {
 /// A pool, tokens (10,000 uses each) and `n` machines prepared as real ones would be before the
 /// clock starts, with the agent configuration they join with.
 fn prepare_machines(a: &Appliance, n: usize) -> (Arc<AgentConfig>, Vec<Arc<Machine>>) {
+    prepare_machines_in(a, "bench", n)
+}
+
+fn prepare_machines_in(
+    a: &Appliance,
+    pool_name: &str,
+    n: usize,
+) -> (Arc<AgentConfig>, Vec<Arc<Machine>>) {
     let root = api(a, "tenants/list", json!({}))["items"][0]["id"]
         .as_str()
         .unwrap()
@@ -469,7 +477,7 @@ fn prepare_machines(a: &Appliance, n: usize) -> (Arc<AgentConfig>, Vec<Arc<Machi
     let pool = api(
         a,
         "pools/create",
-        json!({"tenantId": root, "name": "bench"}),
+        json!({"tenantId": root, "name": pool_name}),
     )["id"]
         .as_str()
         .unwrap()
@@ -479,12 +487,12 @@ fn prepare_machines(a: &Appliance, n: usize) -> (Arc<AgentConfig>, Vec<Arc<Machi
             let t = api(
                 a,
                 "joinTokens/create",
-                json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": format!("b{i}")}),
+                json!({"tenantId": root, "poolId": pool, "ttlSeconds": 3600, "maxUses": 10_000, "idempotencyKey": format!("{pool_name}{i}")}),
             );
             t["token"].as_str().unwrap().to_string()
         })
         .collect();
-    let adir = a.dir.join("agent");
+    let adir = a.dir.join(format!("agent-{pool_name}"));
     agent::write_agent_config(
         &a.dir.join("state"),
         &format!("https://{}", a.gateway),
@@ -532,6 +540,36 @@ fn join_storm(
             out.push(h.await.unwrap());
         }
         out
+    })
+}
+
+/// Joins offered at a steady `rate` (one new connection each, started on schedule whatever the
+/// answers): the latency a join meets when the appliance is not saturated, unlike the storm's
+/// burst. Returns the latencies and the failures.
+fn paced_joins(
+    rt: &tokio::runtime::Runtime,
+    cfg: &Arc<AgentConfig>,
+    machines: &[Arc<Machine>],
+    rate: f64,
+) -> (Vec<Duration>, usize) {
+    rt.block_on(async {
+        let start = tokio::time::Instant::now();
+        let mut hs = Vec::new();
+        for (i, m) in machines.iter().enumerate() {
+            tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / rate)).await;
+            let (cfg, m) = (cfg.clone(), m.clone());
+            hs.push(tokio::spawn(one_join(cfg, m)));
+        }
+        let mut lat = Vec::new();
+        let mut failed = 0;
+        for h in hs {
+            match h.await.unwrap() {
+                (d, Some(_)) => lat.push(d),
+                _ => failed += 1,
+            }
+        }
+        lat.sort();
+        (lat, failed)
     })
 }
 
@@ -617,6 +655,16 @@ fn main() {
     line("join_p50", pct(&lat, 0.5), "ms");
     line("join_p99", pct(&lat, 0.99), "ms");
     line("join_failures", (joins - ok) as f64, "");
+
+    // The same joins offered at 75% of the storm's rate, for 5 seconds.
+    let offered = rate * 0.75;
+    let (pcfg, paced) = prepare_machines_in(&a, "paced", (offered * 5.0) as usize);
+    let (plat, pfailed) = paced_joins(&rt, &pcfg, &paced, offered);
+    line("join_paced_offered", offered, "joins/s");
+    line("join_paced_p50", pct(&plat, 0.5), "ms");
+    line("join_paced_p99", pct(&plat, 0.99), "ms");
+    line("join_paced_failures", pfailed as f64, "");
+    drop(paced);
 
     // Sessions and renewals: the first `sessions` nodes open mTLS sessions, then renew over them.
     let rss0 = rss_kib(a.child.id());
