@@ -27,24 +27,49 @@ use tokio_rustls::server::TlsStream;
 #[derive(Default)]
 struct Sources {
     open: Arc<crate::limits::PerSource>,
-    joins: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, (f64, std::time::Instant)>>,
+    joins: std::sync::Mutex<Buckets>,
 }
+
+/// The join buckets by source, and when the full ones were last forgotten.
+#[derive(Default)]
+struct Buckets {
+    by_source: std::collections::HashMap<std::net::IpAddr, (f64, std::time::Instant)>,
+    pruned: Option<std::time::Instant>,
+}
+
+/// Past this many sources, the buckets that are full again are forgotten, at most once a second:
+/// a scan on every join would make each one cost the whole map (an address per join, from a
+/// /64, keeps it full).
+const BUCKETS_KEPT: usize = 65_536;
 
 impl Sources {
     /// Takes one join from the source's bucket (`per_minute` tokens, refilled continuously).
     fn join_allowed(&self, ip: std::net::IpAddr, per_minute: u32) -> bool {
+        self.join_allowed_at(ip, per_minute, std::time::Instant::now())
+    }
+
+    fn join_allowed_at(
+        &self,
+        ip: std::net::IpAddr,
+        per_minute: u32,
+        now: std::time::Instant,
+    ) -> bool {
         if per_minute == 0 {
             return true;
         }
         let cap = per_minute as f64;
-        let now = std::time::Instant::now();
         let mut joins = self.joins.lock().unwrap_or_else(|p| p.into_inner());
-        if joins.len() > 65_536 {
+        let due = joins
+            .pruned
+            .is_none_or(|p| now.duration_since(p) >= std::time::Duration::from_secs(1));
+        if joins.by_source.len() > BUCKETS_KEPT && due {
             // Forget the sources whose buckets are full again.
             joins
+                .by_source
                 .retain(|_, (t, at)| *t + now.duration_since(*at).as_secs_f64() * cap / 60.0 < cap);
+            joins.pruned = Some(now);
         }
-        let (tokens, at) = joins.entry(ip).or_insert((cap, now));
+        let (tokens, at) = joins.by_source.entry(ip).or_insert((cap, now));
         *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * cap / 60.0).min(cap);
         *at = now;
         if *tokens >= 1.0 {
@@ -590,5 +615,59 @@ impl Gateway {
         if self.registry.unregister(&node, id) {
             let _ = self.call(Call::SessionClosed { node_id: node }).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{IpAddr, Ipv6Addr};
+    use std::time::{Duration, Instant};
+
+    fn addr(i: u32) -> IpAddr {
+        IpAddr::V6(Ipv6Addr::new(
+            0x2001,
+            0xdb8,
+            0,
+            0,
+            0,
+            0,
+            (i >> 16) as u16,
+            i as u16,
+        ))
+    }
+
+    #[test]
+    fn a_sources_joins_are_limited_and_full_buckets_forgotten_at_most_once_a_second() {
+        let s = Sources::default();
+        let t0 = Instant::now();
+        // Two a minute: the third join within the minute is refused, one more after 30 s.
+        assert!(s.join_allowed_at(addr(0), 2, t0));
+        assert!(s.join_allowed_at(addr(0), 2, t0));
+        assert!(!s.join_allowed_at(addr(0), 2, t0));
+        assert!(s.join_allowed_at(addr(0), 2, t0 + Duration::from_secs(31)));
+        // Past BUCKETS_KEPT sources, one pass forgets the full buckets, then none for a second.
+        for i in 1..=(BUCKETS_KEPT as u32 + 1) {
+            assert!(s.join_allowed_at(addr(i), 600, t0));
+        }
+        let len = |s: &Sources| s.joins.lock().unwrap().by_source.len();
+        // The pass made when the map grew past BUCKETS_KEPT found no full bucket.
+        assert_eq!(len(&s), BUCKETS_KEPT + 2);
+        // A second on, every bucket of 600 a minute is full again; the next pass forgets them.
+        let t1 = t0 + Duration::from_millis(1_100);
+        assert!(s.join_allowed_at(addr(1_000_000), 600, t1));
+        assert!(len(&s) <= 2, "{}", len(&s));
+        for i in 2_000_000..(2_000_000 + BUCKETS_KEPT as u32 + 10) {
+            assert!(s.join_allowed_at(addr(i), 600, t1 + Duration::from_millis(500)));
+        }
+        assert!(len(&s) > BUCKETS_KEPT, "no second pass within the second");
+        assert!(s.join_allowed_at(addr(3_000_000), 600, t1 + Duration::from_millis(1_800)));
+        assert!(len(&s) <= 2, "{}", len(&s));
+        // A source that spent its bucket is not forgotten by a pass: still refused.
+        let t2 = t1 + Duration::from_millis(1_800);
+        for _ in 0..2 {
+            s.join_allowed_at(addr(7), 2, t2);
+        }
+        assert!(!s.join_allowed_at(addr(7), 2, t2));
     }
 }
