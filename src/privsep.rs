@@ -630,7 +630,6 @@ impl Sockets {
     }
 }
 
-/// The running boundary, as `serve` holds it.
 /// A network child told to stop, still running: it holds its sessions' connections until this
 /// is dropped (which kills it) or the parent exits (its end of the socketpair closes).
 pub struct Stopped {
@@ -638,6 +637,7 @@ pub struct Stopped {
     _link: std::os::fd::OwnedFd,
 }
 
+/// The running boundary, as `serve` holds it.
 pub struct Supervisor {
     task: tokio::task::JoinHandle<Option<Stopped>>,
 }

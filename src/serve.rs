@@ -295,7 +295,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
         _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
     let _ = stop_tx.send(true);
-    let (child, _) = tokio::join!(
+    let (stopped, _) = tokio::join!(
         async {
             match supervisor {
                 Some(s) => tokio::time::timeout(std::time::Duration::from_secs(5), s.wait())
@@ -314,7 +314,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     // Last: the network child, stopped, still holds the sessions' connections (recorded closed
     // already); ending it closes them as the appliance exits, so their nodes reconnect to the
     // next start rather than into this one's listener.
-    drop(child);
+    drop(stopped);
     tracing::info!("stopped");
     Ok(())
 }

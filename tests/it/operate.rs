@@ -353,17 +353,14 @@ fn retention_on_hold_prunes_nothing() {
     );
 }
 
-#[test]
-fn bad_retention_settings_are_named() {
+/// `bca serve` on a fresh state directory whose `[name]` table is `table`: exits 1 naming the
+/// problem in `msg`, and starts nothing (no admin socket).
+fn serve_refuses_config(name: &str, table: &str, msg: &str) {
     let (dir, out) = init_dir("file", &[]);
     assert!(out.status.success());
     let cfg = dir.path().join("state/config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(
-        &cfg,
-        replace_table(&text, "retention", "[retention]\nevents_days = 99999\n"),
-    )
-    .unwrap();
+    std::fs::write(&cfg, replace_table(&text, name, table)).unwrap();
     let o = Command::new(bin())
         .args(["serve", "--state-dir"])
         .arg(dir.path().join("state"))
@@ -371,38 +368,27 @@ fn bad_retention_settings_are_named() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("retention.events_days must be 0 (keep) to 36500"),
-        "{err}"
+    assert!(err.contains(msg), "{err}");
+    assert!(!dir.path().join("state/admin.sock").exists());
+}
+
+#[test]
+fn bad_retention_settings_are_named() {
+    serve_refuses_config(
+        "retention",
+        "[retention]\nevents_days = 99999\n",
+        "retention.events_days must be 0 (keep) to 36500",
     );
 }
 
 #[test]
 fn bad_gateway_limits_are_named_and_nothing_starts() {
-    let (dir, out) = init_dir("file", &[]);
-    assert!(out.status.success());
-    let cfg = dir.path().join("state/config.toml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    for (table, msg) in [
-        (
-            "[sessions]\nmax_handshakes = 0\n",
+    for bad in [0, 65_537] {
+        serve_refuses_config(
+            "sessions",
+            &format!("[sessions]\nmax_handshakes = {bad}\n"),
             "sessions.max_handshakes must be 1 to 65536",
-        ),
-        (
-            "[sessions]\nmax_handshakes = 65537\n",
-            "sessions.max_handshakes must be 1 to 65536",
-        ),
-    ] {
-        std::fs::write(&cfg, replace_table(&text, "sessions", table)).unwrap();
-        let o = Command::new(bin())
-            .args(["serve", "--state-dir"])
-            .arg(dir.path().join("state"))
-            .output()
-            .unwrap();
-        assert_eq!(o.status.code(), Some(1));
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains(msg), "{err}");
-        assert!(!dir.path().join("state/admin.sock").exists());
+        );
     }
 }
 
