@@ -293,6 +293,7 @@ fn ceiling(n: usize) -> f64 {
             &issued.serving_ca,
             keys.gateway.pkcs8(),
             &issued.node_ca,
+            bca::tickets::TicketRoot::derive(keys.node_ca.pkcs8()),
         )
         .unwrap(),
     );
@@ -375,8 +376,167 @@ const BACKOFF_CAP_MS: u64 = 60_000;
 /// A live session and the identity it renewed into.
 struct Live {
     stream: agent::GatewayStream,
+    /// The TLS configuration of that identity, made at its first reconnect (as `bca agent run`
+    /// makes one after a renewal) and kept: it holds the ticket the next reconnect resumes with.
+    tls: Option<Arc<rustls::ClientConfig>>,
     chain: Vec<Vec<u8>>,
     key: Vec<u8>,
+}
+
+/// A node's TLS configuration: its chain and key, the pinned serving CA, a ticket cache.
+fn identity_tls(cfg: &AgentConfig, chain: Vec<Vec<u8>>, key: &[u8]) -> Arc<rustls::ClientConfig> {
+    Arc::new(
+        bca::tlsclient::client_config_with(&cfg.serving_ca_spki_pin, Some((chain, key))).unwrap(),
+    )
+}
+
+/// Restarts the appliance under `lives`; every session reconnects with the agent's backoff under
+/// its identity's TLS configuration (resuming when it holds a ticket). Prints the `name_*` lines
+/// and returns the sessions that came back.
+fn reconnect_storm(
+    rt: &tokio::runtime::Runtime,
+    a: &mut Appliance,
+    cfg: &AgentConfig,
+    lives: Vec<Live>,
+    name: &str,
+) -> Vec<Live> {
+    let n_live = lives.len();
+    let back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let attempts = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let given_up = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let failures = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
+        &'static str,
+        usize,
+    >::new()));
+    let resumed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let keepers: Vec<_> = lives
+        .into_iter()
+        .map(|l| {
+            let (cfg, back, attempts, given_up, failures, resumed) = (
+                cfg.clone(),
+                back.clone(),
+                attempts.clone(),
+                given_up.clone(),
+                failures.clone(),
+                resumed.clone(),
+            );
+            rt.spawn(async move {
+                let Live {
+                    mut stream,
+                    tls,
+                    chain,
+                    key,
+                } = l;
+                let mut probe = [0u8; 1];
+                let _ = tokio::io::AsyncReadExt::read(&mut stream, &mut probe).await;
+                drop(stream);
+                let tls = tls.unwrap_or_else(|| identity_tls(&cfg, chain.clone(), &key));
+                let t = Instant::now();
+                for attempt in 0u32.. {
+                    tokio::time::sleep(bca::agent_run::backoff(
+                        attempt,
+                        Duration::from_millis(BACKOFF_BASE_MS),
+                        Duration::from_millis(BACKOFF_CAP_MS),
+                    ))
+                    .await;
+                    attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    match open_session(&cfg, tls.clone()).await {
+                        Ok(s) => {
+                            if s.get_ref().1.handshake_kind()
+                                == Some(rustls::HandshakeKind::Resumed)
+                            {
+                                resumed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            return Some(Live {
+                                stream: s,
+                                tls: Some(tls),
+                                chain,
+                                key,
+                            });
+                        }
+                        Err(e) => {
+                            // Why attempts fail: the backoff's cost is in them.
+                            let why = if e.contains("refused") {
+                                "refused"
+                            } else if e.contains("timed out") {
+                                "timed_out"
+                            } else if e.contains("TLS") {
+                                "tls"
+                            } else {
+                                "other"
+                            };
+                            let mut f = failures.lock().unwrap();
+                            let n = f.entry(why).or_insert(0);
+                            *n += 1;
+                            if *n <= 2 {
+                                eprintln!("# a reconnect attempt failed ({why}): {e}");
+                            }
+                        }
+                    }
+                    if t.elapsed() > Duration::from_secs(120) {
+                        given_up.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        return None;
+                    }
+                }
+                None
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (http_addr, gw_addr) = (a.http.clone(), a.gateway.clone());
+    let kill_at = Instant::now();
+    let _ = Command::new("kill")
+        .args(["-TERM", &a.child.id().to_string()])
+        .status();
+    let _ = a.child.wait();
+    let (c, _, _) = start_serve_at(&a.dir.join("state"), &http_addr, &gw_addr);
+    let ready_after = kill_at.elapsed();
+    a.child = c;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    while back.load(std::sync::atomic::Ordering::Relaxed)
+        + given_up.load(std::sync::atomic::Ordering::Relaxed)
+        < n_live
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let all_back = kill_at.elapsed();
+    // The restarted appliance's CPU over the time from its readiness to the last session back.
+    let reconnect_busy = cpu_seconds(a.child.id()) / (all_back - ready_after).as_secs_f64();
+    let reconnected = back.load(std::sync::atomic::Ordering::Relaxed);
+    line(&format!("{name}_sessions"), n_live as f64, "");
+    line(&format!("{name}_restart_s"), ready_after.as_secs_f64(), "s");
+    line(&format!("{name}_all_back_s"), all_back.as_secs_f64(), "s");
+    line(&format!("{name}_appliance_core_busy"), reconnect_busy, "");
+    line(
+        &format!("{name}_attempts_per_session"),
+        attempts.load(std::sync::atomic::Ordering::Relaxed) as f64 / n_live.max(1) as f64,
+        "",
+    );
+    line(
+        &format!("{name}_given_up"),
+        (n_live - reconnected) as f64,
+        "",
+    );
+    line(
+        &format!("{name}_handshakes_resumed"),
+        resumed.load(std::sync::atomic::Ordering::Relaxed) as f64,
+        "",
+    );
+    for why in ["refused", "timed_out", "tls", "other"] {
+        let n = failures.lock().unwrap().get(why).copied().unwrap_or(0);
+        line(&format!("{name}_failed_{why}"), n as f64, "attempts");
+    }
+    rt.block_on(async {
+        let mut live = Vec::new();
+        for k in keepers {
+            if let Ok(Some(l)) = k.await {
+                live.push(l);
+            }
+        }
+        live
+    })
 }
 
 fn chain_der(pems: &[String]) -> Vec<Vec<u8>> {
@@ -388,12 +548,9 @@ fn chain_der(pems: &[String]) -> Vec<Vec<u8>> {
 /// An mTLS session: connect with the node's identity, Hello, Welcome.
 async fn open_session(
     cfg: &AgentConfig,
-    chain: Vec<Vec<u8>>,
-    key: &[u8],
+    tls: Arc<rustls::ClientConfig>,
 ) -> Result<agent::GatewayStream, String> {
-    let mut s = agent::connect(cfg, Some((chain, key)))
-        .await
-        .map_err(|e| e.message)?;
+    let mut s = agent::connect_with(cfg, tls).await.map_err(|e| e.message)?;
     let hello = Request {
         v: 1,
         hello: Some(Hello::default()),
@@ -684,11 +841,10 @@ fn main() {
         let mut hs = Vec::new();
         for (m, body) in &nodes {
             let (cfg, sem) = (cfg.clone(), sem.clone());
-            let chain = chain_der(&body.certificate_chain);
-            let key = m.key.pkcs8().to_vec();
+            let tls = identity_tls(&cfg, chain_der(&body.certificate_chain), m.key.pkcs8());
             hs.push(tokio::spawn(async move {
                 let _p = sem.acquire_owned().await.unwrap();
-                open_session(&cfg, chain, &key).await.ok()
+                open_session(&cfg, tls).await.ok()
             }));
         }
         let mut out = Vec::new();
@@ -763,6 +919,7 @@ fn main() {
                     .ok()
                     .map(|b| Live {
                         stream: s,
+                        tls: None,
                         chain: chain_der(&b.certificate_chain),
                         key: key.pkcs8().to_vec(),
                     });
@@ -804,119 +961,12 @@ fn main() {
     line("renewal_failures", (renewed.len() - rl.len()) as f64, "");
 
     // Reconnect storm: the appliance restarts under every live session. Each client notices the
-    // close at once (as `bca agent run` does), then reconnects with the agent's backoff.
+    // close at once (as `bca agent run` does), then reconnects with the agent's backoff. The
+    // sessions renewed their identities, so the first restart meets full handshakes (as after a
+    // renewal or an agent's own restart); the second, the tickets of those handshakes.
     let lives: Vec<Live> = renewed.into_iter().filter_map(|r| r.1).collect();
-    let n_live = lives.len();
-    let back = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let attempts = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let given_up = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let failures = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
-        &'static str,
-        usize,
-    >::new()));
-    let restarted = Arc::new(tokio::sync::Notify::new());
-    let keepers: Vec<_> = lives
-        .into_iter()
-        .map(|mut l| {
-            let (cfg, back, attempts, given_up, failures) = (
-                cfg.clone(),
-                back.clone(),
-                attempts.clone(),
-                given_up.clone(),
-                failures.clone(),
-            );
-            rt.spawn(async move {
-                let mut probe = [0u8; 1];
-                let _ = tokio::io::AsyncReadExt::read(&mut l.stream, &mut probe).await;
-                drop(l.stream);
-                let t = Instant::now();
-                for attempt in 0u32.. {
-                    tokio::time::sleep(bca::agent_run::backoff(
-                        attempt,
-                        Duration::from_millis(BACKOFF_BASE_MS),
-                        Duration::from_millis(BACKOFF_CAP_MS),
-                    ))
-                    .await;
-                    attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    match open_session(&cfg, l.chain.clone(), &l.key).await {
-                        Ok(s) => {
-                            back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            return Some((t, s));
-                        }
-                        Err(e) => {
-                            // Why attempts fail: the backoff's cost is in them.
-                            let why = if e.contains("refused") {
-                                "refused"
-                            } else if e.contains("timed out") {
-                                "timed_out"
-                            } else if e.contains("TLS") {
-                                "tls"
-                            } else {
-                                "other"
-                            };
-                            let mut f = failures.lock().unwrap();
-                            let n = f.entry(why).or_insert(0);
-                            *n += 1;
-                            if *n <= 2 {
-                                eprintln!("# a reconnect attempt failed ({why}): {e}");
-                            }
-                        }
-                    }
-                    if t.elapsed() > Duration::from_secs(120) {
-                        given_up.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        return None;
-                    }
-                }
-                None
-            })
-        })
-        .collect();
-    drop(restarted);
-    std::thread::sleep(Duration::from_millis(300));
-    let (http_addr, gw_addr) = (a.http.clone(), a.gateway.clone());
-    let kill_at = Instant::now();
-    let _ = Command::new("kill")
-        .args(["-TERM", &a.child.id().to_string()])
-        .status();
-    let _ = a.child.wait();
-    let (c, _, _) = start_serve_at(&a.dir.join("state"), &http_addr, &gw_addr);
-    let ready_after = kill_at.elapsed();
-    a.child = c;
-    let deadline = Instant::now() + Duration::from_secs(150);
-    while back.load(std::sync::atomic::Ordering::Relaxed)
-        + given_up.load(std::sync::atomic::Ordering::Relaxed)
-        < n_live
-        && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let all_back = kill_at.elapsed();
-    // The restarted appliance's CPU over the time from its readiness to the last session back.
-    let reconnect_busy = cpu_seconds(a.child.id()) / (all_back - ready_after).as_secs_f64();
-    let reconnected = back.load(std::sync::atomic::Ordering::Relaxed);
-    line("reconnect_sessions", n_live as f64, "");
-    line("reconnect_restart_s", ready_after.as_secs_f64(), "s");
-    line("reconnect_all_back_s", all_back.as_secs_f64(), "s");
-    line("reconnect_appliance_core_busy", reconnect_busy, "");
-    line(
-        "reconnect_attempts_per_session",
-        attempts.load(std::sync::atomic::Ordering::Relaxed) as f64 / n_live.max(1) as f64,
-        "",
-    );
-    line("reconnect_given_up", (n_live - reconnected) as f64, "");
-    for why in ["refused", "timed_out", "tls", "other"] {
-        let n = failures.lock().unwrap().get(why).copied().unwrap_or(0);
-        line(&format!("reconnect_failed_{why}"), n as f64, "attempts");
-    }
-    let sessions_back = rt.block_on(async {
-        let mut live = Vec::new();
-        for k in keepers {
-            if let Ok(Some((_, s))) = k.await {
-                live.push(s);
-            }
-        }
-        live
-    });
+    let lives = reconnect_storm(&rt, &mut a, &cfg, lives, "reconnect");
+    let sessions_back = reconnect_storm(&rt, &mut a, &cfg, lives, "reconnect_resumed");
     std::thread::sleep(Duration::from_millis(300));
     line(
         "sessions_rss_after_reconnect",

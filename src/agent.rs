@@ -769,10 +769,16 @@ pub async fn connect(
 ) -> ApiResult<GatewayStream> {
     let tls = crate::tlsclient::client_config_with(&cfg.serving_ca_spki_pin, identity)
         .map_err(ApiError::internal)?;
-    connect_with(cfg, tls).await
+    connect_with(cfg, Arc::new(tls)).await
 }
 
-async fn connect_with(cfg: &AgentConfig, tls: rustls::ClientConfig) -> ApiResult<GatewayStream> {
+/// A connection under `tls`: one configuration kept for one identity holds the session ticket
+/// the gateway gave its last full handshake, so the next connection resumes (after an appliance
+/// restart too; see `tickets`).
+pub async fn connect_with(
+    cfg: &AgentConfig,
+    tls: Arc<rustls::ClientConfig>,
+) -> ApiResult<GatewayStream> {
     let (host, port) = crate::tlsclient::host_port(&cfg.gateway_url)
         .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
     let name = cfg.server_name.clone().unwrap_or(host.clone());
@@ -786,7 +792,7 @@ async fn connect_with(cfg: &AgentConfig, tls: rustls::ClientConfig) -> ApiResult
     let _ = stream.set_nodelay(true);
     let server_name = rustls::pki_types::ServerName::try_from(name.clone())
         .map_err(|_| ApiError::invalid_config(format!("{name:?} is not a valid server name")))?;
-    tokio_rustls::TlsConnector::from(Arc::new(tls))
+    tokio_rustls::TlsConnector::from(tls)
         .connect(server_name, stream)
         .await
         .map_err(|e| unreachable(cfg, format!("TLS: {e}")))
@@ -798,12 +804,21 @@ pub async fn connect_as(
     chain: Vec<Vec<u8>>,
     key: &crate::nodekey::NodeKey,
 ) -> ApiResult<GatewayStream> {
-    let tls = crate::tlsclient::client_config_signer(
+    connect_with(cfg, identity_tls(cfg, chain, key)?).await
+}
+
+/// The TLS configuration that presents the node's certificate chain and its key.
+pub fn identity_tls(
+    cfg: &AgentConfig,
+    chain: Vec<Vec<u8>>,
+    key: &crate::nodekey::NodeKey,
+) -> ApiResult<Arc<rustls::ClientConfig>> {
+    crate::tlsclient::client_config_signer(
         &cfg.serving_ca_spki_pin,
         Some((chain, key.tls_key().map_err(ApiError::internal)?)),
     )
-    .map_err(ApiError::internal)?;
-    connect_with(cfg, tls).await
+    .map(Arc::new)
+    .map_err(ApiError::internal)
 }
 
 /// Sends one frame and reads the answer's bytes (60 s at most).

@@ -17,6 +17,7 @@ use crate::protocol::{
     renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
 };
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A loaded identity: the record, its key, and the leaf's validity.
@@ -229,14 +230,25 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(ApiError::internal)?;
         let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(ApiError::internal)?;
         let mut attempt = 0u32;
+        // One TLS configuration per identity (and serving CA pin): it keeps the gateway's last
+        // session ticket, so a reconnect resumes; a renewed identity starts a new one.
+        let mut tls: Option<(Vec<Vec<u8>>, String, Arc<rustls::ClientConfig>)> = None;
         loop {
             let cur = load_identity(&o.data_dir)?;
             let now = crate::clock::now();
             if cur.not_after <= now {
                 return Err(expired(cur.not_after));
             }
+            let config = match &tls {
+                Some((chain, pin, c)) if *chain == cur.chain_der && *pin == cfg.serving_ca_spki_pin => c.clone(),
+                _ => {
+                    let c = agent::identity_tls(&cfg, cur.chain_der.clone(), &cur.key)?;
+                    tls = Some((cur.chain_der.clone(), cfg.serving_ca_spki_pin.clone(), c.clone()));
+                    c
+                }
+            };
             let end = tokio::select! {
-                e = session(&cfg, &o.data_dir, &cur, &mut attempt) => e,
+                e = session(&cfg, &o.data_dir, &cur, config, &mut attempt) => e,
                 _ = term.recv() => return Ok(()),
                 _ = int.recv() => return Ok(()),
             };
@@ -278,11 +290,18 @@ pub fn expired(at: i64) -> ApiError {
     ))
 }
 
-async fn session(cfg: &AgentConfig, data_dir: &Path, cur: &Loaded, attempt: &mut u32) -> End {
-    let mut s = match agent::connect_as(cfg, cur.chain_der.clone(), &cur.key).await {
+async fn session(
+    cfg: &AgentConfig,
+    data_dir: &Path,
+    cur: &Loaded,
+    tls: Arc<rustls::ClientConfig>,
+    attempt: &mut u32,
+) -> End {
+    let mut s = match agent::connect_with(cfg, tls).await {
         Ok(s) => s,
         Err(e) => return End::Lost(e.message),
     };
+    let resumed = s.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
     let hello = Request {
         v: 1,
         hello: Some(Hello {
@@ -309,7 +328,7 @@ async fn session(cfg: &AgentConfig, data_dir: &Path, cur: &Loaded, attempt: &mut
         Err(e) => return End::Lost(e.message),
     };
     *attempt = 0;
-    tracing::info!(node = %welcome.node_id, skew = welcome.server_time - crate::clock::now(), "session open");
+    tracing::info!(node = %welcome.node_id, skew = welcome.server_time - crate::clock::now(), resumed, "session open");
     let hb = Duration::from_secs(welcome.heartbeat_seconds.max(1) as u64);
     let lifetime = (cur.not_after - cur.not_before).max(1);
     let renew_at = cur.not_before + lifetime * 6 / 10;

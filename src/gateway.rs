@@ -226,20 +226,26 @@ impl rustls::server::ResolvesServerCert for GatewayCert {
 }
 
 /// TLS 1.3 only, the gateway leaf and the serving CA as its chain, ALPN `bca/1`, optional client
-/// certificates under the node CA.
+/// certificates under the node CA, one session ticket per full handshake (see [`crate::tickets`]).
 pub fn server_config(
     leaf: &[u8],
     ca: &[u8],
     key_pkcs8: &[u8],
     node_ca: &[u8],
+    tickets: crate::tickets::TicketRoot,
 ) -> Result<rustls::ServerConfig, String> {
-    server_config_with(Arc::new(GatewayCert::new(leaf, ca, key_pkcs8)?), node_ca)
+    server_config_with(
+        Arc::new(GatewayCert::new(leaf, ca, key_pkcs8)?),
+        node_ca,
+        tickets,
+    )
 }
 
 /// [`server_config`] around a swappable certificate.
 pub fn server_config_with(
     cert: Arc<GatewayCert>,
     node_ca: &[u8],
+    tickets: crate::tickets::TicketRoot,
 ) -> Result<rustls::ServerConfig, String> {
     let mut roots = rustls::RootCertStore::empty();
     roots
@@ -257,8 +263,10 @@ pub fn server_config_with(
         .with_cert_resolver(cert);
     cfg.alpn_protocols = vec![protocol::ALPN.to_vec()];
     cfg.ignore_client_order = true;
-    // Agents open a connection per join or session and never resume: no session tickets.
-    cfg.send_tls13_tickets = 0;
+    // One ticket per full handshake, which an agent resumes its session with after a restart
+    // (a join's connection ignores it); no server-side session cache and no early data.
+    cfg.ticketer = Arc::new(crate::tickets::Tickets::new(tickets));
+    cfg.send_tls13_tickets = 1;
     cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(cfg)
 }
@@ -273,6 +281,7 @@ impl Gateway {
     pub fn new(
         app: Arc<App>,
         gateway_key_pkcs8: &[u8],
+        tickets: crate::tickets::TicketRoot,
         join: Option<JoinHandle>,
     ) -> Result<Self, String> {
         let cert = Arc::new(GatewayCert::new(
@@ -281,7 +290,7 @@ impl Gateway {
             gateway_key_pkcs8,
         )?);
         let _ = app.gateway_cert.set(cert.clone());
-        let cfg = server_config_with(cert, &app.pki.node_ca)?;
+        let cfg = server_config_with(cert, &app.pki.node_ca, tickets)?;
         Ok(Self::with_parts(
             app.config.sessions.clone(),
             app.sessions.clone(),

@@ -50,6 +50,7 @@ pub mod rotation;
 pub mod serve;
 pub mod sessions;
 pub mod store;
+pub mod tickets;
 pub mod tlsclient;
 pub mod tpm;
 pub mod tpmeks;

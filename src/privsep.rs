@@ -169,6 +169,8 @@ struct Init {
     /// The gateway leaf and the serving CA, base64 DER.
     chain: Vec<String>,
     node_ca: String,
+    /// What the gateway's session tickets are sealed under (not the node CA's key).
+    tickets: crate::tickets::TicketRoot,
     scheme: u16,
     /// `(uid, gid)` to become, when the parent runs as root.
     user: Option<(u32, u32)>,
@@ -434,6 +436,7 @@ pub fn child_main() -> Result<(), String> {
     let mut fds = recv_fds(&sock)?.into_iter();
     let init: Init = match read_sync(&mut &sock).map_err(|e| e.to_string())? {
         Some((_, Kind::Init, p)) => {
+            let p = zeroize::Zeroizing::new(p);
             serde_json::from_slice(&p).map_err(|e| format!("privsep: the init message: {e}"))?
         }
         _ => return Err("privsep: no init message".into()),
@@ -507,7 +510,7 @@ pub fn child_main() -> Result<(), String> {
         scheme,
     )?));
     let node_ca = crate::crypto::b64_decode(&init.node_ca).ok_or("privsep: the node CA")?;
-    let tls = crate::gateway::server_config_with(cert.clone(), &node_ca)?;
+    let tls = crate::gateway::server_config_with(cert.clone(), &node_ca, init.tickets.clone())?;
     let registry = Arc::new(crate::sessions::Registry::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -649,6 +652,7 @@ impl Supervisor {
         app: Arc<App>,
         join: JoinHandle,
         sockets: Sockets,
+        tickets: crate::tickets::TicketRoot,
         user: Option<(u32, u32)>,
         stop: watch::Receiver<bool>,
     ) -> Result<Self, String> {
@@ -666,6 +670,7 @@ impl Supervisor {
             sessions: app.config.sessions.clone(),
             chain: chain(&cert),
             node_ca: crate::crypto::b64(&app.pki.node_ca),
+            tickets,
             scheme: u16::from(scheme),
             user,
             probe: probe_paths(&app.state_dir),
@@ -757,12 +762,10 @@ async fn spawn(init: &Init, sockets: &Sockets) -> Result<Child, String> {
     drop(cmd);
     let started = async {
         send_fds(&ours, &sockets.fds())?;
+        // The init message carries the ticket root: its copies are zeroized once sent.
+        let message = zeroize::Zeroizing::new(serde_json::to_vec(init).expect("serializes"));
         (&ours)
-            .write_all(&encode(
-                0,
-                Kind::Init,
-                &serde_json::to_vec(init).expect("serializes"),
-            ))
+            .write_all(&zeroize::Zeroizing::new(encode(0, Kind::Init, &message)))
             .map_err(|e| format!("privsep: the init message: {e}"))?;
         ours.set_nonblocking(true).map_err(|e| e.to_string())?;
         let mut s = tokio::net::UnixStream::from_std(ours).map_err(|e| e.to_string())?;

@@ -218,9 +218,15 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     let (stop_tx, stop_rx) = watch::channel(false);
     // The gateway gets its TLS key and a message handle; the signing keys go to the JoinService.
     let gateway_key = zeroize::Zeroizing::new(keys.gateway.pkcs8().to_vec());
+    let tickets = crate::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
     let join = crate::joinservice::JoinService::start(app.clone(), keys)?;
     let _ = app.join.set(join.handle());
-    let gw = crate::gateway::Gateway::new(app.clone(), &gateway_key, Some(join.handle()))?;
+    let gw = crate::gateway::Gateway::new(
+        app.clone(),
+        &gateway_key,
+        tickets.clone(),
+        Some(join.handle()),
+    )?;
     drop(gateway_key);
     let mut tasks = tokio::task::JoinSet::new();
     // The network edge (gateway, HTTP, DHCP, TFTP) runs in a confined child unless privilege
@@ -243,6 +249,7 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
             app.clone(),
             join.handle(),
             sockets,
+            tickets,
             child_user,
             stop_rx.clone(),
         )

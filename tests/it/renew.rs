@@ -374,6 +374,10 @@ fn agent_run_reconnects_after_a_restart_spread_over_time() {
             .filter(|v| v["fields"]["message"] == "session open")
             .collect();
         assert!(opens.len() >= 2, "an agent did not reconnect: {text}");
+        // The first session made a full handshake; after the restart the agent resumed it with
+        // the gateway's ticket (its identity unchanged).
+        assert_eq!(opens[0]["fields"]["resumed"], false, "{text}");
+        assert_eq!(opens.last().unwrap()["fields"]["resumed"], true, "{text}");
         let t = time::OffsetDateTime::parse(
             opens.last().unwrap()["timestamp"].as_str().unwrap(),
             &time::format_description::well_known::Rfc3339,
@@ -417,7 +421,22 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
         (connected(&a) == 1).then_some(())
     });
     let _ = agent.kill();
-    let _ = agent.wait();
+    let out = agent.wait_with_output().unwrap();
+    // The session after the renewal is a new identity's: a full handshake, not the old ticket's.
+    let text = String::from_utf8_lossy(&out.stderr);
+    let logged: Vec<Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect();
+    let renewed = logged
+        .iter()
+        .position(|v| v["fields"]["message"] == "renewed")
+        .unwrap_or_else(|| panic!("no renewal logged: {text}"));
+    let after = logged[renewed..]
+        .iter()
+        .find(|v| v["fields"]["message"] == "session open")
+        .unwrap_or_else(|| panic!("no session after the renewal: {text}"));
+    assert_eq!(after["fields"]["resumed"], false, "{text}");
     let loaded = bca::agent_run::load_identity(&data).unwrap();
     assert_eq!(
         bca::pki::parse_node_leaf(&loaded.chain_der[0])
@@ -547,4 +566,111 @@ fn doctor_reports_an_expired_certificate_with_the_way_back() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("the certificate expired at"));
+}
+
+/// Connects under `tls` and says hello: (how the handshake went, the answer, the stream).
+fn hello_with(
+    rt: &tokio::runtime::Runtime,
+    cfg: &AgentConfig,
+    tls: &std::sync::Arc<rustls::ClientConfig>,
+) -> (
+    Option<rustls::HandshakeKind>,
+    Reply,
+    bca::agent::GatewayStream,
+) {
+    rt.block_on(async {
+        let mut s = bca::agent::connect_with(cfg, tls.clone()).await.unwrap();
+        let kind = s.get_ref().1.handshake_kind();
+        let req = Request {
+            v: 1,
+            hello: Some(Hello::default()),
+            ..Default::default()
+        };
+        let raw = bca::agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&req).unwrap())
+            .await
+            .unwrap();
+        (kind, serde_json::from_slice::<Reply>(&raw).unwrap(), s)
+    })
+}
+
+/// `openssl s_client` as node `n`, sending one frame that the gateway answers and closes after;
+/// the session is written to (or read from) `sess`. Its output.
+fn s_client_as(a: &Appliance, n: &Node, dir: &Path, sess: (&str, &Path)) -> String {
+    std::fs::write(dir.join("leaf.pem"), &n.chain_pem[0]).unwrap();
+    std::fs::write(
+        dir.join("leaf.key"),
+        bca::pki::pem("PRIVATE KEY", n.key.pkcs8()),
+    )
+    .unwrap();
+    // A ping outside a session: answered with a pong, then the connection is closed.
+    let body = br#"{"v":1,"ping":{}}"#;
+    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(body);
+    std::fs::write(dir.join("frame"), frame).unwrap();
+    let o = Command::new("openssl")
+        .args([
+            "s_client", "-connect", &a.gateway, "-alpn", "bca/1", "-ign_eof",
+        ])
+        .arg("-cert")
+        .arg(dir.join("leaf.pem"))
+        .arg("-key")
+        .arg(dir.join("leaf.key"))
+        .arg(sess.0)
+        .arg(sess.1)
+        .stdin(std::fs::File::open(dir.join("frame")).unwrap())
+        .output()
+        .unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A node resumes its session after the appliance restarts, with the ticket of its last full
+/// handshake (sealed under a key derived from the node CA, so no restart forgets it); openssl
+/// resumes the same way. A resumed connection is no shortcut past revocation: the node's hello
+/// is refused as after a full handshake.
+#[test]
+fn a_node_resumes_its_session_after_a_restart_and_a_revoked_one_is_still_refused() {
+    let mut a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({"maxUses": 1}));
+    let n = join_node(&sim, &token, &machine());
+    let tls = std::sync::Arc::new(
+        bca::tlsclient::client_config_with(
+            &sim.cfg.serving_ca_spki_pin,
+            Some((n.chain_der.clone(), n.key.pkcs8())),
+        )
+        .unwrap(),
+    );
+    let rt = rt();
+    let (kind, r, s) = hello_with(&rt, &sim.cfg, &tls);
+    assert_eq!(kind, Some(rustls::HandshakeKind::Full));
+    assert!(r.welcome.is_some(), "{r:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let sess = dir.path().join("openssl.session");
+    let out = s_client_as(&a, &n, dir.path(), ("-sess_out", &sess));
+    assert!(out.contains("New, TLSv1.3"), "{out}");
+    assert!(out.contains(r#""pong":{"serverTime""#), "{out}");
+    drop(s);
+
+    a.restart();
+    let (kind, r, s) = hello_with(&rt, &sim.cfg, &tls);
+    assert_eq!(kind, Some(rustls::HandshakeKind::Resumed));
+    assert_eq!(r.welcome.map(|w| w.node_id), Some(n.id.clone()));
+    wait_for("the resumed session", 5, || {
+        (connected(&a) == 1).then_some(())
+    });
+    let out = s_client_as(&a, &n, dir.path(), ("-sess_in", &sess));
+    assert!(out.contains("Reused, TLSv1.3"), "{out}");
+
+    // Revoked: the live session ends, and a resumed connection's hello is refused.
+    a.cli_json(&["nodes", "revoke-identity", &n.id]);
+    drop(s);
+    let (kind, r, _s) = hello_with(&rt, &sim.cfg, &tls);
+    assert_eq!(kind, Some(rustls::HandshakeKind::Resumed));
+    assert_eq!(r.error.unwrap().message, "Session refused");
+    assert_eq!(connected(&a), 0);
 }
