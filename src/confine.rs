@@ -29,6 +29,10 @@ pub fn confine(
     // After the change of user, which clears it: the child dies with its parent.
     rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
         .map_err(|e| format!("confine: PR_SET_PDEATHSIG: {e}"))?;
+    // Again after the change of user, which resets it to the system's default: no core dump
+    // and no ptrace by its user (it holds the session-ticket keys).
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+        .map_err(|e| format!("confine: PR_SET_DUMPABLE: {e}"))?;
     let landlock = landlock(read_beneath)?;
     let shared: Vec<u64> = shared.iter().map(|f| f.as_raw_fd() as u64).collect();
     seccomp(&shared)?;

@@ -226,13 +226,13 @@ impl rustls::server::ResolvesServerCert for GatewayCert {
 }
 
 /// TLS 1.3 only, the gateway leaf and the serving CA as its chain, ALPN `bca/1`, optional client
-/// certificates under the node CA, one session ticket per full handshake (see [`crate::tickets`]).
+/// certificates under the node CA, one session ticket per handshake (see [`crate::tickets`]).
 pub fn server_config(
     leaf: &[u8],
     ca: &[u8],
     key_pkcs8: &[u8],
     node_ca: &[u8],
-    tickets: crate::tickets::TicketRoot,
+    tickets: Arc<crate::tickets::Tickets>,
 ) -> Result<rustls::ServerConfig, String> {
     server_config_with(
         Arc::new(GatewayCert::new(leaf, ca, key_pkcs8)?),
@@ -245,7 +245,7 @@ pub fn server_config(
 pub fn server_config_with(
     cert: Arc<GatewayCert>,
     node_ca: &[u8],
-    tickets: crate::tickets::TicketRoot,
+    tickets: Arc<crate::tickets::Tickets>,
 ) -> Result<rustls::ServerConfig, String> {
     let mut roots = rustls::RootCertStore::empty();
     roots
@@ -263,9 +263,9 @@ pub fn server_config_with(
         .with_cert_resolver(cert);
     cfg.alpn_protocols = vec![protocol::ALPN.to_vec()];
     cfg.ignore_client_order = true;
-    // One ticket per full handshake, which an agent resumes its session with after a restart
-    // (a join's connection ignores it); no server-side session cache and no early data.
-    cfg.ticketer = Arc::new(crate::tickets::Tickets::new(tickets));
+    // One ticket per handshake, which an agent resumes its session with after a restart (a
+    // join's connection ignores it); no server-side session cache and no early data.
+    cfg.ticketer = tickets;
     cfg.send_tls13_tickets = 1;
     cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(cfg)
@@ -290,6 +290,7 @@ impl Gateway {
             gateway_key_pkcs8,
         )?);
         let _ = app.gateway_cert.set(cert.clone());
+        let tickets = Arc::new(crate::tickets::Tickets::from_root(tickets));
         let cfg = server_config_with(cert, &app.pki.node_ca, tickets)?;
         Ok(Self::with_parts(
             app.config.sessions.clone(),

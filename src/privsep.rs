@@ -88,6 +88,7 @@ enum Kind {
     Cert = 7,
     Stop = 8,
     Ask = 9,
+    Tickets = 10,
 }
 
 impl Kind {
@@ -102,6 +103,7 @@ impl Kind {
             7 => Self::Cert,
             8 => Self::Stop,
             9 => Self::Ask,
+            10 => Self::Tickets,
             _ => return None,
         })
     }
@@ -169,8 +171,9 @@ struct Init {
     /// The gateway leaf and the serving CA, base64 DER.
     chain: Vec<String>,
     node_ca: String,
-    /// What the gateway's session tickets are sealed under (not the node CA's key).
-    tickets: crate::tickets::TicketRoot,
+    /// The session-ticket keys of the period before, this one and the next (never the root;
+    /// `broker` sends the next ones at each change of period).
+    tickets: crate::tickets::TicketKeys,
     scheme: u16,
     /// `(uid, gid)` to become, when the parent runs as root.
     user: Option<(u32, u32)>,
@@ -428,6 +431,8 @@ fn send_fds(sock: &UnixStream, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<()
 pub fn child_main() -> Result<(), String> {
     // A session of its own: no controlling terminal to push input into (TIOCSTI).
     let _ = rustix::process::setsid();
+    // No core dump and no ptrace by its own user: it holds the session-ticket keys.
+    let _ = rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable);
     let sock = std::io::stdin()
         .as_fd()
         .try_clone_to_owned()
@@ -510,7 +515,8 @@ pub fn child_main() -> Result<(), String> {
         scheme,
     )?));
     let node_ca = crate::crypto::b64_decode(&init.node_ca).ok_or("privsep: the node CA")?;
-    let tls = crate::gateway::server_config_with(cert.clone(), &node_ca, init.tickets.clone())?;
+    let tickets = Arc::new(crate::tickets::Tickets::from_keys(&init.tickets));
+    let tls = crate::gateway::server_config_with(cert.clone(), &node_ca, tickets.clone())?;
     let registry = Arc::new(crate::sessions::Registry::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -521,6 +527,7 @@ pub fn child_main() -> Result<(), String> {
     // The parent's messages, on a thread of their own.
     {
         let (link, registry, cert) = (link.clone(), registry.clone(), cert.clone());
+        let tickets = tickets.clone();
         let mut rd = sock;
         std::thread::spawn(move || loop {
             match read_sync(&mut rd) {
@@ -537,6 +544,13 @@ pub fn child_main() -> Result<(), String> {
                 }
                 Ok(Some((_, Kind::Stop, _))) => {
                     let _ = stop_tx.send(true);
+                }
+                Ok(Some((_, Kind::Tickets, p))) => {
+                    let p = zeroize::Zeroizing::new(p);
+                    match serde_json::from_slice::<crate::tickets::TicketKeys>(&p) {
+                        Ok(keys) => tickets.replace(&keys),
+                        Err(e) => tracing::error!(error = %e, "privsep: the next ticket keys"),
+                    }
                 }
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => {
@@ -670,7 +684,7 @@ impl Supervisor {
             sessions: app.config.sessions.clone(),
             chain: chain(&cert),
             node_ca: crate::crypto::b64(&app.pki.node_ca),
-            tickets,
+            tickets: tickets.ring_at(crate::clock::now()),
             scheme: u16::from(scheme),
             user,
             probe: probe_paths(&app.state_dir),
@@ -685,7 +699,9 @@ impl Supervisor {
         let (close_tx, close_rx) = mpsc::unbounded_channel();
         app.sessions.set_forward(close_tx);
         let first = spawn(&init, &sockets).await?;
-        let task = tokio::spawn(supervise(app, join, sockets, init, first, close_rx, stop));
+        let task = tokio::spawn(supervise(
+            app, join, sockets, tickets, init, first, close_rx, stop,
+        ));
         Ok(Self { task })
     }
 
@@ -810,10 +826,12 @@ async fn spawn(init: &Init, sockets: &Sockets) -> Result<Child, String> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn supervise(
     app: Arc<App>,
     join: JoinHandle,
     sockets: Sockets,
+    tickets: crate::tickets::TicketRoot,
     mut init: Init,
     first: Child,
     mut close_rx: mpsc::UnboundedReceiver<String>,
@@ -826,7 +844,7 @@ async fn supervise(
     loop {
         let (mut child, stream) = match next.take() {
             Some(c) => c,
-            None => match respawn(&mut init, &cert, &sockets).await {
+            None => match respawn(&mut init, &cert, &tickets, &sockets).await {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %e, "privsep: the network child did not start; retrying");
@@ -848,6 +866,7 @@ async fn supervise(
             &app,
             &join,
             &cert,
+            &tickets,
             stream,
             &init_chain,
             &mut close_rx,
@@ -881,9 +900,16 @@ async fn supervise(
     }
 }
 
-/// A new child, given the chain of now: the gateway leaf may have been rotated since the start.
-async fn respawn(init: &mut Init, cert: &GatewayCert, sockets: &Sockets) -> Result<Child, String> {
+/// A new child, given the chain and ticket keys of now: the gateway leaf may have been rotated
+/// since the start, and the period may have changed.
+async fn respawn(
+    init: &mut Init,
+    cert: &GatewayCert,
+    tickets: &crate::tickets::TicketRoot,
+    sockets: &Sockets,
+) -> Result<Child, String> {
     init.chain = chain(cert);
+    init.tickets = tickets.ring_at(crate::clock::now());
     spawn(init, sockets).await
 }
 
@@ -906,6 +932,7 @@ async fn broker(
     app: &Arc<App>,
     join: &JoinHandle,
     cert: &Arc<GatewayCert>,
+    tickets: &crate::tickets::TicketRoot,
     stream: tokio::net::UnixStream,
     sent_chain: &[String],
     close_rx: &mut mpsc::UnboundedReceiver<String>,
@@ -951,8 +978,23 @@ async fn broker(
     if stopping {
         send(encode(0, Kind::Stop, &[]));
     }
+    // The child's ticket keys move on at each change of period (a second after it).
+    let keys_due = |now| {
+        tokio::time::Instant::now()
+            + Duration::from_secs(crate::tickets::TicketRoot::next_change(now) + 1)
+    };
+    let refresh = tokio::time::sleep_until(keys_due(crate::clock::now()));
+    tokio::pin!(refresh);
     while !stopping {
         tokio::select! {
+            () = &mut refresh => {
+                let now = crate::clock::now();
+                let keys = zeroize::Zeroizing::new(
+                    serde_json::to_vec(&tickets.ring_at(now)).expect("json"),
+                );
+                send(encode(0, Kind::Tickets, &keys));
+                refresh.as_mut().reset(keys_due(now));
+            }
             f = in_rx.recv() => {
                 let Some((id, kind, p)) = f else { break };
                 match kind {

@@ -154,7 +154,9 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         return p;
     }
     p.proven_node = Some(leaf.node_id.clone());
-    if pki::parse_node_leaf(peer_leaf).map(|l| l.node_id) != Some(leaf.node_id.clone()) {
+    // The connection's certificate is the one renewed (looked up in stage 2): a resumed
+    // connection's is not checked by webpki again (`tickets`).
+    if peer_leaf != leaf_der.as_slice() {
         p.result = Err(RenewReason::Identity);
         return p;
     }

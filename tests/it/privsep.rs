@@ -118,6 +118,14 @@ fn the_network_child_is_confined_and_holds_no_key() {
     assert_eq!(status_field(child, "CapPrm"), "0000000000000000");
     assert_eq!(status_field(child, "NoNewPrivs"), "1");
     assert_eq!(status_field(child, "Seccomp"), "2");
+    // Not dumpable (it holds the session-ticket keys): its /proc files are root's, not its user's.
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        std::fs::metadata(format!("/proc/{child}/status"))
+            .unwrap()
+            .uid(),
+        0
+    );
 
     // Of the state directory it holds two directories, read-only: the boot root and the
     // downloads. No database, no key file, no config.

@@ -149,7 +149,8 @@ fn renewal_keeps_role_and_san_and_refuses_every_bad_condition() {
     assert_eq!(raw, renew_refused());
     assert_eq!(last_renew_reason(&a), "renew:identity");
 
-    // A copied but unknown leaf: the same SPIFFE ID and key, signed by a CA of its own.
+    // A copied but unknown leaf: the same SPIFFE ID and key, signed by a CA of its own. It is not
+    // the connection's certificate (TLS would not take it), which is the one a renewal renews.
     let rogue_ca = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
     let mut cap = rcgen::CertificateParams::default();
     cap.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -161,7 +162,7 @@ fn renewal_keeps_role_and_san_and_refuses_every_bad_condition() {
     let forged = lp.signed_by(&n.key.rcgen(), &rogue, &rogue_ca).unwrap();
     let (raw, _) = renew_raw(&sim.cfg, &n, &[forged.pem()], &n.id, &n.key, now);
     assert_eq!(raw, renew_refused());
-    assert_eq!(last_renew_reason(&a), "renew:unknown-certificate");
+    assert_eq!(last_renew_reason(&a), "renew:identity");
 
     // An old generation: the machine is reclaimed with a new key; the old certificate (still
     // valid for TLS) cannot renew.
@@ -186,6 +187,18 @@ fn renewal_keeps_role_and_san_and_refuses_every_bad_condition() {
     );
     assert_eq!(raw, renew_refused());
     assert_eq!(last_renew_reason(&a), "renew:retired");
+    // A deleted node: its certificate still passes TLS (under the node CA), its node is unknown.
+    a.cli_json(&["nodes", "delete", &other.id, "--yes"]);
+    let (raw, _) = renew_raw(
+        &sim.cfg,
+        &other,
+        &other.chain_pem,
+        &other.id,
+        &other.key,
+        now + 1,
+    );
+    assert_eq!(raw, renew_refused());
+    assert_eq!(last_renew_reason(&a), "renew:unknown-certificate");
 
     // Without a client certificate there is nothing to renew.
     let raw = bca::agent::exchange_raw(&sim.cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
