@@ -96,7 +96,7 @@ impl std::fmt::Debug for TicketRoot {
 }
 
 /// Ticket keys by period, as they cross the socketpair to the network child: `[[period,
-/// "base64"], ...]` (zeroized wherever this process held them).
+/// "base64"], ...]` (the copies this module makes are zeroized).
 pub struct TicketKeys(Vec<(i64, Zeroizing<[u8; 32]>)>);
 
 impl Serialize for TicketKeys {
