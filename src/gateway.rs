@@ -263,10 +263,12 @@ pub fn server_config_with(
         .with_cert_resolver(cert);
     cfg.alpn_protocols = vec![protocol::ALPN.to_vec()];
     cfg.ignore_client_order = true;
-    // One ticket per handshake, which an agent resumes its session with after a restart (a
-    // join's connection ignores it); no server-side session cache and no early data.
+    // One ticket per handshake, which an agent resumes its session with after a restart; no
+    // server-side session cache and no early data.
     cfg.ticketer = tickets;
     cfg.send_tls13_tickets = 1;
+    // At most one when a client asks (RFC 9149): an agent's join asks for none.
+    cfg.max_tls13_tickets = 1;
     cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     Ok(cfg)
 }

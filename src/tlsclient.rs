@@ -134,7 +134,17 @@ pub fn client_config_signer(
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(PinnedCaVerifier::new(serving_ca_pin)));
     let mut cfg = match identity {
-        None => builder.with_no_client_auth(),
+        None => {
+            // A join or a probe: nothing to resume, so it asks for no session ticket (RFC 9149),
+            // which the gateway then does not make.
+            let mut cfg = builder.with_no_client_auth();
+            cfg.resumption = rustls::client::Resumption::disabled();
+            cfg.send_ticket_request = Some(rustls::client::TicketRequest {
+                new_session_count: 0,
+                resumption_count: 0,
+            });
+            cfg
+        }
         Some((chain, key)) => {
             let certified = rustls::sign::CertifiedKey::new(
                 chain.into_iter().map(CertificateDer::from).collect(),

@@ -662,6 +662,26 @@ fn a_node_resumes_its_session_after_a_restart_and_a_revoked_one_is_still_refused
     let (kind, r, s) = hello_with(&rt, &sim.cfg, &tls);
     assert_eq!(kind, Some(rustls::HandshakeKind::Full));
     assert!(r.welcome.is_some(), "{r:?}");
+    assert_eq!(s.get_ref().1.tls13_tickets_received(), 1);
+    // A join's connection asks for no ticket (RFC 9149) and gets none.
+    let ping = serde_json::to_vec(&Request {
+        v: 1,
+        ping: Some(Empty {}),
+        ..Default::default()
+    })
+    .unwrap();
+    let join_like = rt.block_on(async {
+        let mut j = bca::agent::connect(&sim.cfg, None).await.unwrap();
+        let raw = bca::agent::roundtrip(&sim.cfg, &mut j, &ping)
+            .await
+            .unwrap();
+        assert!(serde_json::from_slice::<Reply>(&raw)
+            .unwrap()
+            .pong
+            .is_some());
+        j.get_ref().1.tls13_tickets_received()
+    });
+    assert_eq!(join_like, 0);
     let dir = tempfile::tempdir().unwrap();
     let sess = dir.path().join("openssl.session");
     let out = s_client_as(&a, &n, dir.path(), ("-sess_out", &sess));
@@ -673,6 +693,8 @@ fn a_node_resumes_its_session_after_a_restart_and_a_revoked_one_is_still_refused
     let (kind, r, s) = hello_with(&rt, &sim.cfg, &tls);
     assert_eq!(kind, Some(rustls::HandshakeKind::Resumed));
     assert_eq!(r.welcome.map(|w| w.node_id), Some(n.id.clone()));
+    // And a new ticket for the next time (the one it used is spent).
+    assert_eq!(s.get_ref().1.tls13_tickets_received(), 1);
     wait_for("the resumed session", 5, || {
         (connected(&a) == 1).then_some(())
     });
