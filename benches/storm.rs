@@ -5,7 +5,12 @@
 //! Output: one line per figure, `name: value unit`. Sizes: `BENCH_JOINS` (default 20000),
 //! `BENCH_CONCURRENCY` (200), `BENCH_SESSIONS` (20000). After the join storm, every session
 //! opens (resident memory per session), renews at once (the renewal storm), and the appliance is
-//! restarted under them (the reconnect storm: time until all are back, attempts spent).
+//! restarted under them twice (the reconnect storm: time until all are back, attempts spent):
+//! first every session comes back with a full handshake (`reconnect_*`, right after the
+//! renewals, which no ticket covers), then each resumes with the ticket its last connection got
+//! (`reconnect_resumed_*`, as `bca agent run` does). Each simulated machine connects from a
+//! loopback address of its own, as machines on a network do: from one address the kernel's
+//! search for a free ephemeral port took half of the load core at 19,800 connections.
 
 mod support;
 use bca::agent::{self, AgentConfig};
