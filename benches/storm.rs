@@ -625,6 +625,44 @@ async fn one_join(
     (t.elapsed(), reply.join_response)
 }
 
+/// A core's ticks from `/proc/stat`: (busy: user, nice, system, irq, softirq, steal; iowait;
+/// all).
+fn core_ticks(core: usize) -> (u64, u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let f: Vec<u64> = stat
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cpu{core} ")))
+        .unwrap()
+        .split_whitespace()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let busy = f[0] + f[1] + f[2] + f[5] + f[6] + f[7];
+    (busy, f[4], busy + f[3] + f[4])
+}
+
+/// The join writer's `bca_commit_seconds_count` and `_sum` from `/metrics` (served to loopback).
+fn commit_metrics(http: &str) -> (f64, f64) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(http).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: bca\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    let value = |name: &str| {
+        page.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in /metrics"))
+    };
+    (
+        value("bca_commit_seconds_count "),
+        value("bca_commit_seconds_sum "),
+    )
+}
+
 /// Exec to the readiness line with file keys, the median of five starts (each stopped with
 /// SIGTERM, as an operator's restart does); leaves the appliance serving on its addresses.
 fn cold_start(a: &mut Appliance) -> f64 {
@@ -944,6 +982,10 @@ fn main() {
         .collect();
     let cpu0 = cpu_seconds(a.child.id());
     let load0 = cpu_seconds_of(std::process::id());
+    let commits0 = commit_metrics(&a.http);
+    let core0 = core_ticks(0);
+    // A mark for a profiler started alongside (`perf`, a sampler of thread states).
+    println!("# renewal storm: the clock starts");
     let t = Instant::now();
     let renewed: Vec<(Option<Duration>, Option<Live>)> = rt.block_on(async {
         let mut hs = Vec::new();
@@ -983,6 +1025,8 @@ fn main() {
         out
     });
     let wall = t.elapsed();
+    let commits1 = commit_metrics(&a.http);
+    let core1 = core_ticks(0);
     let renew_cpu = cpu_seconds(a.child.id()) - cpu0;
     let load_cpu = cpu_seconds_of(std::process::id()) - load0;
     let mut rl: Vec<Duration> = renewed.iter().filter_map(|r| r.0).collect();
@@ -1006,6 +1050,28 @@ fn main() {
     line(
         "renewal_storm_load_core_busy",
         load_cpu / wall.as_secs_f64(),
+        "",
+    );
+    // The appliance's core as the kernel counts it: anything that ran on it (the kernel's own
+    // threads and interrupts too), and the time it sat idle waiting for a disk write.
+    let ticks = (core1.2 - core0.2) as f64;
+    line(
+        "renewal_storm_core_busy_all",
+        (core1.0 - core0.0) as f64 / ticks,
+        "",
+    );
+    line(
+        "renewal_storm_core_iowait",
+        (core1.1 - core0.1) as f64 / ticks,
+        "",
+    );
+    // The join writer's thread: how many durable transactions, and the fraction of the storm it
+    // spent in them (its SQL and the commit's `fsync`); near 1, the writer bounds the figure.
+    let commits = commits1.0 - commits0.0;
+    line("renewal_storm_commits", commits, "");
+    line(
+        "renewal_storm_writer_busy",
+        (commits1.1 - commits0.1) / wall.as_secs_f64(),
         "",
     );
     line(
