@@ -36,8 +36,8 @@ const MAX_BATCH: usize = 64;
 /// lone one: a quiet appliance answers at once). The appliance's one core is shared by the
 /// writer and the runtimes that prepare its work; taking only what was queued at that instant,
 /// the renewal storm committed 1.5 renewals per transaction (6,500 `fsync`s for 10,000). With
-/// this wait, 2.9 to 4.4: 1,844 renewals/s against 1,573 in four alternated runs of each (`make bench`,
-/// 2026-12-05), the joins unchanged within the noise.
+/// this wait, 2.9 to 4.4: 1,844 renewals/s against 1,573 in four alternated runs of each
+/// (`make bench`, 2026-12-05), the joins unchanged within the noise.
 const GATHER: std::time::Duration = std::time::Duration::from_micros(300);
 /// Refusal events per attestor and reason per minute.
 const EVENTS_PER_MINUTE: u32 = 60;
@@ -557,11 +557,11 @@ fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
     let mut limits = RateLimit::default();
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
-        drain(&rx, &mut batch);
+        batch.extend(rx.try_iter().take(MAX_BATCH - 1));
         // More than one waiting: a storm. Let the runtime queue a few more before committing.
         if batch.len() > 1 && batch.len() < MAX_BATCH {
             std::thread::sleep(GATHER);
-            drain(&rx, &mut batch);
+            batch.extend(rx.try_iter().take(MAX_BATCH - batch.len()));
         }
         crate::metrics::get()
             .queue_depth
@@ -590,16 +590,6 @@ fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
                     let _ = job.reply.send(Outcome::Busy);
                 }
             }
-        }
-    }
-}
-
-/// Moves what is queued into the batch, up to [`MAX_BATCH`].
-fn drain(rx: &mpsc::Receiver<Job>, batch: &mut Vec<Job>) {
-    while batch.len() < MAX_BATCH {
-        match rx.try_recv() {
-            Ok(j) => batch.push(j),
-            Err(_) => break,
         }
     }
 }
