@@ -11,6 +11,12 @@
 //! (`reconnect_resumed_*`, as `bca agent run` does). Each simulated machine connects from a
 //! loopback address of its own, as machines on a network do: from one address the kernel's
 //! search for a free ephemeral port took half of the load core at 19,800 connections.
+//!
+//! The references: `join_ceiling` and `renewal_ceiling`, the appliance's own cryptography of one
+//! join and of one renewal in a tight loop, measured on core 0 (the appliance's core) at the
+//! start, and again just before (`*_before_storm`) and just after (`*_after_storm`) the storm
+//! they are the reference of; each `*_ceiling_fraction` is against the mean of the two around its
+//! storm. `*_core_steal` is the part of core 0's time the hypervisor gave to something else.
 
 mod support;
 use bca::agent::{self, AgentConfig};
@@ -376,6 +382,46 @@ fn ceiling(n: usize) -> f64 {
     1.0 / per
 }
 
+/// The ceilings measured on core 0, the appliance's own core: this bench again, pinned there, in
+/// its ceiling-only mode (`BCA_BENCH_CEILING` = `join`, `renewal` or `both`). The load generator
+/// runs on core 1, and on a shared virtual machine the two cores need not be equally fast, nor one
+/// core equally fast from one minute to the next: a storm is compared with the ceiling measured
+/// just before it and just after it, on its core. The lines are printed with `suffix` after
+/// their names; a ceiling not measured is 0.
+fn appliance_core_ceilings(which: &str, suffix: &str) -> (f64, f64) {
+    let out = taskset("0")
+        .arg(std::env::current_exe().unwrap())
+        .arg("--bench")
+        .env("BCA_BENCH_PINNED", "1")
+        .env("BCA_BENCH_CEILING", which)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "the ceiling run failed");
+    let (mut join, mut renewal) = (0.0, 0.0);
+    for l in String::from_utf8(out.stdout).unwrap().lines() {
+        let Some((name, rest)) = l.split_once(": ") else {
+            continue;
+        };
+        let value: f64 = rest.split_whitespace().next().unwrap().parse().unwrap();
+        match name {
+            "join_ceiling" => join = value,
+            "renewal_ceiling" => renewal = value,
+            _ => {}
+        }
+        println!("{name}{suffix}: {rest}");
+    }
+    (join, renewal)
+}
+
+/// The mean of two ceilings measured around a storm (either alone when the other is 0).
+fn mean_ceiling(before: f64, after: f64) -> f64 {
+    if before > 0.0 && after > 0.0 {
+        (before + after) / 2.0
+    } else {
+        before.max(after)
+    }
+}
+
 /// The agent's reconnect backoff (`bca agent run`'s defaults): full jitter, 1 s base, 60 s cap.
 const BACKOFF_BASE_MS: u64 = 1000;
 const BACKOFF_CAP_MS: u64 = 60_000;
@@ -497,6 +543,7 @@ fn reconnect_storm(
     std::thread::sleep(Duration::from_millis(300));
     let (http_addr, gw_addr) = (a.http.clone(), a.gateway.clone());
     let load0 = cpu_seconds_of(std::process::id());
+    let steal0 = core_ticks(0);
     let kill_at = Instant::now();
     let _ = Command::new("kill")
         .args(["-TERM", &a.child.id().to_string()])
@@ -523,6 +570,11 @@ fn reconnect_storm(
     line(&format!("{name}_all_back_s"), all_back.as_secs_f64(), "s");
     line(&format!("{name}_appliance_core_busy"), reconnect_busy, "");
     line(&format!("{name}_load_core_busy"), load_busy, "");
+    line(
+        &format!("{name}_core_steal"),
+        steal_fraction(steal0, core_ticks(0)),
+        "",
+    );
     line(
         &format!("{name}_attempts_per_session"),
         attempts.load(std::sync::atomic::Ordering::Relaxed) as f64 / n_live.max(1) as f64,
@@ -627,7 +679,10 @@ async fn one_join(
 
 /// A core's ticks from `/proc/stat`: (busy: user, nice, system, irq, softirq, steal; iowait;
 /// all).
-fn core_ticks(core: usize) -> (u64, u64, u64) {
+/// Core `core`'s ticks from `/proc/stat`: (busy, iowait, all, steal). Steal is the time the
+/// hypervisor ran something else while this virtual core wanted to run: a run with a large
+/// steal fraction was measured on a loaded host.
+fn core_ticks(core: usize) -> (u64, u64, u64, u64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap();
     let f: Vec<u64> = stat
         .lines()
@@ -638,7 +693,12 @@ fn core_ticks(core: usize) -> (u64, u64, u64) {
         .collect();
     // user nice system idle iowait irq softirq steal (guest time is inside user).
     let busy = f[0] + f[1] + f[2] + f[5] + f[6] + f[7];
-    (busy, f[4], busy + f[3] + f[4])
+    (busy, f[4], busy + f[3] + f[4], f[7])
+}
+
+/// The fraction of core `core`'s time stolen by the hypervisor between two [`core_ticks`].
+fn steal_fraction(t0: (u64, u64, u64, u64), t1: (u64, u64, u64, u64)) -> f64 {
+    (t1.3 - t0.3) as f64 / (t1.2 - t0.2).max(1) as f64
 }
 
 /// The join writer's `bca_commit_seconds_count` and `_sum` from `/metrics` (served to loopback).
@@ -837,6 +897,16 @@ fn main() {
         println!("storm: run with `make bench`");
         return;
     }
+    if let Ok(which) = std::env::var("BCA_BENCH_CEILING") {
+        // Ceiling-only mode, run by `appliance_core_ceilings` on the appliance's core.
+        if which != "renewal" {
+            line("join_ceiling", ceiling(500), "joins/s/core");
+        }
+        if which != "join" {
+            line("renewal_ceiling", renewal_ceiling(500), "renewals/s/core");
+        }
+        return;
+    }
     if std::env::var("BCA_BENCH_PINNED").is_err()
         && Command::new("taskset").arg("--version").output().is_ok()
     {
@@ -858,10 +928,7 @@ fn main() {
         .min(nofile_hard().saturating_sub(200) as usize);
     println!("# bca storm bench: {joins} joins, {conc} concurrent, {sessions} sessions; bca serve on core 0, load on core 1");
 
-    let ceil = ceiling(500);
-    line("join_ceiling", ceil, "joins/s/core");
-    let renewal_ceil = renewal_ceiling(500);
-    line("renewal_ceiling", renewal_ceil, "renewals/s/core");
+    let (join_ceil_before, _) = appliance_core_ceilings("both", "");
 
     privsep_cost(conc);
 
@@ -872,8 +939,12 @@ fn main() {
     let rt = load_runtime();
     // Join storm.
     let cpu0 = cpu_seconds(a.child.id());
+    let join_ticks0 = core_ticks(0);
+    // A mark for a profiler started alongside, as for the renewal storm below.
+    println!("# join storm: the clock starts");
     let t = Instant::now();
     let results = join_storm(&rt, &cfg, &machines, conc);
+    let join_steal = steal_fraction(join_ticks0, core_ticks(0));
     // The sessions below open at the same concurrency.
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let wall = t.elapsed();
@@ -883,6 +954,8 @@ fn main() {
     lat.sort();
     let rate = ok as f64 / wall.as_secs_f64();
     line("join_storm", rate, "joins/s/core");
+    let (join_ceil_after, _) = appliance_core_ceilings("join", "_after_storm");
+    let ceil = mean_ceiling(join_ceil_before, join_ceil_after);
     line("join_ceiling_fraction", rate / ceil, "");
     // How busy the appliance's core was: below 1, the load generator's core is the bound.
     line(
@@ -895,6 +968,7 @@ fn main() {
         ok as f64 / join_cpu.max(0.01),
         "joins/cpu-s",
     );
+    line("join_storm_core_steal", join_steal, "");
     line("join_p50", pct(&lat, 0.5), "ms");
     line("join_p99", pct(&lat, 0.99), "ms");
     line("join_failures", (joins - ok) as f64, "");
@@ -980,6 +1054,7 @@ fn main() {
             (key, csr, serde_json::to_vec(&req).unwrap())
         })
         .collect();
+    let (_, renewal_ceil_before) = appliance_core_ceilings("renewal", "_before_storm");
     let cpu0 = cpu_seconds(a.child.id());
     let load0 = cpu_seconds_of(std::process::id());
     let commits0 = commit_metrics(&a.http);
@@ -1031,6 +1106,8 @@ fn main() {
     let load_cpu = cpu_seconds_of(std::process::id()) - load0;
     let mut rl: Vec<Duration> = renewed.iter().filter_map(|r| r.0).collect();
     rl.sort();
+    let (_, renewal_ceil_after) = appliance_core_ceilings("renewal", "_after_storm");
+    let renewal_ceil = mean_ceiling(renewal_ceil_before, renewal_ceil_after);
     line(
         "renewal_storm",
         rl.len() as f64 / wall.as_secs_f64(),
@@ -1065,6 +1142,7 @@ fn main() {
         (core1.1 - core0.1) as f64 / ticks,
         "",
     );
+    line("renewal_storm_core_steal", steal_fraction(core0, core1), "");
     // The join writer's thread: how many durable transactions, and the fraction of the storm it
     // spent in them (its SQL and the commit's `fsync`); near 1, the writer bounds the figure.
     let commits = commits1.0 - commits0.0;
