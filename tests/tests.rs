@@ -11,6 +11,8 @@ mod common;
 mod crash;
 #[path = "it/discovery.rs"]
 mod discovery;
+#[path = "it/fastmem.rs"]
+mod fastmem;
 #[path = "it/foundation.rs"]
 mod foundation;
 #[path = "it/fuzz_replay.rs"]
