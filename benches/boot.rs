@@ -230,6 +230,7 @@ fn main() {
     let m = env("BOOT_CLIENTS", 1000);
     let t = env("TFTP_CLIENTS", 200);
     println!("# bca boot storm: {m} PXE clients (DHCP, TFTP, HTTP), then {t} TFTP transfers against bca, dnsmasq and tftp-hpa; servers on core 0, clients on core 1");
+    println!("{}", support::describe_bin());
     let lab = match setup() {
         Ok(l) => l,
         Err(e) => {

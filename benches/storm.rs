@@ -927,6 +927,7 @@ fn main() {
         .min(joins)
         .min(nofile_hard().saturating_sub(200) as usize);
     println!("# bca storm bench: {joins} joins, {conc} concurrent, {sessions} sessions; bca serve on core 0, load on core 1");
+    println!("{}", support::describe_bin());
 
     let (join_ceil_before, _) = appliance_core_ceilings("both", "");
 
