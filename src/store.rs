@@ -60,13 +60,9 @@ impl Store {
         // `pwrite`s of a temporary file (the storm bench, 2026-12-04). It only ever serves a
         // rollback to the savepoint inside the open transaction; the WAL alone makes a commit
         // durable. Its memory is bounded by one batch (64 joins).
-        // `cache_size`: up to 32 MiB of pages kept (SQLite's default, 2 MiB, is smaller than a
-        // site's database after a few thousand nodes; past it, each join and renewal re-read index
-        // and table pages from the kernel's page cache: 1.4% of the appliance's core in a renewal
-        // storm's profile). Pages are allocated as they are used: a small database stays small.
         conn.execute_batch(
             "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON; PRAGMA busy_timeout=5000;
-             PRAGMA temp_store=MEMORY; PRAGMA cache_size=-32768;",
+             PRAGMA temp_store=MEMORY;",
         )
         .map_err(|e| format!("cannot configure the database: {e}"))?;
         migrate(&mut conn)?;
