@@ -1,5 +1,5 @@
 //! Compiles `csrc/fastmem.c` (see there): on x86_64 always as `bca_memcpy` and `bca_memmove`
-//! (tested by `tests/fastmem.rs`); for the static musl build also as `memcpy` and `memmove`,
+//! (tested by `tests/it/fastmem.rs`); for the static musl build also as `memcpy` and `memmove`,
 //! linked whole so that they take the place of musl's `rep movsq` ones.
 
 fn main() {
@@ -14,6 +14,8 @@ fn main() {
         .opt_level(2)
         .flag("-ffreestanding")
         .flag("-fno-builtin")
+        .flag("-fno-stack-protector")
+        // GCC's; clang makes no library calls of loops under -ffreestanding / -fno-builtin.
         .flag_if_supported("-fno-tree-loop-distribute-patterns")
         .warnings(true)
         .extra_warnings(true);

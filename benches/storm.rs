@@ -16,7 +16,11 @@
 //! join and of one renewal in a tight loop, measured on core 0 (the appliance's core) at the
 //! start, and again just before (`*_before_storm`) and just after (`*_after_storm`) the storm
 //! they are the reference of; each `*_ceiling_fraction` is against the mean of the two around its
-//! storm. `*_core_steal` is the part of core 0's time the hypervisor gave to something else.
+//! storm. The loop runs in this bench's own build of bca's code (the host's, glibc), whatever
+//! binary is under test: the same aws-lc, whose cost per join the static binary matched within
+//! 10% in profiles (BENCHMARKS.md, 2026-12-06). The ceilings after a storm share core 0 with the
+//! appliance, idle by then (its sessions send nothing). `*_core_steal` is the part of core 0's
+//! time the hypervisor gave to something else.
 
 mod support;
 use bca::agent::{self, AgentConfig};
@@ -677,11 +681,9 @@ async fn one_join(
     (t.elapsed(), reply.join_response)
 }
 
-/// A core's ticks from `/proc/stat`: (busy: user, nice, system, irq, softirq, steal; iowait;
-/// all).
-/// Core `core`'s ticks from `/proc/stat`: (busy, iowait, all, steal). Steal is the time the
-/// hypervisor ran something else while this virtual core wanted to run: a run with a large
-/// steal fraction was measured on a loaded host.
+/// Core `core`'s ticks from `/proc/stat`: (busy: user, nice, system, irq, softirq, steal; iowait;
+/// all; steal). Steal is the time the hypervisor ran something else while this virtual core
+/// wanted to run.
 fn core_ticks(core: usize) -> (u64, u64, u64, u64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap();
     let f: Vec<u64> = stat

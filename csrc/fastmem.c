@@ -10,13 +10,15 @@
  * in 16-byte steps stored aligned.
  *
  * The build (build.rs) always compiles them as `bca_memmove` and `bca_memcpy`, which the test
- * `tests/fastmem.rs` checks against a byte loop for every size to 1 KiB, every alignment and every
- * overlap; only for the musl target does it also define `memcpy` and `memmove` (`BCA_LIBC_MEM`),
- * linked whole so that they take the place of musl's. memcpy is memmove: the overlap check costs
- * one comparison, and a caller that wrongly passes overlapping buffers still gets a correct copy.
+ * `tests/it/fastmem.rs` checks against a byte loop for every size to 1 KiB, every alignment, and
+ * every distance between source and destination to n+2 for sizes to 200; only for the musl target
+ * does it also define `memcpy` and `memmove` (`BCA_LIBC_MEM`), linked whole so that they take the
+ * place of musl's. memcpy is memmove (one comparison more).
  *
- * Compiled with -ffreestanding -fno-builtin -fno-tree-loop-distribute-patterns: the compiler must
- * not turn these loops back into calls to memcpy.
+ * Compiled with -ffreestanding -fno-builtin (and, with GCC, -fno-tree-loop-distribute-patterns):
+ * the compiler must not turn these loops back into calls to memcpy. And -fno-stack-protector:
+ * musl copies the thread's TLS image with memcpy before the thread pointer, which the stack
+ * protector's canary is read through, exists (musl builds its own memcpy the same way).
  */
 #include <stddef.h>
 #include <stdint.h>

@@ -160,6 +160,9 @@ fn allowed() -> Vec<i64> {
         SYS_sched_getscheduler,
         SYS_restart_syscall,
         SYS_set_tid_address,
+        // mimalloc asks which CPU and NUMA node a new thread runs on when the host has more than
+        // one node (and, in the static build, it is C's allocator too).
+        SYS_getcpu,
     ];
     #[cfg(target_arch = "x86_64")]
     v.extend([
