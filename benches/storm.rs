@@ -391,7 +391,7 @@ fn ceiling(n: usize) -> f64 {
 /// runs on core 1, and on a shared virtual machine the two cores need not be equally fast, nor one
 /// core equally fast from one minute to the next: a storm is compared with the ceiling measured
 /// just before it and just after it, on its core. The lines are printed with `suffix` after
-/// their names; a ceiling not measured is 0.
+/// their names; a ceiling not asked for is 0.
 fn appliance_core_ceilings(which: &str, suffix: &str) -> (f64, f64) {
     let out = taskset("0")
         .arg(std::env::current_exe().unwrap())
@@ -415,15 +415,6 @@ fn appliance_core_ceilings(which: &str, suffix: &str) -> (f64, f64) {
         println!("{name}{suffix}: {rest}");
     }
     (join, renewal)
-}
-
-/// The mean of two ceilings measured around a storm (either alone when the other is 0).
-fn mean_ceiling(before: f64, after: f64) -> f64 {
-    if before > 0.0 && after > 0.0 {
-        (before + after) / 2.0
-    } else {
-        before.max(after)
-    }
 }
 
 /// The agent's reconnect backoff (`bca agent run`'s defaults): full jitter, 1 s base, 60 s cap.
@@ -576,7 +567,7 @@ fn reconnect_storm(
     line(&format!("{name}_load_core_busy"), load_busy, "");
     line(
         &format!("{name}_core_steal"),
-        steal_fraction(steal0, core_ticks(0)),
+        core_ticks(0).since(&steal0).steal,
         "",
     );
     line(
@@ -681,10 +672,36 @@ async fn one_join(
     (t.elapsed(), reply.join_response)
 }
 
-/// Core `core`'s ticks from `/proc/stat`: (busy: user, nice, system, irq, softirq, steal; iowait;
-/// all; steal). Steal is the time the hypervisor ran something else while this virtual core
-/// wanted to run.
-fn core_ticks(core: usize) -> (u64, u64, u64, u64) {
+/// A core's ticks from `/proc/stat` at one instant.
+#[derive(Clone, Copy)]
+struct CoreTicks {
+    /// user, nice, system, irq, softirq, steal (guest time is inside user).
+    busy: u64,
+    iowait: u64,
+    all: u64,
+    /// The time the hypervisor ran something else while this virtual core wanted to run.
+    steal: u64,
+}
+
+/// What a core did between two instants, as fractions of its time.
+struct CoreShares {
+    busy: f64,
+    iowait: f64,
+    steal: f64,
+}
+
+impl CoreTicks {
+    fn since(&self, before: &CoreTicks) -> CoreShares {
+        let all = (self.all - before.all).max(1) as f64;
+        CoreShares {
+            busy: (self.busy - before.busy) as f64 / all,
+            iowait: (self.iowait - before.iowait) as f64 / all,
+            steal: (self.steal - before.steal) as f64 / all,
+        }
+    }
+}
+
+fn core_ticks(core: usize) -> CoreTicks {
     let stat = std::fs::read_to_string("/proc/stat").unwrap();
     let f: Vec<u64> = stat
         .lines()
@@ -695,12 +712,12 @@ fn core_ticks(core: usize) -> (u64, u64, u64, u64) {
         .collect();
     // user nice system idle iowait irq softirq steal (guest time is inside user).
     let busy = f[0] + f[1] + f[2] + f[5] + f[6] + f[7];
-    (busy, f[4], busy + f[3] + f[4], f[7])
-}
-
-/// The fraction of core `core`'s time stolen by the hypervisor between two [`core_ticks`].
-fn steal_fraction(t0: (u64, u64, u64, u64), t1: (u64, u64, u64, u64)) -> f64 {
-    (t1.3 - t0.3) as f64 / (t1.2 - t0.2).max(1) as f64
+    CoreTicks {
+        busy,
+        iowait: f[4],
+        all: busy + f[3] + f[4],
+        steal: f[7],
+    }
 }
 
 /// The join writer's `bca_commit_seconds_count` and `_sum` from `/metrics` (served to loopback).
@@ -947,7 +964,7 @@ fn main() {
     println!("# join storm: the clock starts");
     let t = Instant::now();
     let results = join_storm(&rt, &cfg, &machines, conc);
-    let join_steal = steal_fraction(join_ticks0, core_ticks(0));
+    let join_steal = core_ticks(0).since(&join_ticks0).steal;
     // The sessions below open at the same concurrency.
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let wall = t.elapsed();
@@ -958,7 +975,7 @@ fn main() {
     let rate = ok as f64 / wall.as_secs_f64();
     line("join_storm", rate, "joins/s/core");
     let (join_ceil_after, _) = appliance_core_ceilings("join", "_after_storm");
-    let ceil = mean_ceiling(join_ceil_before, join_ceil_after);
+    let ceil = (join_ceil_before + join_ceil_after) / 2.0;
     line("join_ceiling_fraction", rate / ceil, "");
     // How busy the appliance's core was: below 1, the load generator's core is the bound.
     line(
@@ -1110,7 +1127,7 @@ fn main() {
     let mut rl: Vec<Duration> = renewed.iter().filter_map(|r| r.0).collect();
     rl.sort();
     let (_, renewal_ceil_after) = appliance_core_ceilings("renewal", "_after_storm");
-    let renewal_ceil = mean_ceiling(renewal_ceil_before, renewal_ceil_after);
+    let renewal_ceil = (renewal_ceil_before + renewal_ceil_after) / 2.0;
     line(
         "renewal_storm",
         rl.len() as f64 / wall.as_secs_f64(),
@@ -1134,18 +1151,10 @@ fn main() {
     );
     // The appliance's core as the kernel counts it: anything that ran on it (the kernel's own
     // threads and interrupts too), and the time it sat idle waiting for a disk write.
-    let ticks = (core1.2 - core0.2) as f64;
-    line(
-        "renewal_storm_core_busy_all",
-        (core1.0 - core0.0) as f64 / ticks,
-        "",
-    );
-    line(
-        "renewal_storm_core_iowait",
-        (core1.1 - core0.1) as f64 / ticks,
-        "",
-    );
-    line("renewal_storm_core_steal", steal_fraction(core0, core1), "");
+    let core = core1.since(&core0);
+    line("renewal_storm_core_busy_all", core.busy, "");
+    line("renewal_storm_core_iowait", core.iowait, "");
+    line("renewal_storm_core_steal", core.steal, "");
     // The join writer's thread: how many durable transactions, and the fraction of the storm it
     // spent in them (its SQL and the commit's `fsync`); near 1, the writer bounds the figure.
     let commits = commits1.0 - commits0.0;
