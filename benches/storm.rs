@@ -20,7 +20,9 @@
 //! binary is under test: the same aws-lc, whose cost per join the static binary matched within
 //! 10% in profiles (BENCHMARKS.md, 2026-12-06). The ceilings after a storm share core 0 with the
 //! appliance, idle by then (its sessions send nothing). `*_core_steal` is the part of core 0's
-//! time the hypervisor gave to something else.
+//! time the hypervisor gave to something else. `*_context_switches` counts the appliance's
+//! threads' switches per join or renewal (both processes): a figure that, unlike the rates,
+//! barely moves from one run to the next.
 
 mod support;
 use bca::agent::{self, AgentConfig};
@@ -183,6 +185,27 @@ fn cpu_seconds_of(pid: u32) -> f64 {
     let f: Vec<&str> = after.split_whitespace().collect();
     // Fields 14 and 15 of stat (utime, stime), in clock ticks of 1/100 s.
     (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / 100.0
+}
+
+/// Context switches (voluntary and not) of the live threads of a process and its children: on
+/// the appliance's one core, each is a hand-off between its threads or its two processes.
+fn context_switches(pid: u32) -> u64 {
+    tree(pid)
+        .into_iter()
+        .filter_map(|p| std::fs::read_dir(format!("/proc/{p}/task")).ok())
+        .flat_map(|tasks| tasks.flatten())
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter_map(|l| {
+                    l.strip_prefix("voluntary_ctxt_switches:")
+                        .or_else(|| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                })
+                .collect::<Vec<_>>()
+        })
+        .sum()
 }
 
 /// Resident memory of a process and its children.
@@ -959,6 +982,7 @@ fn main() {
     let rt = load_runtime();
     // Join storm.
     let cpu0 = cpu_seconds(a.child.id());
+    let switches0 = context_switches(a.child.id());
     let join_ticks0 = core_ticks(0);
     // A mark for a profiler started alongside, as for the renewal storm below.
     println!("# join storm: the clock starts");
@@ -969,6 +993,7 @@ fn main() {
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
     let wall = t.elapsed();
     let join_cpu = cpu_seconds(a.child.id()) - cpu0;
+    let join_switches = context_switches(a.child.id()) - switches0;
     let ok = results.iter().filter(|r| r.1.is_some()).count();
     let mut lat: Vec<Duration> = results.iter().map(|r| r.0).collect();
     lat.sort();
@@ -989,6 +1014,11 @@ fn main() {
         "joins/cpu-s",
     );
     line("join_storm_core_steal", join_steal, "");
+    line(
+        "join_storm_context_switches",
+        join_switches as f64 / ok.max(1) as f64,
+        "per join",
+    );
     line("join_p50", pct(&lat, 0.5), "ms");
     line("join_p99", pct(&lat, 0.99), "ms");
     line("join_failures", (joins - ok) as f64, "");
@@ -1076,6 +1106,7 @@ fn main() {
         .collect();
     let (_, renewal_ceil_before) = appliance_core_ceilings("renewal", "_before_storm");
     let cpu0 = cpu_seconds(a.child.id());
+    let switches0 = context_switches(a.child.id());
     let load0 = cpu_seconds_of(std::process::id());
     let commits0 = commit_metrics(&a.http);
     let core0 = core_ticks(0);
@@ -1123,6 +1154,7 @@ fn main() {
     let commits1 = commit_metrics(&a.http);
     let core1 = core_ticks(0);
     let renew_cpu = cpu_seconds(a.child.id()) - cpu0;
+    let renew_switches = context_switches(a.child.id()) - switches0;
     let load_cpu = cpu_seconds_of(std::process::id()) - load0;
     let mut rl: Vec<Duration> = renewed.iter().filter_map(|r| r.0).collect();
     rl.sort();
@@ -1155,6 +1187,11 @@ fn main() {
     line("renewal_storm_core_busy_all", core.busy, "");
     line("renewal_storm_core_iowait", core.iowait, "");
     line("renewal_storm_core_steal", core.steal, "");
+    line(
+        "renewal_storm_context_switches",
+        renew_switches as f64 / rl.len().max(1) as f64,
+        "per renewal",
+    );
     // The join writer's thread: how many durable transactions, and the fraction of the storm it
     // spent in them (its SQL and the commit's `fsync`); near 1, the writer bounds the figure.
     let commits = commits1.0 - commits0.0;

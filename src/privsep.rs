@@ -46,10 +46,12 @@
 //! The parent sends `Reply`, `Close` (a node's identity was revoked: close its session), `Cert`
 //! (the gateway leaf was rotated) and `Stop`.
 //!
-//! Each side writes from one place (the child's writer thread, the parent's out task) that
-//! gathers the frames queued behind the first into one write of up to 64 KiB, and reads through
-//! a 64 KiB buffer: in a storm, calls and answers cross in a few system calls rather than one
-//! each, and a runtime worker never waits on the socket itself.
+//! The parent writes from one place, its out task, which gathers the frames queued behind the
+//! first into one write of up to 64 KiB. The child sends a frame at once from the thread that
+//! has it when nothing waits before it and the socket's buffer has room, without waiting; what
+//! remains goes to its writer thread, which writes everything queued meanwhile at once (see
+//! [`Outbox`]). Each side reads through a 64 KiB buffer: in a storm, answers cross in a few
+//! system calls rather than one each, and a runtime worker never waits on the socket itself.
 //!
 //! # Faults
 //! A child that dies (a crash, the OOM killer, SIGKILL) is restarted with a backoff (100 ms,
@@ -149,8 +151,8 @@ const BATCH: usize = 64 << 10;
 /// Frames the child queues for the parent before a sender waits.
 const CHILD_QUEUE: usize = 4096;
 
-/// `first` and the frames queued behind it, up to [`BATCH`] bytes, as one write: a storm's
-/// calls and answers cross the socketpair in a few system calls instead of one each.
+/// The parent's out task: `first` and the frames queued behind it, up to [`BATCH`] bytes, as one
+/// write: a storm's answers cross the socketpair in a few system calls instead of one each.
 fn gather(first: Vec<u8>, mut more: impl FnMut() -> Option<Vec<u8>>) -> Vec<u8> {
     let mut buf = first;
     while buf.len() < BATCH {
@@ -162,13 +164,125 @@ fn gather(first: Vec<u8>, mut more: impl FnMut() -> Option<Vec<u8>>) -> Vec<u8> 
     buf
 }
 
-/// The child's writer thread: the frames [`Link::send`] queues, gathered, until the queue or
-/// the socketpair closes (the reader thread then ends the process).
-fn write_frames(mut out: UnixStream, rx: std::sync::mpsc::Receiver<Vec<u8>>) {
-    while let Ok(b) = rx.recv() {
-        if out.write_all(&gather(b, || rx.try_recv().ok())).is_err() {
+/// The child's frames for the parent: sent at once when nothing is queued before them, else
+/// queued as the bytes of the writer thread's next write.
+///
+/// A frame goes straight to the socketpair from the thread that sends it, without waiting (the
+/// socket's buffer takes it, or it is queued): handing each frame to the writer thread cost a
+/// wake-up and two context switches on the appliance's one core. Only what the socket could not
+/// take at once waits for the writer thread, which may block; a runtime worker never does.
+///
+/// Not a channel: `std::sync::mpsc` wakes its receiver while the sender still holds the channel's
+/// lock, and on one core the woken thread ran at once, found the lock held and slept again (5
+/// `futex` calls and 4 context switches per join on the writer thread in the join storm). Here
+/// the writer is woken after the lock is released, and only when it waits.
+struct Outbox {
+    sock: UnixStream,
+    state: Mutex<Queued>,
+    /// The writer waits here for bytes.
+    ready: std::sync::Condvar,
+    /// Senders wait here for room.
+    room: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Queued {
+    bytes: Vec<u8>,
+    frames: usize,
+    writer_waits: bool,
+    /// The writer holds bytes it has not written yet: a new frame must queue behind them.
+    writing: bool,
+    /// The socketpair failed, or [`Outbox::close`]: nothing more is taken.
+    closed: bool,
+}
+
+impl Outbox {
+    fn new(sock: UnixStream) -> Self {
+        Self {
+            sock,
+            state: Mutex::new(Queued::default()),
+            ready: std::sync::Condvar::new(),
+            room: std::sync::Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queued> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends or queues a frame; blocks only while [`CHILD_QUEUE`] frames wait already (the
+    /// parent has stopped reading). False once the outbox is closed.
+    fn push(&self, id: u64, kind: Kind, payload: &[u8]) -> bool {
+        let mut q = self.lock();
+        while q.frames >= CHILD_QUEUE && !q.closed {
+            q = self.room.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+        if q.closed {
+            return false;
+        }
+        let first = q.bytes.is_empty() && !q.writing;
+        q.bytes
+            .extend_from_slice(&((9 + payload.len()) as u32).to_be_bytes());
+        q.bytes.extend_from_slice(&id.to_be_bytes());
+        q.bytes.push(kind as u8);
+        q.bytes.extend_from_slice(payload);
+        if first {
+            // Under the lock, so that no other frame can come between its parts. An error
+            // other than a full buffer is the writer's to find (it closes the outbox).
+            let flags = rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL;
+            if let Ok(n) = rustix::net::send(&self.sock, &q.bytes, flags) {
+                q.bytes.drain(..n);
+            }
+            if q.bytes.is_empty() {
+                return true;
+            }
+        }
+        q.frames += 1;
+        let wake = std::mem::take(&mut q.writer_waits);
+        drop(q);
+        if wake {
+            self.ready.notify_one();
+        }
+        true
+    }
+
+    /// Takes nothing more; the writer ends once it has written what was queued.
+    fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_one();
+        self.room.notify_all();
+    }
+}
+
+/// The child's writer thread: whatever the [`Outbox`] could not send at once, in one write each
+/// time, until it is closed and empty or the socketpair fails (the reader thread then ends the
+/// process).
+fn write_frames(outbox: &Outbox) {
+    let mut writing = Vec::new();
+    loop {
+        let mut q = outbox.lock();
+        q.writing = false;
+        while q.bytes.is_empty() && !q.closed {
+            q.writer_waits = true;
+            q = outbox.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+        q.writer_waits = false;
+        if q.bytes.is_empty() {
             return;
         }
+        std::mem::swap(&mut q.bytes, &mut writing);
+        q.writing = true;
+        let had_room = q.frames < CHILD_QUEUE;
+        q.frames = 0;
+        drop(q);
+        if !had_room {
+            outbox.room.notify_all();
+        }
+        if (&outbox.sock).write_all(&writing).is_err() {
+            outbox.close();
+            return;
+        }
+        writing.clear();
     }
 }
 
@@ -238,14 +352,39 @@ const OPENED: &str = "opened";
 /// The child's side of the socketpair: calls and signatures to the parent.
 pub struct Link {
     /// To [`write_frames`]' thread: a runtime worker never waits on the socket itself.
-    out: std::sync::mpsc::SyncSender<Vec<u8>>,
+    out: Arc<Outbox>,
     pending: Mutex<HashMap<u64, Waiter>>,
     next: AtomicU64,
 }
 
 enum Waiter {
-    Blocking(std::sync::mpsc::SyncSender<Vec<u8>>),
+    Blocking(Arc<Slot>),
     Async(oneshot::Sender<Vec<u8>>),
+}
+
+/// The answer a blocked runtime worker waits for (a TLS signature). The reader thread fills it
+/// and wakes the worker after releasing the lock (see [`Outbox`] for why not a channel).
+#[derive(Default)]
+struct Slot {
+    answer: Mutex<Option<Vec<u8>>>,
+    filled: std::sync::Condvar,
+}
+
+impl Slot {
+    fn fill(&self, answer: Vec<u8>) {
+        *self.answer.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer);
+        self.filled.notify_one();
+    }
+
+    /// The answer, or `None` when none came within `wait`.
+    fn take(&self, wait: Duration) -> Option<Vec<u8>> {
+        let guard = self.answer.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut guard, _) = self
+            .filled
+            .wait_timeout_while(guard, wait, |a| a.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        guard.take()
+    }
 }
 
 impl std::fmt::Debug for Link {
@@ -258,12 +397,13 @@ impl Link {
     /// Queues a frame for the parent; blocks only when [`CHILD_QUEUE`] frames wait already
     /// (the parent has stopped reading). An error when the writer is gone with the socketpair.
     fn send(&self, id: u64, kind: Kind, payload: &[u8]) -> std::io::Result<()> {
-        self.out.send(encode(id, kind, payload)).map_err(|_| {
-            std::io::Error::new(
-                std::io::ErrorKind::BrokenPipe,
-                "privsep: the socketpair to the parent is closed",
-            )
-        })
+        if self.out.push(id, kind, payload) {
+            return Ok(());
+        }
+        Err(std::io::Error::new(
+            std::io::ErrorKind::BrokenPipe,
+            "privsep: the socketpair to the parent is closed",
+        ))
     }
 
     fn wait(&self, kind: Kind, payload: &[u8], waiter: Waiter) -> Option<u64> {
@@ -314,12 +454,12 @@ impl Link {
         p.extend_from_slice(leaf_sha256);
         p.extend_from_slice(&u16::from(scheme).to_be_bytes());
         p.extend_from_slice(msg);
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let id = self.wait(Kind::Sign, &p, Waiter::Blocking(tx))?;
+        let slot = Arc::new(Slot::default());
+        let id = self.wait(Kind::Sign, &p, Waiter::Blocking(slot.clone()))?;
         // Waits on the worker itself: the parent answers in microseconds, and the wait is bounded.
         // `block_in_place` here (handing the worker's other tasks to another thread at every
         // handshake) cost joins 30% against 4% for this in the storm bench (2,000 joins each).
-        let r = rx.recv_timeout(Duration::from_secs(5)).ok();
+        let r = slot.take(Duration::from_secs(5));
         if r.is_none() {
             self.forget(id);
         }
@@ -336,9 +476,7 @@ impl Link {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&id);
         match w {
-            Some(Waiter::Blocking(tx)) => {
-                let _ = tx.send(payload);
-            }
+            Some(Waiter::Blocking(slot)) => slot.fill(payload),
             Some(Waiter::Async(tx)) => {
                 let _ = tx.send(payload);
             }
@@ -541,10 +679,16 @@ pub fn child_main() -> Result<(), String> {
         probes,
     };
 
-    let (out_tx, out_rx) = std::sync::mpsc::sync_channel(CHILD_QUEUE);
-    std::thread::spawn(move || write_frames(out, out_rx));
+    let outbox = Arc::new(Outbox::new(out));
+    {
+        let outbox = outbox.clone();
+        std::thread::Builder::new()
+            .name("privsep-out".into())
+            .spawn(move || write_frames(&outbox))
+            .map_err(|e| format!("privsep: the writer thread: {e}"))?;
+    }
     let link = Arc::new(Link {
-        out: out_tx,
+        out: outbox,
         pending: Default::default(),
         next: AtomicU64::new(0),
     });
@@ -570,7 +714,8 @@ pub fn child_main() -> Result<(), String> {
         let tickets = tickets.clone();
         // Buffered: a storm's answers arrive many to a read.
         let mut rd = std::io::BufReader::with_capacity(BATCH, sock);
-        std::thread::spawn(move || loop {
+        let reader = std::thread::Builder::new().name("privsep-in".into());
+        let spawned = reader.spawn(move || loop {
             match read_sync(&mut rd) {
                 Ok(Some((id, Kind::Reply, p))) => link.answer(id, p),
                 Ok(Some((_, Kind::Close, p))) => registry.close(&String::from_utf8_lossy(&p)),
@@ -600,6 +745,7 @@ pub fn child_main() -> Result<(), String> {
                 }
             }
         });
+        spawned.map_err(|e| format!("privsep: the reader thread: {e}"))?;
     }
     link.send(
         0,
@@ -608,7 +754,11 @@ pub fn child_main() -> Result<(), String> {
     )
     .map_err(|e| format!("privsep: reporting to the parent: {e}"))?;
 
-    rt.block_on(async move {
+    // Everything runs in a task on the runtime's workers, the accept loop too: run by `block_on`
+    // itself, on this thread, every accepted connection crossed from it to a worker and every
+    // readiness back to it, two threads woken per connection (5.7 `futex` calls per join on this
+    // thread alone in the join storm). The main thread only waits.
+    let served = rt.spawn(async move {
         // The parent decides when we stop: an operator's ^C or systemd's SIGTERM reach it too.
         let _term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
         let _int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
@@ -641,7 +791,9 @@ pub fn child_main() -> Result<(), String> {
         // signal, end it too). Their nodes notice all at once, as the appliance exits.
         std::future::pending::<()>().await;
         Ok::<_, String>(())
-    })
+    });
+    rt.block_on(served)
+        .map_err(|e| format!("privsep: the network child's task: {e}"))?
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1294,31 +1446,128 @@ mod tests {
     }
 
     #[test]
-    fn gathered_frames_read_back_one_by_one_in_order_and_a_batch_stops_near_its_bound() {
+    fn frames_sent_at_once_or_queued_read_back_in_order_and_a_full_outbox_holds_its_senders() {
         // Through a real socketpair and the child's writer thread, read buffered as the
-        // reader thread reads them.
+        // reader thread reads them. Nobody reads until all are pushed: the first go straight
+        // into the socket's buffer, the rest queue behind them for the writer thread.
         let (a, b) = UnixStream::pair().unwrap();
-        let (tx, rx) = std::sync::mpsc::sync_channel(CHILD_QUEUE);
-        let writer = std::thread::spawn(move || write_frames(a, rx));
+        let outbox = Arc::new(Outbox::new(a));
+        let writer = {
+            let outbox = outbox.clone();
+            std::thread::spawn(move || write_frames(&outbox))
+        };
         let big = vec![0x5a; 40 << 10];
-        for i in 0..200u64 {
-            let p = if i % 50 == 0 { &big[..] } else { &b"{}"[..] };
-            tx.send(encode(i, Kind::Reply, p)).unwrap();
+        for i in 0..400u64 {
+            let p = if i % 25 == 0 { &big[..] } else { &b"{}"[..] };
+            assert!(outbox.push(i, Kind::Reply, p));
         }
-        drop(tx);
+        let q = outbox.lock();
+        assert!(q.frames > 0 || q.writing, "some were queued");
+        drop(q);
+        outbox.close();
+        assert!(
+            !outbox.push(400, Kind::Reply, b"{}"),
+            "closed: nothing more"
+        );
         let mut rd = std::io::BufReader::with_capacity(BATCH, b);
-        for i in 0..200u64 {
+        for i in 0..400u64 {
             let (id, kind, p) = read_sync(&mut rd).unwrap().unwrap();
             assert_eq!((id, kind), (i, Kind::Reply));
-            assert_eq!(p.len(), if i % 50 == 0 { 40 << 10 } else { 2 }, "{i}");
+            assert_eq!(p.len(), if i % 25 == 0 { 40 << 10 } else { 2 }, "{i}");
         }
-        assert!(
-            read_sync(&mut rd).unwrap().is_none(),
-            "the writer's end closes"
-        );
+        writer.join().unwrap();
+        drop(outbox);
+        assert!(read_sync(&mut rd).unwrap().is_none(), "all was written");
+
+        // Nobody reads: the socket's buffer fills, CHILD_QUEUE frames queue and the next sender
+        // waits, until the writer takes them; or until the outbox closes, which refuses it.
+        let full = || {
+            let (a, b) = UnixStream::pair().unwrap();
+            let outbox = Arc::new(Outbox::new(a));
+            let mut pushed = 0u64;
+            while outbox.lock().frames < CHILD_QUEUE {
+                assert!(outbox.push(pushed, Kind::Call, b"{}"));
+                pushed += 1;
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let sender = {
+                let outbox = outbox.clone();
+                std::thread::spawn(move || tx.send(outbox.push(pushed, Kind::Call, b"{}")).unwrap())
+            };
+            assert!(
+                rx.recv_timeout(Duration::from_millis(200)).is_err(),
+                "a full outbox holds its sender"
+            );
+            (outbox, b, pushed + 1, rx, sender)
+        };
+        let (outbox, b, frames, rx, sender) = full();
+        let writer = {
+            let outbox = outbox.clone();
+            std::thread::spawn(move || write_frames(&outbox))
+        };
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(true));
+        sender.join().unwrap();
+        outbox.close();
+        let mut rd = std::io::BufReader::with_capacity(BATCH, b);
+        for i in 0..frames {
+            assert_eq!(read_sync(&mut rd).unwrap().unwrap().0, i);
+        }
         writer.join().unwrap();
 
-        // A batch takes what is queued, and stops once it holds BATCH bytes.
+        let (outbox, _b, _, rx, sender) = full();
+        outbox.close();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(false));
+        sender.join().unwrap();
+
+        // While the writer holds bytes it has not written, a frame queues behind them even when
+        // the socket has room: the parent reads frames whole and in order.
+        let (a, b) = UnixStream::pair().unwrap();
+        let outbox = Outbox::new(a);
+        outbox.lock().writing = true;
+        assert!(outbox.push(1, Kind::Call, b"{}"));
+        assert_eq!(outbox.lock().frames, 1);
+        b.set_nonblocking(true).unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!(
+            (&b).read(&mut byte).unwrap_err().kind(),
+            std::io::ErrorKind::WouldBlock,
+            "nothing was sent"
+        );
+        outbox.lock().writing = false;
+        assert!(outbox.push(2, Kind::Call, b"{}"), "queued behind the first");
+        assert_eq!(outbox.lock().frames, 2);
+
+        // A socketpair that fails closes the outbox: its senders learn it at once.
+        let (a, b) = UnixStream::pair().unwrap();
+        drop(b);
+        let outbox = Outbox::new(a);
+        assert!(
+            outbox.push(1, Kind::Call, b"{}"),
+            "queued for the writer to find"
+        );
+        write_frames(&outbox);
+        assert!(!outbox.push(2, Kind::Call, b"{}"));
+    }
+
+    #[test]
+    fn a_slot_hands_its_answer_to_the_waiting_thread_or_times_out_empty() {
+        let slot = Arc::new(Slot::default());
+        let filler = {
+            let slot = slot.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                slot.fill(b"sig".to_vec());
+            })
+        };
+        assert_eq!(slot.take(Duration::from_secs(5)), Some(b"sig".to_vec()));
+        filler.join().unwrap();
+        let t = std::time::Instant::now();
+        assert_eq!(Slot::default().take(Duration::from_millis(100)), None);
+        assert!(t.elapsed() >= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn a_batch_for_the_child_takes_what_is_queued_and_stops_once_it_holds_batch_bytes() {
         let mut queued = (0..100u64).map(|i| encode(i, Kind::Call, &[1u8; 1000]));
         let first = queued.next().unwrap();
         let one = gather(first, || queued.next());
