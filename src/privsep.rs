@@ -51,7 +51,8 @@
 //! has it when nothing waits before it and the socket's buffer has room, without waiting; what
 //! remains goes to its writer thread, which writes everything queued meanwhile at once (see
 //! [`Outbox`]). Each side reads through a 64 KiB buffer: in a storm, answers cross in a few
-//! system calls rather than one each, and a runtime worker never waits on the socket itself.
+//! system calls rather than one each, and a runtime worker never waits on the socket itself
+//! (only, briefly, on the outbox's lock while another thread's frame goes to the socket).
 //!
 //! # Faults
 //! A child that dies (a crash, the OOM killer, SIGKILL) is restarted with a backoff (100 ms,
@@ -210,8 +211,9 @@ impl Outbox {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sends or queues a frame; blocks only while [`CHILD_QUEUE`] frames wait already (the
-    /// parent has stopped reading). False once the outbox is closed.
+    /// Sends or queues a frame; blocks only while [`CHILD_QUEUE`] frames are queued or being
+    /// written by the writer thread (the parent has stopped reading). False once the outbox is
+    /// closed.
     fn push(&self, id: u64, kind: Kind, payload: &[u8]) -> bool {
         let mut q = self.lock();
         while q.frames >= CHILD_QUEUE && !q.closed {
@@ -259,9 +261,17 @@ impl Outbox {
 /// process).
 fn write_frames(outbox: &Outbox) {
     let mut writing = Vec::new();
+    // The frames of the last write: they count against [`CHILD_QUEUE`] until they are written.
+    let mut taken = 0;
     loop {
         let mut q = outbox.lock();
         q.writing = false;
+        let was_full = q.frames >= CHILD_QUEUE;
+        q.frames -= taken;
+        if was_full && q.frames < CHILD_QUEUE {
+            // Rare (the parent stopped reading for a while): woken under the lock.
+            outbox.room.notify_all();
+        }
         while q.bytes.is_empty() && !q.closed {
             q.writer_waits = true;
             q = outbox.ready.wait(q).unwrap_or_else(|p| p.into_inner());
@@ -272,17 +282,19 @@ fn write_frames(outbox: &Outbox) {
         }
         std::mem::swap(&mut q.bytes, &mut writing);
         q.writing = true;
-        let had_room = q.frames < CHILD_QUEUE;
-        q.frames = 0;
+        taken = q.frames;
         drop(q);
-        if !had_room {
-            outbox.room.notify_all();
-        }
         if (&outbox.sock).write_all(&writing).is_err() {
             outbox.close();
             return;
         }
-        writing.clear();
+        // A backlog's buffer is not kept for the life of the child (the next swap hands this
+        // one to the senders).
+        if writing.capacity() > 4 * BATCH {
+            writing = Vec::new();
+        } else {
+            writing.clear();
+        }
     }
 }
 
@@ -351,7 +363,8 @@ const OPENED: &str = "opened";
 
 /// The child's side of the socketpair: calls and signatures to the parent.
 pub struct Link {
-    /// To [`write_frames`]' thread: a runtime worker never waits on the socket itself.
+    /// Frames for the parent, sent at once or through [`write_frames`]' thread: a runtime
+    /// worker never waits on the socket itself.
     out: Arc<Outbox>,
     pending: Mutex<HashMap<u64, Waiter>>,
     next: AtomicU64,
@@ -459,9 +472,11 @@ impl Link {
         // Waits on the worker itself: the parent answers in microseconds, and the wait is bounded.
         // `block_in_place` here (handing the worker's other tasks to another thread at every
         // handshake) cost joins 30% against 4% for this in the storm bench (2,000 joins each).
-        let r = slot.take(Duration::from_secs(5));
+        let mut r = slot.take(Duration::from_secs(5));
         if r.is_none() {
             self.forget(id);
+            // Answered between the wait's end and `forget`.
+            r = slot.take(Duration::ZERO);
         }
         match r?.split_first() {
             Some((0, sig)) => Some(sig.to_vec()),
@@ -1451,6 +1466,8 @@ mod tests {
         // reader thread reads them. Nobody reads until all are pushed: the first go straight
         // into the socket's buffer, the rest queue behind them for the writer thread.
         let (a, b) = UnixStream::pair().unwrap();
+        // Small, whatever the host's default: the frames below overflow it.
+        rustix::net::sockopt::set_socket_send_buffer_size(&a, 4096).unwrap();
         let outbox = Arc::new(Outbox::new(a));
         let writer = {
             let outbox = outbox.clone();
@@ -1480,7 +1497,7 @@ mod tests {
         assert!(read_sync(&mut rd).unwrap().is_none(), "all was written");
 
         // Nobody reads: the socket's buffer fills, CHILD_QUEUE frames queue and the next sender
-        // waits, until the writer takes them; or until the outbox closes, which refuses it.
+        // waits, until the writer has written them; or until the outbox closes, which refuses it.
         let full = || {
             let (a, b) = UnixStream::pair().unwrap();
             let outbox = Arc::new(Outbox::new(a));
@@ -1505,13 +1522,16 @@ mod tests {
             let outbox = outbox.clone();
             std::thread::spawn(move || write_frames(&outbox))
         };
+        let reader = std::thread::spawn(move || {
+            let mut rd = std::io::BufReader::with_capacity(BATCH, b);
+            (0..frames)
+                .map(|_| read_sync(&mut rd).unwrap().unwrap().0)
+                .collect::<Vec<_>>()
+        });
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(true));
         sender.join().unwrap();
         outbox.close();
-        let mut rd = std::io::BufReader::with_capacity(BATCH, b);
-        for i in 0..frames {
-            assert_eq!(read_sync(&mut rd).unwrap().unwrap().0, i);
-        }
+        assert_eq!(reader.join().unwrap(), (0..frames).collect::<Vec<_>>());
         writer.join().unwrap();
 
         let (outbox, _b, _, rx, sender) = full();
