@@ -24,6 +24,8 @@
 //! threads' switches per join or renewal (both processes): a figure that, unlike the rates,
 //! barely moves from one run to the next.
 
+#[path = "storm/floor.rs"]
+mod floor;
 mod support;
 use bca::agent::{self, AgentConfig};
 use bca::crypto::{self, SigningKey};
@@ -939,6 +941,11 @@ fn main() {
         println!("storm: run with `make bench`");
         return;
     }
+    if std::env::var_os("BCA_BENCH_FLOOR").is_some() {
+        // The floor's server, run by `floor::measure` on the appliance's core.
+        floor::serve();
+        return;
+    }
     if let Ok(which) = std::env::var("BCA_BENCH_CEILING") {
         // Ceiling-only mode, run by `appliance_core_ceilings` on the appliance's core.
         if which != "renewal" {
@@ -971,7 +978,13 @@ fn main() {
     println!("# bca storm bench: {joins} joins, {conc} concurrent, {sessions} sessions; bca serve on core 0, load on core 1");
     println!("{}", support::describe_bin());
 
-    let (join_ceil_before, _) = appliance_core_ceilings("both", "");
+    let (join_ceil_before, renewal_ceil_start) = appliance_core_ceilings("both", "");
+    floor::measure(
+        joins.min(20_000),
+        conc,
+        join_ceil_before,
+        renewal_ceil_start,
+    );
 
     privsep_cost(conc);
 
@@ -986,6 +999,7 @@ fn main() {
     let join_ticks0 = core_ticks(0);
     // A mark for a profiler started alongside, as for the renewal storm below.
     println!("# join storm: the clock starts");
+    let join_lo0 = floor::loopback();
     let t = Instant::now();
     let results = join_storm(&rt, &cfg, &machines, conc);
     let join_steal = core_ticks(0).since(&join_ticks0).steal;
@@ -1022,6 +1036,7 @@ fn main() {
     line("join_p50", pct(&lat, 0.5), "ms");
     line("join_p99", pct(&lat, 0.99), "ms");
     line("join_failures", (joins - ok) as f64, "");
+    floor::loopback_lines("join_storm", join_lo0, joins, "join");
 
     // The same joins offered at 75% of the storm's rate, for 5 seconds.
     let offered = rate * 0.75;
@@ -1112,6 +1127,7 @@ fn main() {
     let core0 = core_ticks(0);
     // A mark for a profiler started alongside (`perf`, a sampler of thread states).
     println!("# renewal storm: the clock starts");
+    let renewal_lo0 = floor::loopback();
     let t = Instant::now();
     let renewed: Vec<(Option<Duration>, Option<Live>)> = rt.block_on(async {
         let mut hs = Vec::new();
@@ -1158,6 +1174,7 @@ fn main() {
     let load_cpu = cpu_seconds_of(std::process::id()) - load0;
     let mut rl: Vec<Duration> = renewed.iter().filter_map(|r| r.0).collect();
     rl.sort();
+    floor::loopback_lines("renewal_storm", renewal_lo0, rl.len(), "renewal");
     let (_, renewal_ceil_after) = appliance_core_ceilings("renewal", "_after_storm");
     let renewal_ceil = (renewal_ceil_before + renewal_ceil_after) / 2.0;
     line(
