@@ -639,14 +639,12 @@ fn machine_addr(i: usize) -> std::net::IpAddr {
     std::net::Ipv4Addr::new(127, 1 + (i >> 16) as u8, (i >> 8) as u8, i as u8).into()
 }
 
-/// What `agent::connect_with` does (10 s for the TCP connect, then TLS), from `src`.
-async fn connect_from(
-    cfg: &AgentConfig,
-    tls: Arc<rustls::ClientConfig>,
+/// A TCP connection from machine address `src` to `dst`, as an agent makes one: 10 s for the
+/// connect, Nagle off.
+async fn tcp_from(
     src: std::net::IpAddr,
-) -> Result<agent::GatewayStream, String> {
-    let (host, port) = bca::tlsclient::host_port(&cfg.gateway_url).ok_or("gateway_url")?;
-    let dst = std::net::SocketAddr::new(host.parse().map_err(|_| "not an address")?, port);
+    dst: std::net::SocketAddr,
+) -> Result<tokio::net::TcpStream, String> {
     let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
     socket
         .bind(std::net::SocketAddr::new(src, 0))
@@ -656,6 +654,18 @@ async fn connect_from(
         .map_err(|_| "cannot reach the gateway: timed out".to_string())?
         .map_err(|e| format!("cannot reach the gateway: {e}"))?;
     let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
+/// What `agent::connect_with` does (10 s for the TCP connect, then TLS), from `src`.
+async fn connect_from(
+    cfg: &AgentConfig,
+    tls: Arc<rustls::ClientConfig>,
+    src: std::net::IpAddr,
+) -> Result<agent::GatewayStream, String> {
+    let (host, port) = bca::tlsclient::host_port(&cfg.gateway_url).ok_or("gateway_url")?;
+    let dst = std::net::SocketAddr::new(host.parse().map_err(|_| "not an address")?, port);
+    let stream = tcp_from(src, dst).await?;
     let name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone().unwrap_or(host))
         .map_err(|e| e.to_string())?;
     tokio_rustls::TlsConnector::from(tls)

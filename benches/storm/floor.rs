@@ -5,8 +5,9 @@
 //! (core 1) plays the agents. Its CPU time per connection (a join) or per round trip on an open
 //! connection (a renewal), added to the crypto ceiling's time, bounds what one core could do in
 //! that minute: a target above that bound cannot be met on it whatever the appliance's own code
-//! costs. (The floor server is not saturated by the one load core, 0.5-0.6 busy; a saturated
-//! one might spend a little less per event, batching more in each `epoll_wait`.)
+//! costs. (The one load core does not saturate the floor server: 0.62-0.78 busy for joins on
+//! 2026-12-06, `join_floor_server_core_busy`; a saturated one might spend a little less per
+//! event, batching more in each `epoll_wait`.)
 //!
 //! The flights carry a join's and a renewal's payload as this bench's storms send them: on
 //! 2026-12-06, 7,150 bytes in 16.7 packets per join and 5,651 bytes in 4 packets per renewal on
@@ -14,7 +15,7 @@
 //! split between the two directions is estimated. The storms and the floors print their loopback
 //! bytes and packets beside each other, to compare in the same run.
 
-use super::{line, machine_addr, taskset};
+use super::{line, machine_addr, taskset, tcp_from};
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -62,14 +63,7 @@ async fn answer(mut s: tokio::net::TcpStream) -> std::io::Result<()> {
     let mut buf = vec![0u8; 4096];
     s.read_exact(&mut buf[..JOIN_FLIGHTS[0]]).await?;
     if buf[0] == b'j' {
-        for (i, n) in JOIN_FLIGHTS.iter().enumerate().skip(1) {
-            if i % 2 == 0 {
-                s.read_exact(&mut buf[..*n]).await?;
-            } else {
-                s.write_all(&buf[..*n]).await?;
-            }
-        }
-        return Ok(());
+        return join_flights(&mut s, &mut buf, 1, false).await;
     }
     s.write_u8(b'r').await?;
     loop {
@@ -78,6 +72,24 @@ async fn answer(mut s: tokio::net::TcpStream) -> std::io::Result<()> {
             Err(_) => return Ok(()),
         }
     }
+}
+
+/// A join's flights from `from` on: the client writes the even ones and reads the odd ones, the
+/// server the other way round.
+async fn join_flights(
+    s: &mut tokio::net::TcpStream,
+    buf: &mut [u8],
+    from: usize,
+    client: bool,
+) -> std::io::Result<()> {
+    for (i, n) in JOIN_FLIGHTS.iter().enumerate().skip(from) {
+        if (i % 2 == 0) == client {
+            s.write_all(&buf[..*n]).await?;
+        } else {
+            s.read_exact(&mut buf[..*n]).await?;
+        }
+    }
+    Ok(())
 }
 
 /// Loopback's transmitted bytes and packets so far.
@@ -107,8 +119,11 @@ pub fn loopback_lines(name: &str, since: (u64, u64), units: usize, unit: &str) {
     );
 }
 
-/// CPU time of a process's threads so far, in seconds, to the nanosecond (the scheduler's own
-/// count, `/proc/<pid>/task/*/schedstat`; `/proc/<pid>/stat` counts in 10 ms ticks).
+/// CPU time of a process's live threads so far, in seconds, to the nanosecond (the scheduler's
+/// own count, `/proc/<pid>/task/*/schedstat`). Not `cpu_seconds_of`: `/proc/<pid>/stat` counts in
+/// 10 ms ticks, a tick per 10,000 of the renewal floor's round trips; it also counts threads that
+/// have exited, which the appliance's figures need and the floor server, whose threads live to
+/// its end, does not.
 fn run_seconds(pid: u32) -> f64 {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .into_iter()
@@ -118,6 +133,21 @@ fn run_seconds(pid: u32) -> f64 {
         .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
         .sum::<u64>() as f64
         / 1e9
+}
+
+/// A floor's lines: the server's CPU time per unit (`name_floor_tcp_us`), its share of the core
+/// while `wall` ran, and the bound it and the crypto ceiling set: 1 / (1 / `ceiling` + floor).
+fn bound_lines(name: &str, cpu: f64, wall: f64, units: usize, ceiling: f64, unit: &str) {
+    let floor = cpu / units as f64;
+    line(&format!("{name}_floor_tcp_us"), floor * 1e6, "us");
+    line(&format!("{name}_floor_server_core_busy"), cpu / wall, "");
+    let bound = 1.0 / (1.0 / ceiling + floor);
+    line(&format!("{name}_bound_crypto_and_tcp"), bound, unit);
+    line(
+        &format!("{name}_bound_fraction_of_ceiling"),
+        bound / ceiling,
+        "",
+    );
 }
 
 /// Measures both floors against the crypto ceilings measured on the same core (`join_ceiling`
@@ -152,17 +182,10 @@ pub fn measure(joins: usize, conc: usize, join_ceiling: f64, renewal_ceiling: f6
             let sem = sem.clone();
             hs.push(tokio::spawn(async move {
                 let _p = sem.acquire_owned().await.unwrap();
-                let mut s = connect(machine_addr(i), dst).await;
+                let mut s = tcp_from(machine_addr(i), dst).await.unwrap();
                 let mut buf = vec![0u8; 4096];
                 buf[0] = b'j';
-                for (k, n) in JOIN_FLIGHTS.iter().enumerate() {
-                    if k % 2 == 0 {
-                        s.write_all(&buf[..*n]).await.unwrap();
-                    } else {
-                        s.read_exact(&mut buf[..*n]).await.unwrap();
-                    }
-                    buf[0] = b'j';
-                }
+                join_flights(&mut s, &mut buf, 0, true).await.unwrap();
                 // The server closes once it answered.
                 assert_eq!(s.read(&mut buf).await.unwrap(), 0);
             }));
@@ -173,25 +196,16 @@ pub fn measure(joins: usize, conc: usize, join_ceiling: f64, renewal_ceiling: f6
     });
     let wall = t.elapsed().as_secs_f64();
     let join_cpu = run_seconds(pid) - cpu0;
-    let join_us = join_cpu / joins as f64 * 1e6;
-    line("join_floor_tcp_us", join_us, "us");
     line("join_floor_tcp_rate", joins as f64 / wall, "connections/s");
-    line("join_floor_server_core_busy", join_cpu / wall, "");
     loopback_lines("join_floor", lo0, joins, "connection");
-    let join_bound = 1.0 / (1.0 / join_ceiling + join_us / 1e6);
-    line("join_bound_crypto_and_tcp", join_bound, "joins/s/core");
-    line(
-        "join_bound_fraction_of_ceiling",
-        join_bound / join_ceiling,
-        "",
-    );
+    bound_lines("join", join_cpu, wall, joins, join_ceiling, "joins/s/core");
 
     // Renewals: `conc` connections opened and acknowledged first, then round trips on each;
     // the connections are closed after the measurement.
     let conns: Vec<_> = rt.block_on(async {
         let mut v = Vec::new();
         for i in 0..conc {
-            let mut s = connect(machine_addr(i), dst).await;
+            let mut s = tcp_from(machine_addr(i), dst).await.unwrap();
             let mut first = [0u8; JOIN_FLIGHTS[0]];
             first[0] = b'r';
             s.write_all(&first).await.unwrap();
@@ -225,28 +239,14 @@ pub fn measure(joins: usize, conc: usize, join_ceiling: f64, renewal_ceiling: f6
     let wall = t.elapsed().as_secs_f64();
     loopback_lines("renewal_floor", lo0, rounds, "round trip");
     drop(conns);
-    let renew_us = renew_cpu / rounds as f64 * 1e6;
-    line("renewal_floor_tcp_us", renew_us, "us");
-    line("renewal_floor_server_core_busy", renew_cpu / wall, "");
-    let renew_bound = 1.0 / (1.0 / renewal_ceiling + renew_us / 1e6);
-    line(
-        "renewal_bound_crypto_and_tcp",
-        renew_bound,
+    bound_lines(
+        "renewal",
+        renew_cpu,
+        wall,
+        rounds,
+        renewal_ceiling,
         "renewals/s/core",
-    );
-    line(
-        "renewal_bound_fraction_of_ceiling",
-        renew_bound / renewal_ceiling,
-        "",
     );
     drop(stdin);
     let _ = server.wait();
-}
-
-async fn connect(src: std::net::IpAddr, dst: std::net::SocketAddr) -> tokio::net::TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind(std::net::SocketAddr::new(src, 0)).unwrap();
-    let s = socket.connect(dst).await.unwrap();
-    s.set_nodelay(true).unwrap();
-    s
 }
