@@ -29,3 +29,7 @@ command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
 rustup toolchain list | grep -q '^nightly' \
   || rustup toolchain install nightly --profile minimal \
   || echo "no nightly toolchain: make fuzz will not run" >&2
+# pyca/cryptography, the strict DER parser the certificate tests check bca against (pinned).
+PYCA=target/pyca
+[ -x "$PYCA/bin/python" ] && "$PYCA/bin/python" -c 'import cryptography, sys; sys.exit(cryptography.__version__ != "51.0.1")' 2>/dev/null \
+  || { python3 -m venv "$PYCA" && "$PYCA/bin/pip" install -q --disable-pip-version-check cryptography==51.0.1; }

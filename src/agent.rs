@@ -278,10 +278,11 @@ pub fn read_token_file(p: &Path) -> ApiResult<Zeroizing<String>> {
             p.display()
         )));
     }
-    let mode = m.permissions().mode() & 0o777;
-    if mode & 0o077 != 0 || m.uid() != crate::fsutil::own_uid() {
+    // The seed: 0600 or 0400 exactly (an executable bit, or a set-id or sticky bit, is refused too).
+    let mode = m.permissions().mode() & 0o7777;
+    if !matches!(mode, 0o600 | 0o400) || m.uid() != crate::fsutil::own_uid() {
         return Err(ApiError::invalid_input(format!(
-            "--token-file {} must be readable by its owner alone (0600 or 0400, owned by this user); it is {mode:o}",
+            "--token-file {} must be readable by its owner alone (0600 or 0400, owned by this user); it is {mode:04o}",
             p.display()
         )));
     }

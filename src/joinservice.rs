@@ -129,6 +129,8 @@ impl Signer {
 /// What stage 1 produced.
 enum Prepared {
     Refused {
+        /// The attestor the request named (`join-token` for one bca does not know).
+        attestor: &'static str,
         reason: Reason,
         csr_sha256: Option<[u8; 32]>,
         hardware_key: Option<String>,
@@ -442,16 +444,24 @@ impl JoinHandle {
 
 /// Stage 1: every check that needs no database, in the seed's order.
 fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64) -> Prepared {
-    let refuse = |reason, csr_sha256, hardware_key| Prepared::Refused {
-        reason,
-        csr_sha256,
-        hardware_key,
-    };
     let attestor = match r.attestor.as_str() {
         "" | "join-token" => "join-token",
         "discovery" => "discovery",
         "tpm" => "tpm",
-        _ => return refuse(Reason::Attestor, None, None),
+        _ => {
+            return Prepared::Refused {
+                attestor: Reason::Attestor.attestor(),
+                reason: Reason::Attestor,
+                csr_sha256: None,
+                hardware_key: None,
+            }
+        }
+    };
+    let refuse = |reason, csr_sha256, hardware_key| Prepared::Refused {
+        attestor,
+        reason,
+        csr_sha256,
+        hardware_key,
     };
     if !r.claims.within_limits() {
         return refuse(Reason::Claims, None, None);
@@ -516,15 +526,25 @@ fn open_bearer(
 }
 
 /// Per (attestor, reason): the minute, events written in it, and events suppressed since the last.
+/// (The seed: 60 events per attestor and reason per minute. Renewals count as the attestor
+/// `renew`; a `join:` reason met by two attestors has a budget for each.)
 #[derive(Default)]
 pub(crate) struct RateLimit {
-    buckets: HashMap<&'static str, (i64, u32, u64)>,
+    buckets: HashMap<(&'static str, &'static str), (i64, u32, u64)>,
 }
 
 impl RateLimit {
-    /// `Some(suppressed)` when an event may be written now.
-    pub(crate) fn admit(&mut self, key: &'static str, now: i64) -> Option<u64> {
-        let b = self.buckets.entry(key).or_insert((now / 60, 0, 0));
+    /// `Some(suppressed)` when an event for (`attestor`, `reason`) may be written now.
+    pub(crate) fn admit(
+        &mut self,
+        attestor: &'static str,
+        reason: &'static str,
+        now: i64,
+    ) -> Option<u64> {
+        let b = self
+            .buckets
+            .entry((attestor, reason))
+            .or_insert((now / 60, 0, 0));
         if b.0 != now / 60 {
             b.0 = now / 60;
             b.1 = 0;
@@ -637,6 +657,7 @@ fn process(
             reason,
             csr_sha256,
             hardware_key,
+            ..
         } => (
             Decided::Refused(Refusal {
                 reason: *reason,
@@ -705,10 +726,11 @@ fn refusal(
     // The join's own attestor, also for the `join:` reasons any attestor may meet.
     let attestor = match &job.work {
         Work::Join(Prepared::Ready(r)) => r.attestor,
+        Work::Join(Prepared::Refused { attestor, .. }) => attestor,
         Work::TpmChallenge(_) => "tpm",
         _ => reason.attestor(),
     };
-    if let Some(suppressed) = limits.admit(reason.as_str(), now) {
+    if let Some(suppressed) = limits.admit(attestor, reason.as_str(), now) {
         let tenant = tenant.unwrap_or_else(|| app.root_tenant.clone());
         api::publish(
             tx,
@@ -977,8 +999,10 @@ pub(crate) fn certify(
         "spiffe://{}/site/{}/node/{}",
         cfg.trust_domain, cfg.site_id, who.node_id
     );
+    // Set back for clocks a little behind ours; the span stays the attestor's limit (at most 24
+    // hours, 2 for a ramdisk), so the back-dating comes off the end.
     let not_before = now - pki::backdate(who.ttl);
-    let not_after = now + who.ttl;
+    let not_after = not_before + who.ttl;
     let (der, serial) = pki::issue_node_cert(
         &pki::NodeCertSpec {
             spiffe_id: &spiffe,
@@ -1020,14 +1044,30 @@ mod tests {
     fn refusal_events_are_rate_limited_with_a_suppressed_count() {
         let mut rl = RateLimit::default();
         for _ in 0..60 {
-            assert_eq!(rl.admit(Reason::Unknown.as_str(), 120), Some(0));
+            assert_eq!(
+                rl.admit("join-token", Reason::Unknown.as_str(), 120),
+                Some(0)
+            );
         }
-        assert_eq!(rl.admit(Reason::Unknown.as_str(), 121), None);
-        assert_eq!(rl.admit(Reason::Unknown.as_str(), 122), None);
-        // Another reason has its own budget.
-        assert_eq!(rl.admit(Reason::Expired.as_str(), 122), Some(0));
+        assert_eq!(rl.admit("join-token", Reason::Unknown.as_str(), 121), None);
+        assert_eq!(rl.admit("join-token", Reason::Unknown.as_str(), 122), None);
+        // Another reason has its own budget, and so has the same reason under another attestor.
+        assert_eq!(
+            rl.admit("join-token", Reason::Expired.as_str(), 122),
+            Some(0)
+        );
+        assert_eq!(
+            rl.admit("discovery", Reason::Unknown.as_str(), 122),
+            Some(0)
+        );
         // The next minute: the first event carries what was dropped.
-        assert_eq!(rl.admit(Reason::Unknown.as_str(), 180), Some(2));
-        assert_eq!(rl.admit(Reason::Unknown.as_str(), 181), Some(0));
+        assert_eq!(
+            rl.admit("join-token", Reason::Unknown.as_str(), 180),
+            Some(2)
+        );
+        assert_eq!(
+            rl.admit("join-token", Reason::Unknown.as_str(), 181),
+            Some(0)
+        );
     }
 }

@@ -119,7 +119,12 @@ pub fn join_signing_cert(cfg: &Config, key: &SigningKey, now: i64) -> Result<Vec
         format!("bca join signing {}", cfg.site_id),
     );
     js.distinguished_name = dn;
-    js.is_ca = IsCa::ExplicitNoCa;
+    // No Basic Constraints on a leaf: `cA FALSE` is the default, which DER never encodes (X.690
+    // 11.5; rcgen 0.13's `ExplicitNoCa` writes it, and strict parsers refuse that). rcgen writes
+    // the extensions only when one of a few is set, key usage not among them: the authority key
+    // identifier (its own key's, on a self-signed certificate) brings the key usage along.
+    js.is_ca = IsCa::NoCa;
+    js.use_authority_key_identifier_extension = true;
     js.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     js.not_before = ts(now - 3600);
     js.not_after = ts(now + years * 365 * 86_400);
@@ -178,7 +183,7 @@ pub fn gateway_leaf(
                 .map_err(|_| format!("{s:?} is neither a DNS name nor an IP address")),
         })
         .collect::<Result<_, _>>()?;
-    p.is_ca = IsCa::ExplicitNoCa;
+    p.is_ca = IsCa::NoCa;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     p.use_authority_key_identifier_extension = true;
@@ -239,7 +244,7 @@ pub fn issue_node_cert(
         ));
     }
     p.subject_alt_names = sans;
-    p.is_ca = IsCa::ExplicitNoCa;
+    p.is_ca = IsCa::NoCa;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
     p.use_authority_key_identifier_extension = true;

@@ -107,22 +107,30 @@ impl ReplayCache {
 }
 
 pub struct Ready {
-    leaf_der: Vec<u8>,
     leaf: pki::NodeLeaf,
     csr: VerifiedCsr,
 }
 
+/// What stage 1 learnt. Nothing in it names a node until stage 2 has matched the presented leaf,
+/// which is the connection's own certificate, to a stored `node_certs` row.
 pub struct Prepared {
-    /// The node whose key the caller proved, once it did.
-    proven_node: Option<String>,
+    /// The presented leaf (DER, serial), once it is byte for byte the connection's client
+    /// certificate.
+    leaf_der: Option<(Vec<u8>, String)>,
+    /// Whether the proof of possession verifies under that leaf's key.
+    pop_ok: bool,
     csr_sha256: Option<[u8; 32]>,
     result: Result<Ready, RenewReason>,
 }
 
-/// Stage 1.
+/// Stage 1. The checks run in the seed's order of trust: the presented leaf must be the
+/// connection's certificate before anything in it is read; the proof is verified under its key;
+/// only then the clock, the replay cache and the key attestation. Which node the caller is, and
+/// so whose event stream a refusal goes to, is decided in stage 2 from the stored row alone.
 pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayCache) -> Prepared {
     let mut p = Prepared {
-        proven_node: None,
+        leaf_der: None,
+        pop_ok: false,
         csr_sha256: None,
         result: Err(RenewReason::Malformed),
     };
@@ -144,22 +152,23 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
     else {
         return p;
     };
+    // The connection's certificate is the one renewed (a resumed connection's is not checked by
+    // webpki again: `tickets`), and nothing the leaf says is read before it is that certificate.
+    if peer_leaf != leaf_der.as_slice() {
+        p.result = Err(RenewReason::Identity);
+        return p;
+    }
     let Some(leaf) = pki::parse_node_leaf(&leaf_der) else {
         return p;
     };
+    p.leaf_der = Some((leaf_der, leaf.serial_hex.clone()));
     let message = renew_pop_message(&csr.sha256, &leaf.node_id, r.client_time);
     let sig = crypto::b64_decode(&r.pop_sig).unwrap_or_default();
     if !crypto::verify(&leaf.public_point, RENEW_POP_PURPOSE, &message, &sig) {
         p.result = Err(RenewReason::Pop);
         return p;
     }
-    p.proven_node = Some(leaf.node_id.clone());
-    // The connection's certificate is the one renewed (looked up in stage 2): a resumed
-    // connection's is not checked by webpki again (`tickets`).
-    if peer_leaf != leaf_der.as_slice() {
-        p.result = Err(RenewReason::Identity);
-        return p;
-    }
+    p.pop_ok = true;
     crate::metrics::get().skew(&leaf.node_id, r.client_time - now);
     if (r.client_time - now).abs() > MAX_CLOCK_SKEW {
         p.result = Err(RenewReason::Clock);
@@ -173,11 +182,7 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         p.result = Err(reason);
         return p;
     }
-    p.result = Ok(Ready {
-        leaf_der,
-        leaf,
-        csr,
-    });
+    p.result = Ok(Ready { leaf, csr });
     p
 }
 
@@ -229,7 +234,18 @@ fn check_key_attestation(
     Ok(())
 }
 
-/// Stage 2, inside the writer's transaction.
+/// Who a refused renewal's event is about: the node whose stored certificate was presented and
+/// whose key signed the proof (`node`), and whether that was its current key, which routes the
+/// event to the node's owner (`owner`); the root tenant's stream gets every other refusal.
+#[derive(Default)]
+struct Caller {
+    node: Option<String>,
+    owner: Option<String>,
+}
+
+/// Stage 2, inside the writer's transaction: the presented leaf (already the connection's
+/// certificate) must be a stored `node_certs` row before the proof counts; then the node's and
+/// the row's state, then what stage 1 found past the proof.
 pub(crate) fn process(
     tx: &Transaction<'_>,
     app: &App,
@@ -238,29 +254,58 @@ pub(crate) fn process(
     now: i64,
     limits: &mut RateLimit,
 ) -> ApiResult<Outcome> {
-    let r = match &p.result {
-        Ok(r) => r,
-        Err(reason) => return refuse(tx, app, p, *reason, now, limits),
+    let mut caller = Caller::default();
+    let Some((leaf_der, leaf_serial)) = &p.leaf_der else {
+        let reason = p
+            .result
+            .as_ref()
+            .err()
+            .copied()
+            .unwrap_or(RenewReason::Malformed);
+        return refuse(tx, app, p, &caller, reason, now, limits);
     };
-    let row: Option<(String, i64, String, i64, Option<i64>)> = crate::store::query_row(tx,
-            "SELECT node_id, identity_generation, role, not_after, revoked_at FROM node_certs WHERE serial = ?1 AND der = ?2",
-            params![r.leaf.serial_hex, r.leaf_der],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?)),
+    let row: Option<(String, String, i64, String, i64, Option<i64>)> = crate::store::query_row(tx,
+            "SELECT node_id, serial, identity_generation, role, not_after, revoked_at FROM node_certs WHERE serial = ?1 AND der = ?2",
+            params![leaf_serial, leaf_der],
+            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?, x.get(5)?)),
         )
         .optional()?;
-    let Some((node_id, generation, role, not_after, revoked_at)) = row else {
-        return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
+    let Some((node_id, serial, generation, role, not_after, revoked_at)) = row else {
+        return refuse(
+            tx,
+            app,
+            p,
+            &caller,
+            RenewReason::UnknownCertificate,
+            now,
+            limits,
+        );
     };
-    let node: Option<(String, i64, String)> = crate::store::query_row(
+    let node: Option<(String, i64, String, String)> = crate::store::query_row(
         tx,
-        "SELECT state, identity_generation, attestor FROM nodes WHERE id = ?1",
+        "SELECT state, identity_generation, attestor, tenant_id FROM nodes WHERE id = ?1",
         [&node_id],
-        |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?)),
+        |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
     )
     .optional()?;
-    let Some((state, current_generation, attestor)) = node else {
-        return refuse(tx, app, p, RenewReason::UnknownCertificate, now, limits);
+    let Some((state, current_generation, attestor, tenant)) = node else {
+        return refuse(
+            tx,
+            app,
+            p,
+            &caller,
+            RenewReason::UnknownCertificate,
+            now,
+            limits,
+        );
     };
+    if !p.pop_ok {
+        return refuse(tx, app, p, &caller, RenewReason::Pop, now, limits);
+    }
+    caller.node = Some(node_id.clone());
+    if revoked_at.is_none() && generation == current_generation {
+        caller.owner = Some(tenant.clone());
+    }
     let reason = if state == "retired" {
         Some(RenewReason::Retired)
     } else if generation != current_generation {
@@ -273,9 +318,13 @@ pub(crate) fn process(
         None
     };
     if let Some(reason) = reason {
-        return refuse(tx, app, p, reason, now, limits);
+        return refuse(tx, app, p, &caller, reason, now, limits);
     }
-    let (response, serial) = crate::joinservice::certify(
+    let r = match &p.result {
+        Ok(r) => r,
+        Err(reason) => return refuse(tx, app, p, &caller, *reason, now, limits),
+    };
+    let (response, new_serial) = crate::joinservice::certify(
         tx,
         app,
         signer,
@@ -289,18 +338,12 @@ pub(crate) fn process(
         &r.csr,
         now,
     )?;
-    let tenant: String = crate::store::query_row(
-        tx,
-        "SELECT tenant_id FROM nodes WHERE id = ?1",
-        [&node_id],
-        |x| x.get(0),
-    )?;
     api::publish(
         tx,
         now,
         &tenant,
         "node.renewed",
-        json!({"nodeId": node_id, "certificateSerial": serial, "previousSerial": r.leaf.serial_hex}),
+        json!({"nodeId": node_id, "certificateSerial": new_serial, "previousSerial": serial}),
     )?;
     Ok(Outcome::Issued { response })
 }
@@ -309,30 +352,22 @@ fn refuse(
     tx: &Transaction<'_>,
     app: &App,
     p: &Prepared,
+    caller: &Caller,
     reason: RenewReason,
     now: i64,
     limits: &mut RateLimit,
 ) -> ApiResult<Outcome> {
-    tracing::info!(reason = reason.as_str(), node = ?p.proven_node, "renewal refused");
+    tracing::info!(reason = reason.as_str(), node = ?caller.node, "renewal refused");
     crate::metrics::get().refused(reason.as_str());
-    if let Some(suppressed) = limits.admit(reason.as_str(), now) {
-        // To the node's owner once the caller proved the current key, else to the root tenant.
-        let owner: Option<String> = match &p.proven_node {
-            Some(n) => tx
-                .query_row("SELECT tenant_id FROM nodes WHERE id = ?1", [n], |x| {
-                    x.get(0)
-                })
-                .optional()?,
-            None => None,
-        };
+    if let Some(suppressed) = limits.admit("renew", reason.as_str(), now) {
         api::publish(
             tx,
             now,
-            owner.as_deref().unwrap_or(&app.root_tenant),
+            caller.owner.as_deref().unwrap_or(&app.root_tenant),
             "security.renew.refused",
             json!({
                 "reason": reason.as_str(),
-                "nodeId": p.proven_node,
+                "nodeId": caller.node,
                 "csrSha256": p.csr_sha256.map(|h| crypto::hex(&h)),
                 "suppressed": suppressed,
             }),

@@ -337,6 +337,22 @@ fn the_well_known_fallback_and_token_files() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(tf.exists());
+    // Owner-only but executable (0700) is not what the seed allows either: 0600 or 0400 only.
+    std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let o = run(&b_pins, &tf);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("readable by its owner alone") && err.contains("it is 0700"),
+        "{err}"
+    );
+    assert!(tf.exists());
+    assert!(!bare.join("data/identity.json").exists());
+    // 0400 reads.
+    std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o400)).unwrap();
+    assert_eq!(
+        bca::agent::read_token_file(&tf).unwrap().as_str(),
+        b_token.trim()
+    );
     std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o600)).unwrap();
     // Pins that differ from the document's: refused.
     let o = run(&pins, &tf);

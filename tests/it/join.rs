@@ -103,14 +103,14 @@ fn end_to_end_join_with_the_agent_and_openssl() {
         .output()
         .unwrap();
     assert_eq!(k.stdout, c.stdout);
-    // The lifetime is certTtlSeconds (a day by default).
+    // The lifetime is certTtlSeconds (a day by default), the back-dating included.
     let nb: i64 = a
         .db()
         .query_row("SELECT not_after - not_before FROM node_certs", [], |r| {
             r.get(0)
         })
         .unwrap();
-    assert_eq!(nb, 86_400 + 60);
+    assert_eq!(nb, 86_400);
     // Rows, events, audit.
     assert_eq!(a.uses_left(rec["id"].as_str().unwrap()), 1);
     let node = a.cli_json(&["nodes", "get", &node_id]);
@@ -653,6 +653,37 @@ fn refusal_events_are_rate_limited() {
     assert!((60..65).contains(&n), "{n} events");
 }
 
+/// The budget is per attestor **and** reason: a `join:` reason that two attestors meet has one
+/// budget each, so a flood through one attestor does not silence the other's refusals.
+#[test]
+fn refusal_events_are_rate_limited_per_attestor_and_reason() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let bad_csr = |attestor: &str, role: &str| {
+        let req = Sim::request("x".into(), b"not a CSR", &machine(), attestor, role);
+        bca::agent::exchange_raw(&sim.cfg, &req).unwrap()
+    };
+    for _ in 0..65 {
+        assert_eq!(bad_csr("", "node"), refused_bytes());
+    }
+    for _ in 0..65 {
+        assert_eq!(bad_csr("discovery", "ramdisk"), refused_bytes());
+    }
+    let count = |attestor: &str| {
+        a.db()
+            .query_row(
+                "SELECT count(*) FROM events WHERE type = 'security.join.refused'
+                 AND json_extract(data, '$.reason') = 'join:csr' AND json_extract(data, '$.attestor') = ?1",
+                [attestor],
+                |r| r.get::<_, i64>(0),
+            )
+            .unwrap()
+    };
+    let (t, d) = (count("join-token"), count("discovery"));
+    assert!((60..65).contains(&t), "{t} join-token events");
+    assert!((60..65).contains(&d), "{d} discovery events");
+}
+
 use std::os::unix::fs::PermissionsExt;
 
 #[test]
@@ -695,4 +726,92 @@ fn a_gateway_without_a_joinservice_answers_invalid_config() {
     )
     .unwrap();
     assert_eq!(reply["error"]["code"], "INVALID_CONFIG");
+}
+
+/// The strict DER parser of pyca/cryptography (pinned, installed by `make test` into
+/// `target/pyca`), or `BCA_PYCA_PYTHON`.
+fn pyca_python() -> String {
+    std::env::var("BCA_PYCA_PYTHON").unwrap_or_else(|_| {
+        format!(
+            "{}/target/pyca/bin/python",
+            env!("CARGO_MANIFEST_DIR").trim_end_matches('/')
+        )
+    })
+}
+
+/// Every kind of certificate bca makes (node CA, serving CA, gateway leaf, join-signing
+/// certificate, node and node-tenant leaves) is strict DER: pyca/cryptography 51, which refuses
+/// an encoded default (`cA FALSE` written out: X.690 11.5), reads every extension of each, and so
+/// does openssl. The leaves say they are no CA by leaving Basic Constraints out.
+#[test]
+fn every_certificate_kind_parses_with_pyca_cryptography_and_openssl() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let (_, tok) = a.token(&pool, json!({}));
+    let node = sim.admitted(&tok, &machine());
+    let (_, hosted) = a.token(&pool, json!({"hosted": "kubernetes"}));
+    let tenant_leaf = sim.admitted(&hosted, &machine());
+    let dir = a.dir.path().join("pyca");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut files = Vec::new();
+    for name in ["node-ca", "serving-ca", "gateway", "join-signing"] {
+        let p = a.state().join("pki").join(format!("{name}.pem"));
+        let pem = std::fs::read_to_string(&p).unwrap();
+        let first = bca::pki::pem_decode_all(&pem, "CERTIFICATE").remove(0);
+        let out = dir.join(format!("{name}.pem"));
+        std::fs::write(&out, bca::pki::pem("CERTIFICATE", &first)).unwrap();
+        files.push((name.to_string(), out));
+    }
+    for (name, body) in [("node-leaf", &node), ("node-tenant-leaf", &tenant_leaf)] {
+        let out = dir.join(format!("{name}.pem"));
+        std::fs::write(&out, &body.certificate_chain[0]).unwrap();
+        files.push((name.to_string(), out));
+    }
+    let script = r#"
+import json, sys, cryptography
+from cryptography import x509
+out = {"version": cryptography.__version__}
+for path in sys.argv[1:]:
+    c = x509.load_pem_x509_certificate(open(path, "rb").read())
+    exts = list(c.extensions)  # parses every extension, strictly
+    try:
+        bc = c.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        bc = None
+    out[path] = {"ca": bc, "extensions": len(exts), "serial": c.serial_number > 0}
+print(json.dumps(out))
+"#;
+    let o = Command::new(pyca_python())
+        .arg("-c")
+        .arg(script)
+        .args(files.iter().map(|(_, p)| p))
+        .output()
+        .expect("pyca/cryptography's python (make test installs it into target/pyca)");
+    assert!(
+        o.status.success(),
+        "pyca/cryptography refused a certificate: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["version"], "51.0.1");
+    for (name, p) in &files {
+        let got = &v[p.to_str().unwrap()];
+        let is_ca = name.ends_with("-ca");
+        assert_eq!(
+            got["ca"],
+            if is_ca { json!(true) } else { Value::Null },
+            "{name}: {got}"
+        );
+        assert!(got["extensions"].as_u64().unwrap() >= 2, "{name}: {got}");
+        let text = Command::new("openssl")
+            .args(["x509", "-noout", "-text", "-in"])
+            .arg(p)
+            .output()
+            .unwrap();
+        assert!(text.status.success(), "openssl refused {name}");
+        let text = String::from_utf8_lossy(&text.stdout);
+        assert_eq!(text.contains("CA:TRUE"), is_ca, "{name}: {text}");
+        assert!(!text.contains("CA:FALSE"), "{name}: {text}");
+    }
 }

@@ -423,7 +423,7 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     let data = dir.join("data");
     let first = std::fs::read(data.join("identity.json")).unwrap();
     let mut agent = agent_run(&dir);
-    // 60% of 11 s (10 s plus 1 s set back) after notBefore: the renewal comes within seconds.
+    // 60% of 10 s (1 s of it set back) after notBefore: the renewal comes within seconds.
     wait_for("a renewal", 20, || {
         ({ a.count("SELECT count(*) FROM node_certs") >= 2 }).then_some(())
     });
@@ -708,4 +708,113 @@ fn a_node_resumes_its_session_after_a_restart_and_a_revoked_one_is_still_refused
     assert_eq!(kind, Some(rustls::HandshakeKind::Resumed));
     assert_eq!(r.error.unwrap().message, "Session refused");
     assert_eq!(connected(&a), 0);
+}
+
+/// A tenant's pool and a token for it: (tenant, bearer).
+fn tenant_token(a: &Appliance, name: &str) -> (String, String) {
+    let t = a.api_ok("tenants/create", json!({"name": name}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pool = a.api_ok("pools/create", json!({"tenantId": t, "name": name}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (_, token) = a.token(&pool, json!({"tenantId": t}));
+    (t, token)
+}
+
+fn tenant_events(a: &Appliance, tenant: &str) -> i64 {
+    a.db()
+        .query_row(
+            "SELECT count(*) FROM events WHERE tenant_id = ?1",
+            [tenant],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+/// The caller is proven before the request is believed: a real node of tenant A that presents a
+/// leaf naming tenant B's node (self-signed with its own key, or B's real certificate copied) and
+/// signs the proof with its own key is refused, and the event goes to the root tenant with no
+/// node named: B's stream is untouched.
+#[test]
+fn a_node_forging_another_tenants_leaf_writes_nothing_into_that_tenants_stream() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let (ta, token_a) = tenant_token(&a, "tenant-a");
+    let (tb, token_b) = tenant_token(&a, "tenant-b");
+    let na = join_node(&sim, &token_a, &machine());
+    let nb = join_node(&sim, &token_b, &machine());
+    let b_events = tenant_events(&a, &tb);
+    let a_events = tenant_events(&a, &ta);
+    let now = bca::clock::now();
+
+    // A self-signed leaf with B's SPIFFE ID and A's key; the proof names B's node.
+    let b_leaf = bca::pki::parse_node_leaf(&nb.chain_der[0]).unwrap();
+    let mut lp = rcgen::CertificateParams::default();
+    lp.subject_alt_names = vec![rcgen::SanType::URI(
+        b_leaf.spiffe_id.clone().try_into().unwrap(),
+    )];
+    let forged = lp.self_signed(&na.key.rcgen()).unwrap();
+    let (raw, _) = renew_raw(&sim.cfg, &na, &[forged.pem()], &nb.id, &na.key, now);
+    assert_eq!(raw, renew_refused());
+    let (tenant, ev) = a.last_event("security.renew.refused").unwrap();
+    assert_eq!(ev["reason"], "renew:identity");
+    assert_eq!(tenant, a.root_tenant());
+    assert_eq!(ev["nodeId"], Value::Null);
+
+    // B's real certificate, copied, with a proof by A's key.
+    let (raw, _) = renew_raw(&sim.cfg, &na, &nb.chain_pem, &nb.id, &na.key, now);
+    assert_eq!(raw, renew_refused());
+    let (tenant, ev) = a.last_event("security.renew.refused").unwrap();
+    assert_eq!(ev["reason"], "renew:identity");
+    assert_eq!(tenant, a.root_tenant());
+    assert_eq!(ev["nodeId"], Value::Null);
+
+    // A's own certificate with a proof by another key: the certificate is stored, the proof
+    // fails, so the caller proved nothing and the event is the root tenant's.
+    let (raw, _) = renew_raw(
+        &sim.cfg,
+        &na,
+        &na.chain_pem,
+        &na.id,
+        &SigningKey::generate(),
+        now,
+    );
+    assert_eq!(raw, renew_refused());
+    let (tenant, ev) = a.last_event("security.renew.refused").unwrap();
+    assert_eq!(ev["reason"], "renew:pop");
+    assert_eq!(tenant, a.root_tenant());
+    assert_eq!(ev["nodeId"], Value::Null);
+
+    assert_eq!(
+        tenant_events(&a, &tb),
+        b_events,
+        "tenant B's stream changed"
+    );
+    assert_eq!(tenant_events(&a, &ta), a_events);
+
+    // A's own proof of its current key, with a clock a minute off: now the caller is proven and
+    // the refusal is A's own.
+    let (raw, _) = renew_raw(&sim.cfg, &na, &na.chain_pem, &na.id, &na.key, now - 61);
+    assert_eq!(raw, renew_refused());
+    let (tenant, ev) = a.last_event("security.renew.refused").unwrap();
+    assert_eq!(ev["reason"], "renew:clock");
+    assert_eq!(tenant, ta);
+    assert_eq!(ev["nodeId"], json!(na.id));
+    // And a good renewal of A's is A's.
+    let (raw, _) = renew_raw(&sim.cfg, &na, &na.chain_pem, &na.id, &na.key, now);
+    let reply: Reply = serde_json::from_slice(&raw).unwrap();
+    assert!(
+        reply.renew_response.is_some(),
+        "{}",
+        String::from_utf8_lossy(&raw)
+    );
+    assert_eq!(a.last_event("node.renewed").unwrap().0, ta);
+    assert_eq!(
+        tenant_events(&a, &tb),
+        b_events,
+        "tenant B's stream changed"
+    );
 }
