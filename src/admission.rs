@@ -41,6 +41,10 @@ pub enum Reason {
     DiscoveryMac,
     /// An operator rejected this machine's request for this CSR.
     DiscoveryRejected,
+    /// The machine's open request was made by a boot with another MAC.
+    DiscoveryMacConflict,
+    /// The token stands for another machine's request.
+    DiscoveryTokenReused,
     /// The `tpm` evidence is not well-formed: public areas, the CSR, base64.
     TpmMalformed,
     /// The AK is not one bca accepts (fixedTPM, fixedParent, restricted, sign, P-256).
@@ -100,6 +104,8 @@ impl Reason {
             Reason::DiscoveryRoleMismatch => "discovery:role-mismatch",
             Reason::DiscoveryMac => "discovery:mac",
             Reason::DiscoveryRejected => "discovery:rejected",
+            Reason::DiscoveryMacConflict => "discovery:mac-conflict",
+            Reason::DiscoveryTokenReused => "discovery:token-reused",
             Reason::TpmMalformed => "tpm:malformed",
             Reason::TpmAk => "tpm:ak",
             Reason::TpmChallenge => "tpm:challenge",

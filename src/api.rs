@@ -39,6 +39,17 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
     } else {
         body
     };
+    // Nothing that could reach an operator's terminal raw is taken in (`text`).
+    if let Some(path) = serde_json::from_slice::<Value>(body)
+        .ok()
+        .as_ref()
+        .and_then(crate::text::first_control)
+    {
+        let at = if path.is_empty() { "." } else { path.as_str() };
+        return Err(ApiError::invalid_input(format!(
+            "invalid request body: {at}: control characters are not allowed"
+        )));
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();

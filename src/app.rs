@@ -27,14 +27,10 @@ pub struct App {
     pub rotator: std::sync::OnceLock<crate::rotation::Rotator>,
     /// Full DHCP mode: the leases and the pending offers, in memory (loaded on first use).
     pub dhcp: std::sync::Mutex<Option<crate::boot::server::DhcpState>>,
-    /// Per-boot archives waiting to be fetched once, by nonce.
-    #[allow(clippy::type_complexity)]
-    pub boot_archives: std::sync::Mutex<BootArchives>,
+    /// DHCP sightings, `boot.ipxe` rates and the per-boot archives waiting to be fetched once
+    /// (each holds a discovery token: wiped when dropped).
+    pub boot_gate: std::sync::Mutex<crate::boot::gate::Gate>,
 }
-
-/// Per-boot archives by nonce: the archive (it holds a discovery token: wiped when dropped) and
-/// when it was made.
-pub type BootArchives = std::collections::HashMap<String, (zeroize::Zeroizing<Vec<u8>>, i64)>;
 
 pub const BASE_PATH: &str = "/api/compute";
 pub const PROTOCOL_MIN: u32 = 1;
@@ -75,7 +71,7 @@ impl App {
             gateway_cert: Default::default(),
             rotator: Default::default(),
             dhcp: Default::default(),
-            boot_archives: Default::default(),
+            boot_gate: Default::default(),
         })
     }
 

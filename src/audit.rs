@@ -34,11 +34,18 @@ pub struct RetentionConfig {
     /// Boot leases (who booted what, when).
     #[serde(default = "d30")]
     pub boot_leases_days: u32,
+    /// Discovery tokens spent, voided or expired for longer than this (hashes only; a boot flood
+    /// mints many).
+    #[serde(default = "d1")]
+    pub discovery_tokens_days: u32,
     /// An open investigation: prune nothing until this is false again.
     #[serde(default)]
     pub hold: bool,
 }
 
+fn d1() -> u32 {
+    1
+}
 fn d30() -> u32 {
     30
 }
@@ -57,6 +64,7 @@ impl Default for RetentionConfig {
             join_requests_days: d30(),
             node_certs_days: d30(),
             boot_leases_days: d30(),
+            discovery_tokens_days: d1(),
             hold: false,
         }
     }
@@ -70,6 +78,7 @@ impl RetentionConfig {
             ("join_requests_days", self.join_requests_days),
             ("node_certs_days", self.node_certs_days),
             ("boot_leases_days", self.boot_leases_days),
+            ("discovery_tokens_days", self.discovery_tokens_days),
         ] {
             if v > 36_500 {
                 return Err(format!("retention.{name} must be 0 (keep) to 36500"));
@@ -87,11 +96,17 @@ pub struct Pruned {
     pub join_requests: usize,
     pub node_certs: usize,
     pub boot_leases: usize,
+    pub discovery_tokens: usize,
 }
 
 impl Pruned {
     fn total(&self) -> usize {
-        self.events + self.audit + self.join_requests + self.node_certs + self.boot_leases
+        self.events
+            + self.audit
+            + self.join_requests
+            + self.node_certs
+            + self.boot_leases
+            + self.discovery_tokens
     }
 }
 
@@ -143,6 +158,13 @@ pub fn prune(
     if let Some(c) = cutoff(now, cfg.boot_leases_days) {
         p.boot_leases += tx.execute("DELETE FROM boot_leases WHERE created_at < ?1", params![c])?;
     }
+    if let Some(c) = cutoff(now, cfg.discovery_tokens_days) {
+        // Spent, voided or expired before the cut-off; a live token is never pruned.
+        p.discovery_tokens += tx.execute(
+            "DELETE FROM discovery_tokens WHERE spent_at < ?1 OR voided_at < ?1 OR expires_at < ?1",
+            params![c],
+        )?;
+    }
     if p.total() > 0 {
         crate::api::audit(
             tx,
@@ -157,12 +179,14 @@ pub fn prune(
                 "joinRequests": p.join_requests,
                 "nodeCerts": p.node_certs,
                 "bootLeases": p.boot_leases,
+                "discoveryTokens": p.discovery_tokens,
                 "settings": {
                     "eventsDays": cfg.events_days,
                     "auditDays": cfg.audit_days,
                     "joinRequestsDays": cfg.join_requests_days,
                     "nodeCertsDays": cfg.node_certs_days,
                     "bootLeasesDays": cfg.boot_leases_days,
+                    "discoveryTokensDays": cfg.discovery_tokens_days,
                 },
             }),
         )?;

@@ -36,10 +36,24 @@ pub const MAX_FIELD: usize = 128;
 pub const MAX_LIST: usize = 64;
 
 impl Claims {
-    /// Refuses claims too large to be a machine's (the join answers such a request as refused).
+    /// Refuses claims too large to be a machine's, or carrying a control character (which could
+    /// rewrite an operator's terminal: `text`); the join answers such a request as refused.
     pub fn within_limits(&self) -> bool {
+        let clean = [
+            &self.product_uuid,
+            &self.serials.product,
+            &self.serials.board,
+            &self.serials.chassis,
+            &self.hostname,
+        ]
+        .into_iter()
+        .flatten()
+        .chain(&self.macs)
+        .chain(&self.gpu_uuids)
+        .all(|v| !crate::text::has_control(v));
         let s = |v: &Option<String>| v.as_ref().is_none_or(|x| x.len() <= MAX_FIELD);
-        s(&self.product_uuid)
+        clean
+            && s(&self.product_uuid)
             && s(&self.serials.product)
             && s(&self.serials.board)
             && s(&self.serials.chassis)

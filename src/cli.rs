@@ -693,6 +693,15 @@ fn print(conn: &Conn, v: &Value, table: impl FnOnce(&Value)) {
 
 /// Prints rows as aligned columns.
 pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    // Stored values may come from a machine: their control characters are shown, not obeyed.
+    let rows: Vec<Vec<String>> = rows
+        .into_iter()
+        .map(|r| {
+            r.into_iter()
+                .map(|c| crate::text::escape(&c).into_owned())
+                .collect()
+        })
+        .collect();
     let mut w: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for r in &rows {
         for (i, c) in r.iter().enumerate() {
@@ -729,10 +738,11 @@ pub fn print_list(conn: &Conn, v: &Value, columns: &[(&str, &str)]) {
     });
 }
 
+/// A value as the CLI prints it; a string's control characters escaped (`text`).
 pub fn s(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
+        Value::String(s) => crate::text::escape(s).into_owned(),
         other => other.to_string(),
     }
 }

@@ -156,8 +156,11 @@ impl Default for TpmAttestorConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
-    /// `unknown-machines`: a machine whose trusted hardware key is a known node's is admitted at
-    /// once into that node's pool, any other waits for an operator; `always`: every machine waits.
+    /// `always` (the default): every discovered machine waits for an operator;
+    /// `unknown-machines`: a machine whose trusted hardware key is a live `ramdisk` node's (or one
+    /// marked for rediscovery) is admitted at once as that node, but only when the network saw it
+    /// boot with that node's MAC and the node's identifiers were never the machine's word alone
+    /// (docs/config.md says what that does and does not stop).
     #[serde(default = "default_approval")]
     pub approval: String,
     /// How long a join request waits for a decision, and how long a discovery token lives.
@@ -172,7 +175,7 @@ pub struct DiscoveryConfig {
 }
 
 fn default_approval() -> String {
-    "unknown-machines".into()
+    "always".into()
 }
 fn default_pending_ttl() -> u32 {
     86_400

@@ -16,11 +16,14 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 /// Confines the calling process; returns the uid it now runs as and what Landlock enforced.
 /// `read_beneath`: directories (held open) whose files may be read; nothing else may.
 /// `shared`: the sockets the parent handed over and will hand to the next child too: they may
-/// be read and answered on, never reconfigured (see [`seccomp`]).
+/// be read and answered on, never reconfigured (see [`seccomp`]). `recvmsg_on`: the UDP sockets
+/// (DHCP) read with `recvmsg`, for each datagram's destination address; `recvmsg` on anything
+/// else stays refused.
 pub fn confine(
     user: Option<(u32, u32)>,
     read_beneath: &[BorrowedFd<'_>],
     shared: &[BorrowedFd<'_>],
+    recvmsg_on: &[BorrowedFd<'_>],
 ) -> Result<(u32, String), String> {
     if let Some((uid, gid)) = user {
         become_user(uid, gid)?;
@@ -35,7 +38,8 @@ pub fn confine(
         .map_err(|e| format!("confine: PR_SET_DUMPABLE: {e}"))?;
     let landlock = landlock(read_beneath)?;
     let shared: Vec<u64> = shared.iter().map(|f| f.as_raw_fd() as u64).collect();
-    seccomp(&shared)?;
+    let recvmsg_on: Vec<u64> = recvmsg_on.iter().map(|f| f.as_raw_fd() as u64).collect();
+    seccomp(&shared, &recvmsg_on)?;
     Ok((nix::unistd::getuid().as_raw(), landlock))
 }
 
@@ -177,7 +181,7 @@ fn allowed() -> Vec<i64> {
     v
 }
 
-fn seccomp(shared: &[u64]) -> Result<(), String> {
+fn seccomp(shared: &[u64], recvmsg_on: &[u64]) -> Result<(), String> {
     let arch = std::env::consts::ARCH
         .try_into()
         .map_err(|e| format!("confine: seccomp on {}: {e:?}", std::env::consts::ARCH))?;
@@ -267,6 +271,17 @@ fn seccomp(shared: &[u64]) -> Result<(), String> {
             vec![rule(&not_shared)?]
         };
         rules.insert(call, r);
+    }
+    // `recvmsg` on the DHCP sockets alone: a UDP socket carries no descriptor (SCM_RIGHTS is a
+    // Unix socket's), so this opens no way to pass one over the socketpair.
+    if !recvmsg_on.is_empty() {
+        rules.insert(
+            libc::SYS_recvmsg,
+            recvmsg_on
+                .iter()
+                .map(|fd| rule(&[(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, *fd)]))
+                .collect::<Result<_, _>>()?,
+        );
     }
     let mut fcntl: Vec<SeccompRule> = [libc::F_GETFD, libc::F_SETFD, libc::F_GETFL, libc::F_SETFL]
         .into_iter()
@@ -364,7 +379,7 @@ mod tests {
             return;
         };
         let shared = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        confine(None, &[], &[shared.as_fd()]).unwrap();
+        confine(None, &[], &[shared.as_fd()], &[]).unwrap();
         let peer = "127.0.0.1:9";
         match case.as_str() {
             "own" => {

@@ -148,21 +148,30 @@ pub fn recorded_sha(store: &Store, version: &str, arch: &str) -> Option<String> 
         .ok()?
 }
 
-/// The file's bytes, read beneath `<state-dir>/downloads`, when they still have the recorded
-/// SHA-256: a file changed on disk is not served.
-pub fn read_verified(
+/// The file, opened beneath `<state-dir>/downloads` and rewound, when its content still has the
+/// recorded SHA-256 (read once in chunks to check it: a file changed on disk is not served, and
+/// no download is ever held in memory whole).
+pub fn open_verified(
     root: &crate::edge::ReadRoot,
     version: &str,
     arch: &str,
     sha: &str,
-) -> Option<Vec<u8>> {
-    use std::io::Read;
+) -> Option<std::fs::File> {
+    use std::io::{Read, Seek};
     let rel = Path::new("bcd").join(version).join(format!("linux-{arch}"));
-    let mut bytes = Vec::new();
-    root.open_file(&rel)
-        .ok()?
-        .take(MAX_SIZE)
-        .read_to_end(&mut bytes)
-        .ok()?;
-    (crate::crypto::hex(&crate::crypto::sha256(&bytes)) == sha).then_some(bytes)
+    let mut f = root.open_file(&rel).ok()?;
+    if f.metadata().ok()?.len() > MAX_SIZE {
+        return None;
+    }
+    let mut h = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = f.read(&mut buf).ok()?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    f.rewind().ok()?;
+    (crate::crypto::hex(h.finish().as_ref()) == sha).then_some(f)
 }

@@ -134,10 +134,12 @@ pub fn links_out(root: &Path) -> Vec<(String, String)> {
 }
 
 /// What the edge asks of the core. Each is checked there as any caller's would be: the child is
-/// trusted no more than the network it parses. Two fields only the edge can know are taken on
-/// its word, and grant nothing: `Health::trusted` (whether the peer is loopback or a named
-/// scraper: the full report shows counts, never a secret) and `BootScript::peer` (the address
-/// recorded in the boot lease row, a record, not a decision).
+/// trusted no more than the network it parses. Some fields only the edge can know are taken on
+/// its word: `Health::trusted` (whether the peer is loopback or a named scraper: the full report
+/// shows counts, never a secret), the peers of `BootScript` and `BootArchive` and the
+/// `Sighting`s. The last three are what the network itself saw, and the edge is the part that
+/// sees the network: a compromised edge can already answer any machine's DHCP and HTTP, so it
+/// gains nothing by lying about them that the network would not give it (docs/boot.md).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "ask", rename_all = "camelCase")]
 pub enum Ask {
@@ -160,9 +162,17 @@ pub enum Ask {
         peer: String,
         base: String,
     },
-    /// A per-boot archive, served once.
+    /// A per-boot archive, served once, to the address it was made for.
     BootArchive {
         nonce: String,
+        peer: String,
+    },
+    /// The boot server's DHCP saw `mac` at `ip`: a limited broadcast on the boot interface, or a
+    /// packet from a listed relay (the edge checked which; in full DHCP mode the core also checks
+    /// that `ip` is the MAC's lease).
+    Sighting {
+        mac: String,
+        ip: Ipv4Addr,
     },
     /// `/healthz`: the full report when `trusted`, the status alone otherwise.
     Health {
@@ -187,6 +197,7 @@ impl Ask {
             Ask::BootLease { .. } => "bootLease",
             Ask::BootScript { .. } => "bootScript",
             Ask::BootArchive { .. } => "bootArchive",
+            Ask::Sighting { .. } => "sighting",
             Ask::Health { .. } => "health",
             Ask::Metrics { .. } => "metrics",
             Ask::WellKnown => "wellKnown",
@@ -223,6 +234,14 @@ pub enum Answer {
     },
     /// The core cannot answer now (the message says why; never a secret).
     Unavailable {
+        message: String,
+    },
+    /// Refused (the message says why; nothing was written).
+    Forbidden {
+        message: String,
+    },
+    /// Over a rate.
+    TooMany {
         message: String,
     },
 }
@@ -263,9 +282,12 @@ pub async fn answer(app: &Arc<App>, a: Ask) -> Answer {
     let app2 = app.clone();
     match a {
         Ask::BootScript { mac, peer, base } => {
+            use crate::boot::http::ScriptRefused;
             match crate::boot::http::script(app, &mac, &peer, &base).await {
                 Ok(text) => Answer::Text { text },
-                Err(message) => Answer::Unavailable { message },
+                Err(ScriptRefused::NotSighted(message)) => Answer::Forbidden { message },
+                Err(ScriptRefused::Rate(message)) => Answer::TooMany { message },
+                Err(ScriptRefused::Unavailable(message)) => Answer::Unavailable { message },
             }
         }
         Ask::WellKnown => Answer::Json {
@@ -275,8 +297,9 @@ pub async fn answer(app: &Arc<App>, a: Ask) -> Answer {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
         },
-        Ask::BootArchive { nonce } => Answer::Bytes {
-            b64: crate::boot::http::take_archive(app, &nonce).map(|a| crate::crypto::b64(&a)),
+        Ask::BootArchive { nonce, peer } => Answer::Bytes {
+            b64: crate::boot::http::take_archive(app, &nonce, &peer)
+                .map(|a| crate::crypto::b64(&a)),
         },
         a => tokio::task::spawn_blocking(move || answer_blocking(&app2, a))
             .await
@@ -327,6 +350,12 @@ fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
             status: 200,
             body: crate::metrics::get().render(app.sessions.len(), edge.as_ref()),
         },
+        Ask::Sighting { mac, ip } => {
+            if let Some(mac) = crate::discovery::loose_mac(&mac) {
+                crate::boot::server::sighted(app, &mac, ip, crate::clock::now());
+            }
+            Answer::Done
+        }
         Ask::DownloadSha { version, arch } => Answer::Sha {
             sha256: crate::downloads::recorded_sha(&app.store, &version, &arch),
         },

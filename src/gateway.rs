@@ -345,7 +345,7 @@ impl Gateway {
                     tokio::spawn(async move {
                         let _permit = permit;
                         let per_source = this.cfg.max_connections_per_source;
-                        let Some(_slot) = this.sources.open.enter(peer.ip(), per_source as usize) else {
+                        let Some(_slot) = this.sources.open.enter(crate::limits::source_of(peer.ip()), per_source as usize) else {
                             tracing::debug!(%peer, "gateway: the source's connection limit is reached; closing");
                             return;
                         };
@@ -475,7 +475,10 @@ impl Gateway {
         if (req.join.is_some() || req.tpm_challenge.is_some())
             && !self
                 .sources
-                .join_allowed(source, self.cfg.joins_per_source_per_minute)
+                .join_allowed(
+                    crate::limits::source_of(source),
+                    self.cfg.joins_per_source_per_minute,
+                )
         {
             tracing::info!(%peer, "gateway: the source's join rate is exceeded");
             return (Reply::from_outcome(Outcome::Busy), Next::Close);

@@ -76,6 +76,13 @@ async fn public(
         return Ok(
             match crate::boot::http::handle(&edge, rest, &query, peer, local).await {
                 crate::boot::http::BootAnswer::Text(t) => text(200, t),
+                // An iPXE script still: the machine's console says why.
+                crate::boot::http::BootAnswer::Forbidden(m) => {
+                    text(403, format!("#!ipxe\necho {m}\nexit 1\n"))
+                }
+                crate::boot::http::BootAnswer::TooMany(m) => {
+                    text(429, format!("#!ipxe\necho bca: {m}\nexit 1\n"))
+                }
                 crate::boot::http::BootAnswer::Bytes(b) => Response::builder()
                     .status(200)
                     .header("content-type", "application/octet-stream")
@@ -175,21 +182,33 @@ async fn public(
             Answer::Sha { sha256 } => sha256,
             _ => None,
         };
-        let edge2 = edge.clone();
-        let found = match sha {
-            Some(sha) => tokio::task::spawn_blocking(move || {
-                crate::downloads::read_verified(&edge2.downloads, &version, &arch, &sha)
-            })
-            .await
-            .ok()
-            .flatten(),
-            None => None,
+        let Some(sha) = sha else {
+            return Ok(error(&ApiError::not_found(format!(
+                "no resource at {}",
+                req.uri().path()
+            ))));
         };
-        if let Some(bytes) = found {
+        // At most DOWNLOADS_AT_ONCE streamed at once (each a 64 KiB buffer and a descriptor).
+        let Ok(permit) = downloads_at_once().clone().try_acquire_owned() else {
+            return Ok(error(&ApiError::new(
+                crate::error::Code::Unavailable,
+                format!("{DOWNLOADS_AT_ONCE} downloads are being served; retry in a minute"),
+            )));
+        };
+        let edge2 = edge.clone();
+        let found = tokio::task::spawn_blocking(move || {
+            crate::downloads::open_verified(&edge2.downloads, &version, &arch, &sha)
+        })
+        .await
+        .ok()
+        .flatten()
+        .and_then(|f| crate::boot::http::FileBody::from_file(f, Some(permit)));
+        if let Some(body) = found {
             return Ok(Response::builder()
                 .status(StatusCode::OK)
                 .header("content-type", "application/octet-stream")
-                .body(full(Bytes::from(bytes)))
+                .header("content-length", body.len())
+                .body(http_body_util::Either::Right(body))
                 .expect("a valid response"));
         }
     }
@@ -197,6 +216,15 @@ async fn public(
         "no resource at {}",
         req.uri().path()
     ))))
+}
+
+/// Agent downloads streamed at once, at most.
+pub const DOWNLOADS_AT_ONCE: usize = 32;
+
+fn downloads_at_once() -> &'static std::sync::Arc<tokio::sync::Semaphore> {
+    static S: std::sync::OnceLock<std::sync::Arc<tokio::sync::Semaphore>> =
+        std::sync::OnceLock::new();
+    S.get_or_init(|| std::sync::Arc::new(tokio::sync::Semaphore::new(DOWNLOADS_AT_ONCE)))
 }
 
 /// Whether a peer of the HTTP listener may read `/metrics` and the full `/healthz` report.

@@ -101,8 +101,15 @@ struct DecideInput {
     csr_sha256: Option<String>,
 }
 
+/// The columns a request is shown with (the table is aliased `r`). The last is computed when
+/// listed: a live node that holds the request's trusted hardware key outside the pool the request
+/// was approved into (any pool while it is pending), which an approval could never join (the
+/// retry is refused `join:reclaim`): the operator sees it before approving.
 const COLS: &str = "id, site_id, pool_id, attestor, hardware_key, claims_json, mac, ip, vouched_by, boot_lease_epoch, csr_sha256,
-    state, created_at, updated_at, expires_at, decided_at, decided_by, reason, consumed_at, node_id, ek_certified";
+    state, created_at, updated_at, expires_at, decided_at, decided_by, reason, consumed_at, node_id, ek_certified,
+    (SELECT json_object('nodeId', n.id, 'tenantId', n.tenant_id, 'poolId', n.pool_id, 'role', n.role)
+       FROM nodes n WHERE r.hardware_key_trusted = 1 AND n.hardware_key = r.hardware_key AND n.hardware_key_trusted = 1
+        AND n.state != 'retired' AND r.state IN ('pending', 'approved') AND (r.pool_id IS NULL OR n.pool_id != r.pool_id))";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
     let claims: Value = serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or(Value::Null);
@@ -120,6 +127,8 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
         "decidedBy": r.get::<_, Option<String>>(16)?, "reason": r.get::<_, Option<String>>(17)?,
         "consumedAt": t(18)?, "nodeId": r.get::<_, Option<String>>(19)?,
         "ekCertified": r.get::<_, Option<i64>>(20)?.map(|v| v == 1),
+        "conflictingNode": r.get::<_, Option<String>>(21)?
+            .and_then(|j| serde_json::from_str::<Value>(&j).ok()),
     }))
 }
 
@@ -201,7 +210,7 @@ fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) ->
     let load = |tx: &Transaction<'_>| {
         found(
             tx.query_row(
-                &format!("SELECT {COLS} FROM join_requests WHERE id = ?1 AND site_id = ?2"),
+                &format!("SELECT {COLS} FROM join_requests r WHERE id = ?1 AND site_id = ?2"),
                 [&i.request_id, &pool.site_id],
                 row,
             ),
@@ -240,6 +249,13 @@ fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) ->
         if pool.archived_at.is_some() || pool.agent != "bcd" {
             return Err(ApiError::invalid_state(format!(
                 "pool {} is archived or runs no daemon; it admits no machine",
+                pool.id
+            )));
+        }
+        let attestor = r["attestor"].as_str().unwrap_or_default();
+        if !pool.allows_attestor(attestor) {
+            return Err(ApiError::invalid_state(format!(
+                "pool {} does not allow the {attestor} attestor (policy.joinAttestors); it admits no machine this request's way",
                 pool.id
             )));
         }
@@ -300,6 +316,19 @@ fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) ->
     load(tx)
 }
 
+/// A conflicting node as the table shows it: `<node> in <pool> (<tenant>)`.
+fn conflict(v: &Value) -> String {
+    if v.is_null() {
+        return "-".into();
+    }
+    format!(
+        "{} in {} ({})",
+        s(&v["nodeId"]),
+        s(&v["poolId"]),
+        s(&v["tenantId"])
+    )
+}
+
 pub fn run_cli(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
     let c = conn.client();
     let out = |v: &Value| {
@@ -317,6 +346,7 @@ pub fn run_cli(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
                     "IP",
                     "FIRST ASKED",
                     "POOL",
+                    "CONFLICTING NODE",
                 ],
                 items
                     .iter()
@@ -329,13 +359,15 @@ pub fn run_cli(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
                             s(&r["claims"]["productUuid"]),
                             ["product", "board", "chassis"]
                                 .iter()
-                                .filter_map(|k| serials[*k].as_str())
+                                .filter(|k| serials[**k].is_string())
+                                .map(|k| s(&serials[*k]))
                                 .collect::<Vec<_>>()
                                 .join(","),
                             s(&r["gpuCount"]),
                             s(&r["ip"]),
                             s(&r["createdAt"]),
                             s(&r["poolId"]),
+                            conflict(&r["conflictingNode"]),
                         ]
                     })
                     .collect(),
@@ -353,6 +385,13 @@ pub fn run_cli(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
                 "expiresAt",
             ] {
                 println!("{k:<10} {}", s(&v[k]));
+            }
+            if !v["conflictingNode"].is_null() {
+                println!(
+                    "{:<10} {} (its retry is refused: join:reclaim)",
+                    "conflict",
+                    conflict(&v["conflictingNode"])
+                );
             }
         }
     };

@@ -165,7 +165,7 @@ enum Work {
     SessionOpen(Vec<u8>),
     SessionSeen(String),
     SessionClosed(String),
-    MintDiscovery(String, Option<i64>),
+    MintDiscovery(crate::discovery::Mint),
 }
 
 struct Job {
@@ -365,9 +365,16 @@ impl JoinHandle {
             Call::MintDiscovery {
                 mac,
                 boot_lease_epoch,
+                sighted_ip,
+                mint,
             } => {
-                self.submit(Work::MintDiscovery(mac, boot_lease_epoch), String::new())
-                    .await
+                let m = crate::discovery::Mint {
+                    mac,
+                    boot_lease_epoch,
+                    sighted_ip,
+                    mint,
+                };
+                self.submit(Work::MintDiscovery(m), String::new()).await
             }
         }
     }
@@ -648,9 +655,7 @@ fn process(
         Work::SessionOpen(leaf) => return crate::sessions::open(tx, leaf, now),
         Work::SessionSeen(node) => return crate::sessions::seen(tx, node, now),
         Work::SessionClosed(node) => return crate::sessions::closed(tx, node, now),
-        Work::MintDiscovery(mac, epoch) => {
-            return crate::discovery::mint(tx, app, mac, *epoch, now)
-        }
+        Work::MintDiscovery(m) => return crate::discovery::mint(tx, app, m, now),
     };
     let (decided, csr_sha, hk) = match prepared {
         Prepared::Refused {
@@ -693,11 +698,16 @@ fn process(
                     crate::store::exec(tx, "RELEASE one_join", [])?;
                 }
             }
-            (
-                d?,
-                Some(r.csr.sha256),
-                r.key.as_ref().map(|k| k.hex.clone()),
-            )
+            // One join's failure (a constraint its writes broke) is its own: its savepoint is
+            // rolled back and it is answered `UNAVAILABLE`; the rest of the batch commits.
+            let d = match d {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::error!(error = %e, attestor = r.attestor, "join failed; rolled back alone");
+                    return Ok(Outcome::Busy);
+                }
+            };
+            (d, Some(r.csr.sha256), r.key.as_ref().map(|k| k.hex.clone()))
         }
     };
     match decided {
@@ -855,7 +865,7 @@ fn admit_one(
         } => {
             crate::store::exec(tx,
                 "UPDATE nodes SET identity_generation = ?2, state = 'adopting', trust = ?3, hostname = ?4, claims_json = ?5,
-                 updated_at = ?6 WHERE id = ?1",
+                 updated_at = ?6, identifiers_by = 'token' WHERE id = ?1",
                 params![node_id, generation, adm.trust, r.claims.hostname, claims_json, now],
             )?;
             revoke_all(tx, &token.tenant_id, node_id, "reclaimed", now)?;

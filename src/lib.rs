@@ -54,5 +54,6 @@ pub mod tickets;
 pub mod tlsclient;
 pub mod tpm;
 pub mod tpmeks;
+pub mod text;
 pub mod tpmjoin;
 pub mod validate;

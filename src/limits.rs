@@ -5,6 +5,22 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
+/// The source a per-source limit counts: an IPv4 address (an IPv4-mapped IPv6 address is its
+/// IPv4 address), or the /64 of an IPv6 address: one host holds a whole /64, so counting its
+/// addresses would count nothing. (An IPv6 site whose machines share one /64 raises the
+/// per-source limits: docs/config.md.)
+pub fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(
+                u128::from(v6) & !((1u128 << 64) - 1),
+            )),
+        },
+    }
+}
+
 #[derive(Default)]
 pub struct PerSource {
     open: Mutex<HashMap<IpAddr, usize>>,
@@ -47,6 +63,19 @@ impl Drop for Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv6_sources_are_their_64() {
+        let a: IpAddr = "2001:db8:0:1::5".parse().unwrap();
+        let b: IpAddr = "2001:db8:0:1:ffff::9".parse().unwrap();
+        let c: IpAddr = "2001:db8:0:2::5".parse().unwrap();
+        assert_eq!(source_of(a), source_of(b));
+        assert_ne!(source_of(a), source_of(c));
+        let m: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(source_of(m), "10.0.0.1".parse::<IpAddr>().unwrap());
+        let v4: IpAddr = "10.0.0.2".parse().unwrap();
+        assert_eq!(source_of(v4), v4);
+    }
 
     #[test]
     fn a_source_holds_at_most_max_and_gets_its_places_back() {

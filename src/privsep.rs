@@ -664,11 +664,22 @@ pub fn child_main() -> Result<(), String> {
     };
     // Before the filter, which allows no copy of a descriptor.
     let out = sock.try_clone().map_err(|e| e.to_string())?;
+    let dhcp_fds: Vec<std::os::fd::BorrowedFd<'_>> = sockets
+        .boot
+        .as_ref()
+        .map(|b| {
+            std::iter::once(b.dhcp.as_fd())
+                .chain(b.proxy.as_ref().map(|p| p.as_fd()))
+                .collect()
+        })
+        .unwrap_or_default();
     let (uid, landlock) = crate::confine::confine(
         init.user,
         &[sockets.boot_root.fd(), sockets.downloads.fd()],
         &sockets.shared(),
+        &dhcp_fds,
     )?;
+    drop(dhcp_fds);
     let Sockets {
         gateway: listener,
         http,
@@ -1230,6 +1241,23 @@ async fn broker(
                                 continue;
                             }
                         };
+                        // A session call names a node: only one whose session this child
+                        // opened (and still holds). Anything else could mark any tenant's node
+                        // disconnected or rewrite its last-seen time.
+                        if let Call::SessionSeen { node_id } | Call::SessionClosed { node_id } = &call {
+                            let holds = held
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .as_ref()
+                                .is_some_and(|h| h.contains_key(node_id));
+                            if !holds {
+                                if refusals.note() {
+                                    tracing::warn!("privsep: the network child named a session it does not hold; refused");
+                                }
+                                send(encode(id, Kind::Reply, &outcome(&Outcome::Refused)));
+                                continue;
+                            }
+                        }
                         let Ok(permit) = in_flight.clone().try_acquire_owned() else {
                             send(encode(id, Kind::Reply, &outcome(&Outcome::Busy)));
                             continue;

@@ -329,12 +329,23 @@ pub enum Call {
     SessionSeen { node_id: String },
     #[serde(rename_all = "camelCase")]
     SessionClosed { node_id: String },
-    /// The boot server asks for a discovery token for a MAC (voiding the MAC's earlier ones).
+    /// The boot server asks for a discovery token for a MAC (voiding the MAC's earlier ones),
+    /// or, with `mint` false, only whether the MAC boots its local disk (nothing is written).
+    /// `sighted_ip`: the address the boot server's DHCP saw the MAC at, which the request came
+    /// from (none when minting without a sighting is allowed).
     #[serde(rename_all = "camelCase")]
     MintDiscovery {
         mac: String,
         boot_lease_epoch: Option<i64>,
+        #[serde(default)]
+        sighted_ip: Option<String>,
+        #[serde(default = "yes")]
+        mint: bool,
     },
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The JoinService's answer to a [`Call`].

@@ -35,6 +35,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0005_tpm_attestor",
         include_str!("../migrations/0005_tpm_attestor.sql"),
     ),
+    (
+        "0006_discovery_trust",
+        include_str!("../migrations/0006_discovery_trust.sql"),
+    ),
 ];
 
 pub struct Store {

@@ -397,7 +397,7 @@ pub(crate) fn admit(
             let generation = k.generation + 1;
             crate::store::exec(tx,
                 "UPDATE nodes SET identity_generation = ?2, state = 'adopting', role = ?3, hostname = ?4, claims_json = ?5,
-                 updated_at = ?6 WHERE id = ?1",
+                 updated_at = ?6, identifiers_by = 'tpm' WHERE id = ?1",
                 params![k.id, generation, r.role, r.claims.hostname, claims_json, now],
             )?;
             crate::joinservice::revoke_all(tx, &pool.tenant_id, &k.id, "reclaimed", now)?;
@@ -421,8 +421,8 @@ pub(crate) fn admit(
             let id = crate::ids::new_id("node", now * 1000);
             crate::store::exec(tx,
                 "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
-                 identity_generation, attestor, hostname, claims_json, created_at, updated_at, tpm_ek_sha256)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'tpm', ?9, ?10, ?11, ?11, ?12)",
+                 identity_generation, attestor, hostname, claims_json, created_at, updated_at, tpm_ek_sha256, identifiers_by)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'tpm', ?9, ?10, ?11, ?11, ?12, 'tpm')",
                 params![
                     id,
                     pool.tenant_id,

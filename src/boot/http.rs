@@ -20,11 +20,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// How long a per-boot archive waits to be fetched.
-const ARCHIVE_TTL: i64 = 600;
-
 pub enum BootAnswer {
     Text(String),
+    /// Refused (403): the text says why; nothing was written.
+    Forbidden(String),
+    /// Over a rate (429).
+    TooMany(String),
     Bytes(Vec<u8>),
     /// A boot file streamed from disk, then `suffix` (a per-boot archive): never read whole into
     /// memory, so a thousand machines fetching a ramdisk cost a chunk buffer each.
@@ -42,18 +43,29 @@ pub struct FileBody {
     remaining: u64,
     suffix: Option<bytes::Bytes>,
     buf: Vec<u8>,
+    /// A place among the downloads served at once, given back when the body ends or is dropped.
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl FileBody {
     /// Opens `name` beneath `root` (a regular file only).
     pub fn open(root: &crate::edge::ReadRoot, name: &str) -> Option<Self> {
         let file = root.open_file(std::path::Path::new(name)).ok()?;
+        Self::from_file(file, None)
+    }
+
+    /// Streams an open file (from where it stands: the start), holding `permit` until done.
+    pub fn from_file(
+        file: std::fs::File,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Option<Self> {
         let len = file.metadata().ok()?.len();
         Some(Self {
             file: Some(tokio::fs::File::from_std(file)),
             remaining: len,
             suffix: None,
             buf: Vec::new(),
+            permit,
         })
     }
 
@@ -103,6 +115,7 @@ impl hyper::body::Body for FileBody {
             }
         }
         this.file = None;
+        this.permit = None;
         Poll::Ready(this.suffix.take().map(|s| Ok(hyper::body::Frame::data(s))))
     }
 
@@ -140,9 +153,10 @@ pub fn http_url(boot: &crate::boot::BootConfig, local: Option<SocketAddr>) -> St
     }
 }
 
-/// The script iPXE gets first: it chains to the per-machine script with the booting NIC's MAC.
+/// The script iPXE gets first: it chains to the per-machine script with the MAC of the NIC that
+/// did DHCP (`netX`, iPXE's last opened device: not always `net0` on a machine with several).
 pub fn chain_script(base: &str) -> String {
-    format!("#!ipxe\nchain {base}{BASE_PATH}/boot/boot.ipxe?mac=${{net0/mac}}\n")
+    format!("#!ipxe\nchain {base}{BASE_PATH}/boot/boot.ipxe?mac=${{netX/mac}}\n")
 }
 
 fn valid_file_name(n: &str) -> bool {
@@ -204,6 +218,8 @@ pub async fn handle(
         };
         return match edge.core.ask(ask).await {
             Answer::Text { text } => BootAnswer::Text(text),
+            Answer::Forbidden { message } => BootAnswer::Forbidden(message),
+            Answer::TooMany { message } => BootAnswer::TooMany(message),
             Answer::Unavailable { message } => BootAnswer::Unavailable(message),
             _ => BootAnswer::Unavailable("the core gave no script".into()),
         };
@@ -224,6 +240,7 @@ pub async fn handle(
             .core
             .ask(Ask::BootArchive {
                 nonce: nonce.into(),
+                peer: peer.ip().to_string(),
             })
             .await
         {
@@ -258,70 +275,120 @@ pub async fn handle(
     BootAnswer::NotFound
 }
 
-/// Per-boot archives waiting to be fetched, at most (each holds a discovery token).
-const MAX_WAITING_ARCHIVES: usize = 4096;
-
-/// The waiting archives, the expired ones dropped (and wiped: they hold discovery tokens).
-fn waiting(app: &App) -> std::sync::MutexGuard<'_, crate::app::BootArchives> {
-    let now = crate::clock::now();
-    let mut map = app.boot_archives.lock().unwrap_or_else(|p| p.into_inner());
-    map.retain(|_, (_, t)| now - *t <= ARCHIVE_TTL);
-    map
+/// A per-boot archive, once, and only to the address it was made for.
+pub fn take_archive(app: &App, nonce: &str, peer: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
+    let peer = peer.parse::<std::net::IpAddr>().ok()?;
+    app.boot_gate
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take(nonce, peer, crate::clock::now())
 }
 
-/// A per-boot archive, once: taken out of the waiting ones.
-pub fn take_archive(app: &App, nonce: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
-    waiting(app).remove(nonce).map(|(a, _)| a)
+/// Why the core did not give a boot script.
+pub enum ScriptRefused {
+    /// 403: the network did not see this MAC at this address (nothing was written).
+    NotSighted(String),
+    /// 429: over a per-minute rate.
+    Rate(String),
+    /// 503: the core cannot answer now.
+    Unavailable(String),
 }
 
-/// The core's side of `boot.ipxe`: records the boot, mints the discovery token through the
-/// JoinService and keeps the per-boot archive for one fetch. `peer` is the client's address as
-/// the edge saw it.
-pub async fn script(app: &Arc<App>, mac: &str, peer: &str, base: &str) -> Result<String, String> {
-    let mac = crate::discovery::loose_mac(mac).ok_or("not a MAC address")?;
+const LOCAL_BOOT: &str = "#!ipxe\necho bca: this machine is an adopted node; booting its local disk\nsanboot --no-describe --drive 0x80 || exit\n";
+
+/// The core's side of `boot.ipxe`. A discovery token is minted, and the boot recorded, only for
+/// a MAC the boot server's DHCP saw at `peer` (the address the edge saw the request come from)
+/// within `[boot] sighting_seconds`; the local-disk answer needs no sighting. A refused request
+/// writes nothing: no lease row, no token voided, no archive taken.
+pub async fn script(
+    app: &Arc<App>,
+    mac: &str,
+    peer: &str,
+    base: &str,
+) -> Result<String, ScriptRefused> {
+    let bad = |m: &str| ScriptRefused::Unavailable(m.to_string());
+    let mac = crate::discovery::loose_mac(mac).ok_or_else(|| bad("not a MAC address"))?;
     let mac = mac.as_str();
-    let ip = peer
+    let peer_ip = peer
         .parse::<std::net::IpAddr>()
-        .map_err(|_| "not an IP address")?
-        .to_string();
+        .map_err(|_| bad("not an IP address"))?;
     let Some(join) = app.join.get() else {
-        return Err("the JoinService is not running".into());
+        return Err(bad("the JoinService is not running"));
     };
-    // Before a token is minted: one that could not be kept would void the machine's last one.
-    if waiting(app).len() >= MAX_WAITING_ARCHIVES {
-        return Err(format!(
-            "{MAX_WAITING_ARCHIVES} per-boot archives wait to be fetched; retry in a minute"
-        ));
-    }
-    let app2 = app.clone();
-    let mac2 = mac.to_string();
-    let epoch =
-        tokio::task::spawn_blocking(move || lease(&app2, &mac2, Some(ip), None, "script", None))
-            .await
-            .ok()
-            .flatten();
-    let call = Call::MintDiscovery {
-        mac: mac.to_string(),
-        boot_lease_epoch: epoch,
+    let b = &app.config.boot;
+    let limits = crate::boot::gate::Limits::from(b);
+    let now = crate::clock::now();
+    let sighted = {
+        let mut gate = app.boot_gate.lock().unwrap_or_else(|p| p.into_inner());
+        gate.admit_script(mac, peer_ip, now, &limits)
+            .map_err(|crate::boot::gate::Refused::Rate(m)| ScriptRefused::Rate(m))?;
+        gate.sighted(mac, peer_ip, now, &limits)
     };
-    let out = join
-        .call(&serde_json::to_vec(&call).expect("serializes"))
-        .await;
-    match serde_json::from_slice::<Outcome>(&out) {
-        Ok(Outcome::LocalBoot) => {
-            tracing::info!(%mac, "boot: adopted node; local disk");
-            Ok("#!ipxe\necho bca: this machine is an adopted node; booting its local disk\nsanboot --no-describe --drive 0x80 || exit\n".into())
+    let may_mint = sighted || !b.require_sighting;
+    let ask = |epoch: Option<i64>, mint: bool| {
+        let call = Call::MintDiscovery {
+            mac: mac.to_string(),
+            boot_lease_epoch: epoch,
+            sighted_ip: (sighted && mint).then(|| peer_ip.to_string()),
+            mint,
+        };
+        async move {
+            let out = join
+                .call(&serde_json::to_vec(&call).expect("serializes"))
+                .await;
+            serde_json::from_slice::<Outcome>(&out).ok()
         }
-        Ok(Outcome::DiscoveryToken { token }) => {
+    };
+    let record = |stage: &'static str| {
+        let (app2, mac2, ip) = (app.clone(), mac.to_string(), peer_ip.to_string());
+        async move {
+            tokio::task::spawn_blocking(move || lease(&app2, &mac2, Some(ip), None, stage, None))
+                .await
+                .ok()
+                .flatten()
+        }
+    };
+    if !may_mint {
+        // Only the local-disk answer may be given: asked without minting, nothing is written.
+        return match ask(None, false).await {
+            Some(Outcome::LocalBoot) => {
+                record("script").await;
+                tracing::info!(%mac, "boot: adopted node; local disk");
+                Ok(LOCAL_BOOT.into())
+            }
+            Some(_) => {
+                tracing::info!(%mac, %peer, "boot: no DHCP sighting of this MAC at this address; refused");
+                Err(ScriptRefused::NotSighted(format!(
+                    "bca: the boot server's DHCP did not see {mac} at {peer_ip} in the last {} s; \
+                     boot through the provisioning network's DHCP (docs/boot.md)",
+                    b.sighting_seconds
+                )))
+            }
+            None => Err(bad("the JoinService gave no answer")),
+        };
+    }
+    let epoch = record("script").await;
+    match ask(epoch, true).await {
+        Some(Outcome::LocalBoot) => {
+            tracing::info!(%mac, "boot: adopted node; local disk");
+            Ok(LOCAL_BOOT.into())
+        }
+        Some(Outcome::DiscoveryToken { token }) => {
             let token = zeroize::Zeroizing::new(token);
-            let archive = zeroize::Zeroizing::new(per_boot_archive(app, mac, epoch, &token)?);
+            let archive = zeroize::Zeroizing::new(
+                per_boot_archive(app, mac, epoch, &token).map_err(ScriptRefused::Unavailable)?,
+            );
             let mut n = [0u8; 16];
             crate::crypto::fill_random(&mut n);
             let nonce = crate::crypto::hex(&n);
-            app.boot_archives
+            let evicted = app
+                .boot_gate
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .insert(nonce.clone(), (archive, crate::clock::now()));
+                .keep(nonce.clone(), archive, mac, peer_ip, now, &limits);
+            if evicted > 0 {
+                tracing::warn!(%mac, %peer, evicted, "boot: waiting per-boot archives gave way (a source at its cap, or all places taken)");
+            }
             tracing::info!(%mac, "boot: discovery ramdisk");
             let args = &app.config.boot.kernel_args;
             Ok(format!(
@@ -331,7 +398,7 @@ pub async fn script(app: &Arc<App>, mac: &str, peer: &str, base: &str) -> Result
                  boot\n"
             ))
         }
-        _ => Err("no discovery token could be minted".into()),
+        _ => Err(bad("no discovery token could be minted")),
     }
 }
 

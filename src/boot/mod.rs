@@ -3,6 +3,7 @@
 
 pub mod cpio;
 pub mod dhcp;
+pub mod gate;
 pub mod http;
 pub mod server;
 pub mod tftp;
@@ -61,6 +62,48 @@ pub struct BootConfig {
     /// TFTP transfers at once from one source address (a machine fetches one file at a time).
     #[serde(default = "default_per_source")]
     pub tftp_max_per_source: usize,
+    /// How long a DHCP sighting (a MAC seen at an address) vouches for that MAC's boot script.
+    #[serde(default = "default_sighting")]
+    pub sighting_seconds: u32,
+    /// DHCP relays (`giaddr` and source address both listed) whose relayed packets count as
+    /// sightings; without them only a limited broadcast on the boot interface does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub relays: Vec<Ipv4Addr>,
+    /// Mint discovery tokens only for a MAC the boot server's DHCP saw at the asking address.
+    /// `false` lets anyone who reaches the HTTP listener mint for any MAC (docs/config.md).
+    #[serde(default = "default_true")]
+    pub require_sighting: bool,
+    /// `boot.ipxe` requests per minute from one source (an IPv6 /64 counts as one).
+    #[serde(default = "default_scripts_per_source")]
+    pub scripts_per_source_per_minute: u32,
+    /// `boot.ipxe` requests per minute for one MAC.
+    #[serde(default = "default_scripts_per_mac")]
+    pub scripts_per_mac_per_minute: u32,
+    /// Per-boot archives waiting to be fetched from one source; the source's oldest gives way.
+    #[serde(default = "default_archives_per_source")]
+    pub archives_per_source: usize,
+    /// Per-boot archives waiting in all; when full, the busiest source's oldest gives way.
+    #[serde(default = "default_max_archives")]
+    pub max_waiting_archives: usize,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_sighting() -> u32 {
+    300
+}
+fn default_scripts_per_source() -> u32 {
+    120
+}
+fn default_scripts_per_mac() -> u32 {
+    12
+}
+fn default_archives_per_source() -> usize {
+    16
+}
+fn default_max_archives() -> usize {
+    4096
 }
 
 fn default_per_source() -> usize {
@@ -122,6 +165,36 @@ impl BootConfig {
         }
         if !(1..=4096).contains(&self.tftp_max_transfers) {
             return Err("boot.tftp_max_transfers must be 1 to 4096".into());
+        }
+        if !(10..=86_400).contains(&self.sighting_seconds) {
+            return Err("boot.sighting_seconds must be 10 to 86400".into());
+        }
+        if let Some(r) = self
+            .relays
+            .iter()
+            .find(|r| r.is_unspecified() || r.is_broadcast())
+        {
+            return Err(format!(
+                "boot.relays: {r} is not a relay's address (0.0.0.0 and 255.255.255.255 are not)"
+            ));
+        }
+        for (name, v) in [
+            (
+                "scripts_per_source_per_minute",
+                self.scripts_per_source_per_minute as usize,
+            ),
+            (
+                "scripts_per_mac_per_minute",
+                self.scripts_per_mac_per_minute as usize,
+            ),
+            ("archives_per_source", self.archives_per_source),
+        ] {
+            if !(1..=100_000).contains(&v) {
+                return Err(format!("boot.{name} must be 1 to 100000"));
+            }
+        }
+        if !(16..=65_536).contains(&self.max_waiting_archives) {
+            return Err("boot.max_waiting_archives must be 16 to 65536".into());
         }
         Ok(())
     }

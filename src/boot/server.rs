@@ -31,6 +31,10 @@ fn udp(
             .map_err(|e| format!("cannot bind to interface {i}: {e}"))?;
     }
     s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // Each datagram's destination address (`IP_PKTINFO`): a sighting counts only from a limited
+    // broadcast (or a listed relay), which a unicast from anywhere cannot pass for.
+    nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Ipv4PacketInfo, &true)
+        .map_err(|e| format!("cannot ask for IP_PKTINFO on {addr}: {e}"))?;
     // Room for a rack's burst (the kernel caps it at net.core.rmem_max).
     let _ = s.set_recv_buffer_size(4 << 20);
     s.bind(&addr.into())
@@ -203,11 +207,76 @@ fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
     Some(ip)
 }
 
+/// The core records a sighting: `mac` seen at `ip` by the boot server's DHCP. In full DHCP mode
+/// the address must be the MAC's own lease (the edge cannot name another).
+pub fn sighted(app: &App, mac: &str, ip: Ipv4Addr, now: i64) {
+    if app.config.boot.mode == "dhcp" {
+        let leased = dhcp_state(app)
+            .as_ref()
+            .and_then(|st| st.leases.get(mac).map(|(l, t)| (*l, *t)));
+        if !leased.is_some_and(|(l, until)| l == ip && until > now) {
+            tracing::debug!(%mac, %ip, "dhcp: a sighting that is not the MAC's lease; ignored");
+            return;
+        }
+    }
+    let limits = crate::boot::gate::Limits::from(&app.config.boot);
+    app.boot_gate
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .sight(mac, std::net::IpAddr::V4(ip), now, &limits);
+}
+
+/// How a DHCP packet reached the boot server: its source and the destination in its IP header
+/// (`IP_PKTINFO`; unknown when the kernel did not say).
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    pub src: SocketAddr,
+    pub dst: Option<Ipv4Addr>,
+}
+
+/// Whether a packet counts as what the network saw: a limited broadcast with no relay in
+/// between, or a packet a listed relay sent (its source and `giaddr` both listed). Any host that
+/// reaches the port could send a unicast naming any address, or a made-up `giaddr`.
+pub fn counts_as_sighting(b: &BootConfig, req: &dhcproto::v4::Message, how: Arrival) -> bool {
+    let giaddr = req.giaddr();
+    if giaddr.is_unspecified() {
+        return how.dst == Some(Ipv4Addr::BROADCAST);
+    }
+    let src = match how.src.ip() {
+        std::net::IpAddr::V4(v4) => v4,
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4,
+            None => return false,
+        },
+    };
+    b.relays.contains(&src) && b.relays.contains(&giaddr)
+}
+
+/// The address a REQUEST is for: option 50 (the broadcast REQUEST of BIOS and UEFI PXE ROMs and
+/// iPXE), else `ciaddr` (a renewing client's, or UEFI's and iPXE's unicast to port 4011).
+pub fn requested_address(req: &dhcproto::v4::Message) -> Option<Ipv4Addr> {
+    use dhcproto::v4::{DhcpOption, MessageType, OptionCode};
+    if !matches!(
+        req.opts().get(OptionCode::MessageType),
+        Some(DhcpOption::MessageType(MessageType::Request))
+    ) {
+        return None;
+    }
+    let asked = match req.opts().get(OptionCode::RequestedIpAddress) {
+        Some(DhcpOption::RequestedIpAddress(ip)) => Some(*ip),
+        _ => None,
+    };
+    asked
+        .or_else(|| Some(req.ciaddr()))
+        .filter(|ip| !ip.is_unspecified() && !ip.is_broadcast())
+}
+
 async fn answer(
     edge: &Edge,
     buf: &[u8],
     port_4011: bool,
     http_base: &str,
+    how: Arrival,
 ) -> Option<(Vec<u8>, dhcproto::v4::Message)> {
     let req = dhcp::decode(buf)?;
     let b = &edge.boot;
@@ -219,6 +288,20 @@ async fn answer(
             dhcproto::v4::MessageType::Discover
         ))
     );
+    let sighting = counts_as_sighting(b, &req, how);
+    // In proxy mode the site's DHCP server gives the address: the REQUEST names it, and is
+    // recorded before any decision to answer (a proxy never answers a REQUEST on port 67).
+    if proxy && sighting {
+        if let Some(ip) = requested_address(&req) {
+            let _ = edge
+                .core
+                .ask(Ask::Sighting {
+                    mac: mac.clone(),
+                    ip,
+                })
+                .await;
+        }
+    }
     let lease = if proxy {
         None
     } else {
@@ -231,6 +314,18 @@ async fn answer(
             _ => None,
         }
     };
+    // In full DHCP mode the sighting is the MAC's lease, once the REQUEST made it durable.
+    if !proxy && sighting && !discover {
+        if let Some(ip) = lease {
+            let _ = edge
+                .core
+                .ask(Ask::Sighting {
+                    mac: mac.clone(),
+                    ip,
+                })
+                .await;
+        }
+    }
     let files = files(&edge.boot_root);
     let ctx = ReplyCtx {
         server_ip: b.server_ip?,
@@ -275,7 +370,7 @@ async fn dhcp_loop(edge: Arc<Edge>, sock: UdpSocket, port_4011: bool, http_base:
     let limit = Arc::new(tokio::sync::Semaphore::new(DHCP_IN_FLIGHT));
     let mut buf = vec![0u8; 1500];
     loop {
-        let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
+        let Ok((n, how)) = recv_with_destination(&sock, &mut buf).await else {
             return;
         };
         crate::metrics::get()
@@ -288,22 +383,53 @@ async fn dhcp_loop(edge: Arc<Edge>, sock: UdpSocket, port_4011: bool, http_base:
         let (edge, sock, http_base) = (edge.clone(), sock.clone(), http_base.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            answer_one(&edge, &sock, &packet, peer, port_4011, &http_base).await;
+            answer_one(&edge, &sock, &packet, how, port_4011, &http_base).await;
         });
     }
+}
+
+/// One datagram, with its source and the destination address of its IP header.
+async fn recv_with_destination(
+    sock: &UdpSocket,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Arrival)> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, SockaddrIn};
+    use std::os::fd::AsRawFd;
+    let fd = sock.as_raw_fd();
+    sock.async_io(tokio::io::Interest::READABLE, || {
+        let mut cmsg = nix::cmsg_space!(libc::in_pktinfo);
+        let mut iov = [std::io::IoSliceMut::new(buf)];
+        let msg = recvmsg::<SockaddrIn>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_DONTWAIT)
+            .map_err(std::io::Error::from)?;
+        let src = msg
+            .address
+            .map(|a| SocketAddr::V4(SocketAddrV4::new(a.ip(), a.port())))
+            .ok_or_else(|| std::io::Error::other("a datagram with no source"))?;
+        let mut dst = None;
+        if let Ok(cmsgs) = msg.cmsgs() {
+            for c in cmsgs {
+                if let ControlMessageOwned::Ipv4PacketInfo(pi) = c {
+                    dst = Some(Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr)));
+                }
+            }
+        }
+        Ok((msg.bytes, Arrival { src, dst }))
+    })
+    .await
 }
 
 async fn answer_one(
     edge: &Edge,
     sock: &UdpSocket,
     packet: &[u8],
-    peer: SocketAddr,
+    how: Arrival,
     port_4011: bool,
     http_base: &str,
 ) {
     let m = crate::metrics::get();
+    let peer = how.src;
     {
-        let Some((out, req)) = answer(edge, packet, port_4011, http_base).await else {
+        let Some((out, req)) = answer(edge, packet, port_4011, http_base, how).await else {
             return;
         };
         m.dhcp_answers
