@@ -163,7 +163,10 @@ impl HeldBy {
         };
         sighted
             && mac_is_its_own
-            && matches!(self.identifiers_by.as_str(), "discovery" | "tpm" | "approval")
+            && matches!(
+                self.identifiers_by.as_str(),
+                "discovery" | "tpm" | "approval"
+            )
             && self.pool_allows_discovery
             && !self.connected
             && self.may_boot_ramdisk()
@@ -646,7 +649,11 @@ fn joined(
         tx,
         now,
         tenant,
-        if reclaim { "node.reclaimed" } else { "node.joined" },
+        if reclaim {
+            "node.reclaimed"
+        } else {
+            "node.joined"
+        },
         &format!("discovery:{}", by.label()),
         node,
         data,

@@ -473,12 +473,10 @@ impl Gateway {
         }
         // A join, and the first round of a `tpm` join, count against the source's join rate.
         if (req.join.is_some() || req.tpm_challenge.is_some())
-            && !self
-                .sources
-                .join_allowed(
-                    crate::limits::source_of(source),
-                    self.cfg.joins_per_source_per_minute,
-                )
+            && !self.sources.join_allowed(
+                crate::limits::source_of(source),
+                self.cfg.joins_per_source_per_minute,
+            )
         {
             tracing::info!(%peer, "gateway: the source's join rate is exceeded");
             return (Reply::from_outcome(Outcome::Busy), Next::Close);

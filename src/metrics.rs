@@ -26,6 +26,8 @@ pub struct Metrics {
     pub boot_http_requests: AtomicU64,
     /// Restarts of the network child ([`crate::privsep`]).
     pub privsep_restarts: AtomicU64,
+    /// DHCP sightings the core recorded (a MAC seen at an address: `boot::gate`).
+    pub boot_sightings: AtomicU64,
     /// Jobs handed to the JoinService writer and not yet taken by it.
     pub queue_depth: AtomicI64,
     pub commits: AtomicU64,
@@ -211,6 +213,12 @@ impl Metrics {
             "Boot scripts and files served over HTTP.",
             "counter",
             &[(String::new(), e(|c| c.boot_http_requests))],
+        );
+        counter(
+            "boot_sightings_total",
+            "DHCP sightings recorded: a MAC seen at an address by a broadcast or a listed relay.",
+            "counter",
+            &[(String::new(), l(&self.boot_sightings))],
         );
         counter(
             "privsep_child_restarts_total",

@@ -60,7 +60,14 @@ mod tests {
 
     #[test]
     fn controls_are_found_and_escaped() {
-        for bad in ["a\u{1b}[2J", "x\u{7}", "\u{9b}31m", "r\u{202e}gnp.exe", "t\u{2066}", "\0"] {
+        for bad in [
+            "a\u{1b}[2J",
+            "x\u{7}",
+            "\u{9b}31m",
+            "r\u{202e}gnp.exe",
+            "t\u{2066}",
+            "\0",
+        ] {
             assert!(has_control(bad), "{bad:?}");
             assert!(!has_control(&escape(bad)), "{bad:?}");
         }

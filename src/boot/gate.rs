@@ -109,8 +109,7 @@ impl Gate {
                 }
             }
         }
-        self.sightings
-            .insert(mac.to_string(), (canonical(ip), now));
+        self.sightings.insert(mac.to_string(), (canonical(ip), now));
     }
 
     /// Whether the network saw `mac` at `ip` within the sighting window.
@@ -315,7 +314,14 @@ mod tests {
         let a = |n: u8| Zeroizing::new(vec![n]);
         // The flooder keeps at most two waiting; its oldest gives way.
         for i in 0..5u8 {
-            g.keep(format!("f{i}"), a(i), &format!("f-mac-{i}"), ip("10.9.9.9"), 100, &l);
+            g.keep(
+                format!("f{i}"),
+                a(i),
+                &format!("f-mac-{i}"),
+                ip("10.9.9.9"),
+                100,
+                &l,
+            );
         }
         assert_eq!(g.waiting(), 2);
         assert!(g.take("f4", ip("10.9.9.9"), 100).is_some());
@@ -327,7 +333,10 @@ mod tests {
         assert_eq!(g.waiting(), 4);
         g.keep("r3".into(), a(13), "r-mac-3", ip("10.0.0.3"), 103, &l);
         assert_eq!(g.waiting(), 4);
-        assert!(g.take("f3", ip("10.9.9.9"), 103).is_none(), "the busiest's oldest stays");
+        assert!(
+            g.take("f3", ip("10.9.9.9"), 103).is_none(),
+            "the busiest's oldest stays"
+        );
         for (n, who) in [("r1", "10.0.0.1"), ("r2", "10.0.0.2"), ("r3", "10.0.0.3")] {
             assert!(g.take(n, ip(who), 103).is_some(), "{n} was evicted");
         }
@@ -337,14 +346,38 @@ mod tests {
     fn an_archive_is_taken_once_by_its_own_address_and_a_new_boot_replaces_it() {
         let mut g = Gate::default();
         let l = limits();
-        g.keep("n1".into(), Zeroizing::new(vec![1]), "m", ip("10.0.0.1"), 0, &l);
+        g.keep(
+            "n1".into(),
+            Zeroizing::new(vec![1]),
+            "m",
+            ip("10.0.0.1"),
+            0,
+            &l,
+        );
         assert!(g.take("n1", ip("10.0.0.2"), 1).is_none());
         assert_eq!(g.waiting(), 1, "a wrong address leaves it waiting");
-        g.keep("n2".into(), Zeroizing::new(vec![2]), "m", ip("10.0.0.1"), 2, &l);
-        assert!(g.take("n1", ip("10.0.0.1"), 3).is_none(), "replaced by the MAC's new boot");
+        g.keep(
+            "n2".into(),
+            Zeroizing::new(vec![2]),
+            "m",
+            ip("10.0.0.1"),
+            2,
+            &l,
+        );
+        assert!(
+            g.take("n1", ip("10.0.0.1"), 3).is_none(),
+            "replaced by the MAC's new boot"
+        );
         assert_eq!(g.take("n2", ip("10.0.0.1"), 3).unwrap().as_slice(), &[2]);
         assert!(g.take("n2", ip("10.0.0.1"), 3).is_none());
-        g.keep("n3".into(), Zeroizing::new(vec![3]), "m", ip("10.0.0.1"), 10, &l);
+        g.keep(
+            "n3".into(),
+            Zeroizing::new(vec![3]),
+            "m",
+            ip("10.0.0.1"),
+            10,
+            &l,
+        );
         assert!(g.take("n3", ip("10.0.0.1"), 10 + ARCHIVE_TTL + 1).is_none());
     }
 }

@@ -224,6 +224,9 @@ pub fn sighted(app: &App, mac: &str, ip: Ipv4Addr, now: i64) {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .sight(mac, std::net::IpAddr::V4(ip), now, &limits);
+    crate::metrics::get()
+        .boot_sightings
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// How a DHCP packet reached the boot server: its source and the destination in its IP header

@@ -85,7 +85,7 @@ fn curl_fetches_over_tftp_with_blksize_and_the_path_guard_holds() {
         .args(["-sS", &format!("tftp://127.0.0.1:{tftp}/chain.ipxe")])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&o.stdout).contains("boot.ipxe?mac=${net0/mac}"));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("boot.ipxe?mac=${netX/mac}"));
     for bad in ["../config.toml", "%2e%2e/config.toml", "missing.bin"] {
         let o = Command::new("curl")
             .args([

@@ -616,3 +616,85 @@ pub fn output_ok(cmd: &mut Command) -> Output {
     );
     o
 }
+
+/// Turns on the boot server's DHCP (proxy mode) on a loopback port, with 127.0.0.1 a listed
+/// relay, so that a test can make DHCP sightings on loopback (`sight`); restarts the appliance.
+pub fn enable_sightings(a: &mut Appliance) {
+    sightings_config(a);
+    a.restart();
+}
+
+/// `enable_sightings`'s configuration, for the next start.
+pub fn sightings_config(a: &Appliance) {
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());
+    let boot = format!(
+        "[boot]\nenabled = true\nmode = \"proxy\"\nserver_ip = \"127.0.0.1\"\nlisten_dhcp = \"127.0.0.1:{dhcp}\"\n\
+         listen_proxy = \"127.0.0.1:{proxy}\"\nlisten_tftp = \"127.0.0.1:{tftp}\"\nrelays = [\"127.0.0.1\"]\n"
+    );
+    std::fs::write(&cfg, replace_table(&text, "boot", &boot)).unwrap();
+}
+
+/// The appliance's DHCP port (from its config).
+pub fn dhcp_port(a: &Appliance) -> u16 {
+    let text = std::fs::read_to_string(a.state().join("config.toml")).unwrap();
+    let v: toml::Value = toml::from_str(&text).unwrap();
+    v["boot"]["listen_dhcp"]
+        .as_str()
+        .unwrap()
+        .rsplit_once(':')
+        .unwrap()
+        .1
+        .parse()
+        .unwrap()
+}
+
+/// A DHCP REQUEST from `mac` for `ip`, as relayed by `giaddr` (unspecified: none).
+pub fn dhcp_request(mac: &str, ip: std::net::Ipv4Addr, giaddr: std::net::Ipv4Addr) -> Vec<u8> {
+    use dhcproto::v4::{DhcpOption, Message, MessageType, Opcode};
+    use dhcproto::{Encodable, Encoder};
+    let chaddr: Vec<u8> = mac
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16).unwrap())
+        .collect();
+    let mut m = Message::default();
+    m.set_opcode(Opcode::BootRequest)
+        .set_xid(0x5167)
+        .set_chaddr(&chaddr)
+        .set_giaddr(giaddr);
+    m.opts_mut()
+        .insert(DhcpOption::MessageType(MessageType::Request));
+    m.opts_mut().insert(DhcpOption::RequestedIpAddress(ip));
+    m.opts_mut().insert(DhcpOption::ClassIdentifier(
+        b"PXEClient:Arch:00000:UNDI:002001".to_vec(),
+    ));
+    let mut buf = Vec::new();
+    m.encode(&mut Encoder::new(&mut buf)).unwrap();
+    buf
+}
+
+/// The appliance's count of recorded sightings (from `/metrics`).
+pub fn sightings(a: &Appliance) -> u64 {
+    let (_, body) = curl(a, "/metrics", "GET");
+    body.lines()
+        .find_map(|l| l.strip_prefix("bca_boot_sightings_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0) as u64
+}
+
+/// What the network would see when `mac` boots at 127.0.0.1: a DHCP REQUEST for 127.0.0.1,
+/// relayed by 127.0.0.1 (a listed relay: `enable_sightings`). Waits until it is recorded.
+pub fn sight(a: &Appliance, mac: &str) {
+    sight_at(a, mac, std::net::Ipv4Addr::LOCALHOST);
+}
+
+/// [`sight`], for a machine at `ip` (a listed relay, 127.0.0.1, relays what it saw).
+pub fn sight_at(a: &Appliance, mac: &str, ip: std::net::Ipv4Addr) {
+    let before = sightings(a);
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let relay = std::net::Ipv4Addr::LOCALHOST;
+    s.send_to(&dhcp_request(mac, ip, relay), ("127.0.0.1", dhcp_port(a)))
+        .unwrap();
+    wait_for("the sighting", 10, || (sightings(a) > before).then_some(()));
+}

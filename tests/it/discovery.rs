@@ -7,20 +7,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-/// An appliance whose config names its gateway (the ramdisk needs it) and retries quickly.
+/// An appliance whose config names its gateway (the ramdisk needs it) and retries quickly, with
+/// the boot server's DHCP on loopback so that tests can make sightings (`sight`).
 pub(crate) fn appliance(approval: &str) -> Appliance {
     let mut a = Appliance::start_cfg("file", &[], |c| c);
     let cfg = a.state().join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     let text = format!("gateway_url = \"https://{}\"\n{text}", a.gateway)
         .replace(
-            "approval = \"unknown-machines\"",
+            "approval = \"always\"",
             &format!("approval = \"{approval}\""),
         )
         .replace("retry_after_seconds = 30", "retry_after_seconds = 1");
     assert!(text.contains(&format!("approval = \"{approval}\"")));
     std::fs::write(&cfg, text).unwrap();
-    a.restart();
+    enable_sightings(&mut a);
     a
 }
 
@@ -41,8 +42,10 @@ fn get(a: &Appliance, path: &str) -> (u16, Vec<u8>) {
     (code, body)
 }
 
-/// Fetches the per-machine script and its archive, unpacked by cpio into a new folder.
+/// The network sees the machine's DHCP, then it fetches the per-machine script and its archive,
+/// unpacked by cpio into a new folder.
 pub(crate) fn boot(a: &Appliance, mac: &str) -> (String, PathBuf) {
+    sight(a, mac);
     let (code, script) = get(a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
     assert_eq!(code, 200);
     let script = String::from_utf8(script).unwrap();
@@ -124,7 +127,8 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
     let pool = a.pool("intake");
     let (code, chain) = get(&a, "/api/compute/boot/chain.ipxe");
     assert_eq!(code, 200);
-    assert!(String::from_utf8_lossy(&chain).contains("/api/compute/boot/boot.ipxe?mac=${net0/mac}"));
+    // The MAC of the NIC that did DHCP (`netX`), not always the first one's.
+    assert!(String::from_utf8_lossy(&chain).contains("/api/compute/boot/boot.ipxe?mac=${netX/mac}"));
 
     let mac = "52:54:00:12:34:56";
     let (script, dir) = boot(&a, mac);
@@ -351,17 +355,44 @@ fn a_rejected_machine_is_refused_and_another_waiting_one_is_unaffected() {
     );
 }
 
+/// Under `unknown-machines`, a machine an operator approved once (a `ramdisk` node) that boots
+/// again, seen by the network with its own boot MAC, is admitted at once: a reclaim of its node
+/// (a new identity generation, its older certificates revoked), with no new request.
 #[test]
 fn a_known_machine_is_admitted_at_once_under_unknown_machines() {
     let a = appliance("unknown-machines");
     let pool = a.pool("rack-a");
-    let (_, token) = a.token(&pool, json!({}));
     let m = machine();
     let mac = m["macs"][0].as_str().unwrap().to_string();
-    let sim = Sim::new(&a);
-    let joined = sim.admitted(&token, &m);
-    let (_, dir) = boot(&a, &mac);
     let claims = write_claims(&a, &m);
+    // First boot: an unknown machine waits, and is approved.
+    let (_, dir) = boot(&a, &mac);
+    let agent = discovery_join(&dir, &claims, 60);
+    let req = wait_for("a pending request", 20, || pending(&a, &mac));
+    a.cli_json(&[
+        "join-requests",
+        "approve",
+        req["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+    ]);
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node_id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let first_serial: String = a
+        .db()
+        .query_row(
+            "SELECT serial FROM node_certs WHERE node_id = ?1",
+            [&node_id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    // It reboots into the ramdisk: admitted at once as the same node, a reclaim.
+    let (_, dir) = boot(&a, &mac);
     let out = discovery_join(&dir, &claims, 10)
         .wait_with_output()
         .unwrap();
@@ -370,8 +401,27 @@ fn a_known_machine_is_admitted_at_once_under_unknown_machines() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), joined.node_id);
-    assert_eq!(a.count("SELECT count(*) FROM join_requests"), 0);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), node_id);
+    assert_eq!(a.count("SELECT count(*) FROM join_requests"), 1);
+    let node = a.cli_json(&["nodes", "get", &node_id]);
+    assert_eq!(node["identityGeneration"], 2);
+    assert_eq!(node["role"], "ramdisk");
+    let revoked: Option<String> = a
+        .db()
+        .query_row(
+            "SELECT revoke_reason FROM node_certs WHERE serial = ?1",
+            [&first_serial],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(revoked.as_deref(), Some("reclaimed"));
+    let (_, ev) = a.last_event("node.joined").unwrap();
+    assert_eq!(
+        (ev["reclaim"].as_bool(), ev["knownMachine"].as_bool()),
+        (Some(true), Some(true))
+    );
+    let audit = a.cli_json(&["audit", "list", "--action", "node.reclaimed"]);
+    assert_eq!(audit["items"].as_array().unwrap().len(), 1, "{audit}");
     // A claimed MAC that is not the token's: refused.
     let (_, dir2) = boot(&a, "52:54:00:99:99:99");
     let out = discovery_join(&dir2, &claims, 5)
@@ -535,6 +585,7 @@ fn boot_files_stream_from_disk_and_the_combined_initrd_is_padded() {
     let (code, _) = get(&a, "/api/compute/boot/files/missing");
     assert_eq!(code, 404);
 
+    sight(&a, "52:54:00:00:00:aa");
     let (code, script) = get(&a, "/api/compute/boot/boot.ipxe?mac=52:54:00:00:00:aa");
     assert_eq!(code, 200);
     let script = String::from_utf8(script).unwrap();
@@ -561,4 +612,357 @@ fn boot_files_stream_from_disk_and_the_combined_initrd_is_padded() {
     assert!(combined[200_004..].starts_with(b"070701"));
     // Served once.
     assert_eq!(get(&a, &path).0, 404);
+}
+
+/// `curl` from a given loopback source address: (status, body).
+fn get_from(a: &Appliance, source: &str, path: &str) -> (u16, Vec<u8>) {
+    let o = Command::new("curl")
+        .args([
+            "-s",
+            "--interface",
+            source,
+            "-w",
+            "\n%{http_code}",
+            &format!("http://{}{path}", a.http),
+        ])
+        .output()
+        .unwrap();
+    let mut body = o.stdout;
+    let nl = body.iter().rposition(|c| *c == b'\n').unwrap();
+    let code = String::from_utf8_lossy(&body[nl + 1..]).parse().unwrap();
+    body.truncate(nl);
+    (code, body)
+}
+
+/// The per-boot archive path (`.cpio`) a boot script names.
+fn archive_path(script: &str) -> String {
+    let url = script
+        .lines()
+        .find_map(|l| l.strip_prefix("initrd --name initrd.img "))
+        .unwrap_or_else(|| panic!("{script}"));
+    format!("/api/{}", url.split_once("/api/").unwrap().1).replace("/initrd.img", ".cpio")
+}
+
+/// Events in a tenant's stream that name a node.
+fn events_naming(a: &Appliance, tenant: &str, node: &str) -> i64 {
+    a.db()
+        .query_row(
+            "SELECT count(*) FROM events WHERE tenant_id = ?1 AND instr(data, ?2) > 0",
+            [tenant, node],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+/// A machine approved once, then approved: its node (a `ramdisk` node whose identifiers an
+/// operator's approval recorded).
+fn discovered_node(a: &Appliance, pool: &str, mac: &str, claims: &Path) -> String {
+    let (_, dir) = boot(a, mac);
+    let agent = discovery_join(&dir, claims, 60);
+    let req = wait_for("a pending request", 20, || pending(a, mac));
+    a.cli_json(&[
+        "join-requests",
+        "approve",
+        req["id"].as_str().unwrap(),
+        "--pool",
+        pool,
+    ]);
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Reproduction 1 (security review): with HTTP access only, nothing is minted for a MAC the
+/// network did not see, and nothing is written; and a machine that names a victim's identifiers
+/// with a MAC of its own (even one the network saw) is never admitted as the victim's node.
+#[test]
+fn an_http_only_attacker_mints_nothing_and_claims_never_make_a_known_node() {
+    let a = appliance("unknown-machines");
+    let pool = a.pool("rack-a");
+    let victim = machine();
+    let victim_mac = victim["macs"][0].as_str().unwrap().to_string();
+    let node = discovered_node(&a, &pool, &victim_mac, &write_claims(&a, &victim));
+
+    // No sighting: 403 with the reason, and nothing written (no lease, no token, no archive).
+    let before = a.snapshot();
+    let (code, body) = get(&a, "/api/compute/boot/boot.ipxe?mac=52:54:00:66:66:66");
+    assert_eq!(code, 403);
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("did not see 52:54:00:66:66:66"), "{body}");
+    // The victim's own MAC, asked from an address the network did not see it at.
+    let (code, _) = get_from(
+        &a,
+        "127.0.0.9",
+        &format!("/api/compute/boot/boot.ipxe?mac={victim_mac}"),
+    );
+    assert_eq!(code, 403);
+    assert_eq!(
+        a.snapshot(),
+        before,
+        "a refused boot script wrote something"
+    );
+
+    // An attacker on the L2 segment gets a sighting for a MAC of its own, and claims the
+    // victim's UUID and serials with it: a join request, never the victim's node.
+    let mut forged = victim.clone();
+    forged["macs"] = json!(["52:54:00:66:66:66"]);
+    let (_, dir) = boot(&a, "52:54:00:66:66:66");
+    let out = discovery_join(&dir, &write_claims(&a, &forged), 3)
+        .wait_with_output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "admitted: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let n = a.cli_json(&["nodes", "get", &node]);
+    assert_eq!(n["identityGeneration"], 1);
+    assert_eq!(a.count("SELECT count(*) FROM node_certs"), 1);
+    let boot_mac: String = a
+        .db()
+        .query_row("SELECT boot_mac FROM nodes WHERE id = ?1", [&node], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(boot_mac, victim_mac);
+    // The request shows the node its claims conflict with.
+    let req = pending(&a, "52:54:00:66:66:66").unwrap();
+    assert_eq!(req["conflictingNode"]["nodeId"], json!(node), "{req}");
+    let table = a.cli(&["join-requests", "list"]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains(&node));
+}
+
+/// Reproduction 2: a tenant that token-joins a fake machine with a new machine's identifiers
+/// does not get that machine when it PXE-boots (it waits for an operator), and an approval into
+/// another tenant's pool never certifies it as the squatter's node; no event about one tenant's
+/// node reaches the other's stream.
+#[test]
+fn a_token_joined_squatter_never_takes_a_discovered_machine() {
+    let a = appliance("unknown-machines");
+    let tb = a.api_ok("tenants/create", json!({"name": "tenant-b"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let pool_b = a.api_ok("pools/create", json!({"tenantId": tb, "name": "b"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (_, token_b) = a.token(&pool_b, json!({"tenantId": tb}));
+    let real = machine();
+    let mac = real["macs"][0].as_str().unwrap().to_string();
+    let squat = Sim::new(&a).admitted(&token_b, &real);
+    let squat_certs = a.count("SELECT count(*) FROM node_certs");
+    let root = a.root_tenant();
+    // The real machine boots: it waits, its request naming the squatting node.
+    let pool_a = a.pool("rack-a");
+    let (_, dir) = boot(&a, &mac);
+    let agent = discovery_join(&dir, &write_claims(&a, &real), 8);
+    let req = wait_for("a pending request", 20, || pending(&a, &mac));
+    assert_eq!(
+        req["conflictingNode"]["nodeId"],
+        json!(squat.node_id),
+        "{req}"
+    );
+    assert_eq!(req["conflictingNode"]["tenantId"], json!(tb));
+    // Approved into the root tenant's pool: its retry is refused, nothing is issued.
+    let approved = a.cli_json(&[
+        "join-requests",
+        "approve",
+        req["id"].as_str().unwrap(),
+        "--pool",
+        &pool_a,
+    ]);
+    assert_eq!(approved["conflictingNode"]["nodeId"], json!(squat.node_id));
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        !out.status.success(),
+        "admitted: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "join:reclaim"
+    );
+    assert_eq!(a.count("SELECT count(*) FROM node_certs"), squat_certs);
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 1);
+    assert_eq!(
+        events_naming(&a, &root, &squat.node_id),
+        0,
+        "tenant B's node in the root tenant's stream"
+    );
+    let n = a.cli_json(&["nodes", "get", &squat.node_id, "--tenant", &tb]);
+    assert_eq!(n["identityGeneration"], 1);
+}
+
+/// Item 8: an open request is refreshed only from its own MAC, its token is not taken for
+/// another machine, and a new boot of the MAC does not void the token an approval waits for.
+#[test]
+fn requests_cannot_be_hijacked() {
+    let a = appliance("always");
+    let pool = a.pool("intake");
+    let m = machine();
+    let mac = m["macs"][0].as_str().unwrap().to_string();
+    let claims = write_claims(&a, &m);
+    let (_, dir) = boot(&a, &mac);
+    let agent = discovery_join(&dir, &claims, 60);
+    let req = wait_for("a pending request", 20, || pending(&a, &mac));
+    // Another machine, the network saw it with its own MAC, claims the same identifiers.
+    let mut thief = m.clone();
+    thief["macs"] = json!(["52:54:00:77:77:77"]);
+    let (_, tdir) = boot(&a, "52:54:00:77:77:77");
+    let out = discovery_join(&tdir, &write_claims(&a, &thief), 3)
+        .wait_with_output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "discovery:mac-conflict"
+    );
+    let same = pending(&a, &mac).unwrap();
+    assert_eq!(
+        (same["csrSha256"].clone(), same["mac"].clone()),
+        (req["csrSha256"].clone(), req["mac"].clone())
+    );
+    // The machine's token, taken for another machine (whose claims carry the token's MAC).
+    let token = std::fs::read_to_string(dir.join("etc/bca-agent/discovery-token")).unwrap();
+    let other = json!({"productUuid": "11111111-2222-3333-4444-555555555555", "serials": {"product": "SN-OTHER"}, "macs": [mac]});
+    let odir = a.dir.path().join(format!("other-{}", rand_hex(4)));
+    std::fs::create_dir_all(odir.join("etc/bca-agent")).unwrap();
+    for f in ["config.toml", "join-encryption.jwk"] {
+        std::fs::copy(
+            dir.join("etc/bca-agent").join(f),
+            odir.join("etc/bca-agent").join(f),
+        )
+        .unwrap();
+    }
+    let tf = odir.join("etc/bca-agent/discovery-token");
+    std::fs::write(&tf, &token).unwrap();
+    std::fs::set_permissions(&tf, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let out = discovery_join(&odir, &write_claims(&a, &other), 3)
+        .wait_with_output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "discovery:token-reused"
+    );
+    // Approved; then anyone boots the MAC again: the approved request's token stays good, and
+    // the machine's retry is admitted.
+    a.cli_json(&[
+        "join-requests",
+        "approve",
+        req["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+    ]);
+    sight(&a, &mac);
+    assert_eq!(
+        get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}")).0,
+        200
+    );
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Reproduction 3: one source flooding `boot.ipxe` keeps at most its own share of waiting
+/// archives and meets its rate; a machine that is really booting, elsewhere, is served. An
+/// archive goes only to the address it was made for.
+#[test]
+fn a_flooding_source_cannot_stop_a_real_machines_boot() {
+    let a = appliance("always");
+    let mut scripts = Vec::new();
+    for i in 0..20u8 {
+        let mac = format!("52:54:00:f1:00:{i:02x}");
+        sight(&a, &mac);
+        let (code, s) = get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
+        assert_eq!(code, 200);
+        scripts.push(String::from_utf8(s).unwrap());
+    }
+    // The flooder's oldest archives gave way to its newest (16 per source by default).
+    assert_eq!(get(&a, &archive_path(&scripts[0])).0, 404);
+    // A real machine at another address is served, its archive to it alone.
+    let real = "52:54:00:0e:a1:01";
+    sight_at(&a, real, "127.0.0.2".parse().unwrap());
+    let (code, s) = get_from(
+        &a,
+        "127.0.0.2",
+        &format!("/api/compute/boot/boot.ipxe?mac={real}"),
+    );
+    assert_eq!(code, 200);
+    let path = archive_path(&String::from_utf8(s).unwrap());
+    assert_eq!(get(&a, &path).0, 404, "served to another address");
+    assert_eq!(get_from(&a, "127.0.0.2", &path).0, 200);
+    // The flooder meets its per-MAC rate, then its per-source rate: 429, nothing minted.
+    let mac = "52:54:00:f1:00:00";
+    let codes: Vec<u16> = (0..12)
+        .map(|_| get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}")).0)
+        .collect();
+    assert!(codes.contains(&429), "{codes:?}");
+    let tokens = a.count("SELECT count(*) FROM discovery_tokens");
+    assert_eq!(
+        get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}")).0,
+        429
+    );
+    assert_eq!(a.count("SELECT count(*) FROM discovery_tokens"), tokens);
+}
+
+/// Reproduction 4: control characters from a machine never reach a terminal raw: refused at
+/// intake (a join's claims, an API body), and escaped when a stored value is printed.
+#[test]
+fn control_characters_never_reach_the_operators_terminal() {
+    let a = appliance("always");
+    let sim = Sim::new(&a);
+    let pool = a.pool("rack-a");
+    let (_, token) = a.token(&pool, json!({"maxUses": 3}));
+    let mut m = machine();
+    m["hostname"] = json!("m\u{1b}]0;owned\u{7}\u{1b}[2K");
+    let (raw, _, _) = sim.join(&token, &m);
+    assert_eq!(raw, refused_bytes());
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "join:claims"
+    );
+    m["hostname"] = json!("bidi\u{202e}cod.exe");
+    let (raw, _, _) = sim.join(&token, &m);
+    assert_eq!(raw, refused_bytes());
+    let before = a.snapshot();
+    let e = a
+        .api(
+            "pools/create",
+            json!({"tenantId": a.root_tenant(), "name": "x\u{1b}[31m"}),
+        )
+        .unwrap_err();
+    assert_eq!(e.code, bca::error::Code::InvalidInput);
+    assert!(
+        e.message.contains(".name: control characters"),
+        "{}",
+        e.message
+    );
+    assert_eq!(a.snapshot(), before);
+    // A value stored before the rule (written here by hand) is printed escaped.
+    let (_, dir) = boot(&a, "52:54:00:e5:c0:01");
+    let j = discovery_join(&dir, &vm_claims(&a, "52:54:00:e5:c0:01"), 3);
+    wait_for("a pending request", 20, || pending(&a, "52:54:00:e5:c0:01"));
+    a.db()
+        .execute(
+            "UPDATE join_requests SET claims_json = json_set(claims_json, '$.productUuid', ?1)",
+            ["\u{1b}]0;title\u{7}\u{1b}[1A\u{1b}[2Kforged"],
+        )
+        .unwrap();
+    let o = a.cli(&["join-requests", "list"]);
+    assert!(o.status.success());
+    assert!(
+        !o.stdout.contains(&0x1b) && !o.stdout.contains(&0x07),
+        "raw control bytes printed"
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("\\u{1b}]0;title"));
+    let _ = j.wait_with_output();
 }

@@ -38,6 +38,7 @@ fn no_secret_is_left_anywhere_and_every_mode_is_tight() {
     let cfg = a.state().join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(&cfg, format!("gateway_url = \"https://{gw}\"\n{text}")).unwrap();
+    sightings_config(&a);
     a.serve_logging(
         PASSPHRASE,
         &http,
@@ -91,7 +92,8 @@ fn no_secret_is_left_anywhere_and_every_mode_is_tight() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     outputs.extend(o.stdout);
     outputs.extend(o.stderr);
-    // A discovery token, minted into a per-boot archive.
+    // A discovery token, minted into a per-boot archive for a machine the network saw.
+    sight(&a, "52:54:00:00:00:77");
     let o = Command::new("curl")
         .args([
             "-s",
@@ -199,8 +201,9 @@ fn no_secret_is_left_anywhere_and_every_mode_is_tight() {
         }
     }
 
-    // Modes: the state directory 0700; keys/ 0700 and its files 0600; pki/ public; everything
-    // else 0600; the agent's files as documented.
+    // Modes: the state directory 0700; keys/ 0700 and its files 0600; pki/ and the boot root
+    // (what the boot server serves anyone: chain.ipxe) public; everything else 0600; the
+    // agent's files as documented.
     let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&a.state()), 0o700);
     assert_eq!(mode(&a.state().join("keys")), 0o700);
@@ -210,7 +213,7 @@ fn no_secret_is_left_anywhere_and_every_mode_is_tight() {
             .unwrap()
             .to_string_lossy()
             .to_string();
-        let want = if rel.starts_with("pki/") {
+        let want = if rel.starts_with("pki/") || rel.starts_with("boot/") {
             0o644
         } else {
             0o600
