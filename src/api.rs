@@ -45,9 +45,13 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
         .as_ref()
         .and_then(crate::text::first_control)
     {
-        let at = if path.is_empty() { "." } else { path.as_str() };
+        let field = if path.is_empty() {
+            "the body"
+        } else {
+            path.trim_start_matches('.')
+        };
         return Err(ApiError::invalid_input(format!(
-            "invalid request body: {at}: control characters are not allowed"
+            "invalid request body: {field} must be free of control characters (they could rewrite an operator's terminal)"
         )));
     }
     let de = &mut serde_json::Deserializer::from_slice(body);

@@ -942,7 +942,8 @@ fn control_characters_never_reach_the_operators_terminal() {
         .unwrap_err();
     assert_eq!(e.code, bca::error::Code::InvalidInput);
     assert!(
-        e.message.contains(".name: control characters"),
+        e.message
+            .contains("name must be free of control characters"),
         "{}",
         e.message
     );
