@@ -1244,13 +1244,8 @@ async fn broker(
                         // A session call names a node: only one whose session this child
                         // opened (and still holds). Anything else could mark any tenant's node
                         // disconnected or rewrite its last-seen time.
-                        if let Call::SessionSeen { node_id } | Call::SessionClosed { node_id } = &call {
-                            let holds = held
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .as_ref()
-                                .is_some_and(|h| h.contains_key(node_id));
-                            if !holds {
+                        {
+                            if !session_call_allowed(&held, &call) {
                                 if refusals.note() {
                                     tracing::warn!("privsep: the network child named a session it does not hold; refused");
                                 }
@@ -1422,6 +1417,19 @@ fn outcome(o: &Outcome) -> Vec<u8> {
     serde_json::to_vec(o).expect("serializes")
 }
 
+/// Whether the child may make `call`: a session call (`sessionSeen`, `sessionClosed`) names a
+/// node, and only a node whose session this child opened and still holds.
+fn session_call_allowed(held: &Held, call: &Call) -> bool {
+    match call {
+        Call::SessionSeen { node_id } | Call::SessionClosed { node_id } => held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|h| h.contains_key(node_id)),
+        _ => true,
+    }
+}
+
 /// Keeps the parent's registry of sessions (for `/metrics`, `/healthz` and revocation) in step
 /// with the child's: `closed` is `None` for an open, the node for a close.
 fn track(app: &App, join: &JoinHandle, held: &Held, closed: Option<String>, reply: &Outcome) {
@@ -1471,6 +1479,22 @@ fn sign(cert: &GatewayCert, p: &[u8]) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_child_names_only_sessions_it_holds() {
+        let held: Held = Arc::new(Mutex::new(Some(HashMap::new())));
+        let seen = |n: &str| Call::SessionSeen { node_id: n.into() };
+        let closed = |n: &str| Call::SessionClosed { node_id: n.into() };
+        assert!(!session_call_allowed(&held, &seen("node_a")));
+        assert!(!session_call_allowed(&held, &closed("node_a")));
+        held.lock().unwrap().as_mut().unwrap().insert("node_a".into(), 1);
+        assert!(session_call_allowed(&held, &seen("node_a")));
+        assert!(session_call_allowed(&held, &closed("node_a")));
+        assert!(!session_call_allowed(&held, &closed("node_b")), "another tenant's node");
+        // A child that died holds nothing.
+        *held.lock().unwrap() = None;
+        assert!(!session_call_allowed(&held, &seen("node_a")));
+    }
 
     #[test]
     fn frames_round_trip_and_bad_lengths_are_refused() {

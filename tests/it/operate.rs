@@ -328,6 +328,50 @@ fn retention_prunes_at_start_and_records_it() {
     );
 }
 
+/// Spent, voided and expired discovery tokens go after `discovery_tokens_days` (a boot flood
+/// mints many); a live one stays, however old.
+#[test]
+fn retention_prunes_spent_voided_and_expired_discovery_tokens() {
+    let mut a = Appliance::start();
+    let now = bca::clock::now();
+    let old = now - 3 * 86_400;
+    let db = a.db();
+    for (id, spent, voided, expires) in [
+        ("jt_spent", Some(old), None, now + 3600),
+        ("jt_voided", None, Some(old), now + 3600),
+        ("jt_expired", None, None, old),
+        ("jt_live", None, None, now + 3600),
+    ] {
+        db.execute(
+            "INSERT INTO discovery_tokens (id, site_id, mac, secret_sha256, created_at, expires_at, spent_at, voided_at)
+             VALUES (?1, 'site_x', '52:54:00:00:00:01', x'00', ?2, ?3, ?4, ?5)",
+            rusqlite::params![id, old, expires, spent, voided],
+        )
+        .unwrap();
+    }
+    drop(db);
+    a.restart();
+    let rows = wait_for("the retention row", 10, || {
+        let v = a.cli_json(&["audit", "list", "--action", "retention.pruned"]);
+        let items = v["items"].as_array().unwrap().clone();
+        let n: i64 = items
+            .iter()
+            .map(|r| r["data"]["discoveryTokens"].as_i64().unwrap_or(0))
+            .sum();
+        (n > 0).then_some(n)
+    });
+    assert_eq!(rows, 3);
+    let left: Vec<String> = a
+        .db()
+        .prepare("SELECT id FROM discovery_tokens")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(left, vec!["jt_live".to_string()]);
+}
+
 #[test]
 fn retention_on_hold_prunes_nothing() {
     let mut a = Appliance::start_cfg("file", &[], |c| {
