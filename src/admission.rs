@@ -45,6 +45,8 @@ pub enum Reason {
     DiscoveryMacConflict,
     /// The token stands for another machine's request.
     DiscoveryTokenReused,
+    /// The machine's open request was made from another address.
+    DiscoveryAddressConflict,
     /// The `tpm` evidence is not well-formed: public areas, the CSR, base64.
     TpmMalformed,
     /// The AK is not one bca accepts (fixedTPM, fixedParent, restricted, sign, P-256).
@@ -106,6 +108,7 @@ impl Reason {
             Reason::DiscoveryRejected => "discovery:rejected",
             Reason::DiscoveryMacConflict => "discovery:mac-conflict",
             Reason::DiscoveryTokenReused => "discovery:token-reused",
+            Reason::DiscoveryAddressConflict => "discovery:address-conflict",
             Reason::TpmMalformed => "tpm:malformed",
             Reason::TpmAk => "tpm:ak",
             Reason::TpmChallenge => "tpm:challenge",

@@ -13,8 +13,9 @@
 //! - an approval admits exactly one join, the retry with the approved CSR: a new node, or the
 //!   reclaim of the node holding the machine's key when the approval put it in that node's pool
 //!   ([`HeldBy::reclaimable_approved`]); a node elsewhere is never joined (`join:reclaim`);
-//! - an open request is refreshed only by a join from its own MAC (`discovery:mac-conflict`), and
-//!   the token of a request is not taken for another machine (`discovery:token-reused`).
+//! - an open request is refreshed only by a join from its own MAC (`discovery:mac-conflict`) and
+//!   its own address (`discovery:address-conflict`), and the token of a request is not taken for
+//!   another machine (`discovery:token-reused`).
 
 use crate::admission::Reason;
 use crate::api::{self, Bearer};
@@ -317,15 +318,21 @@ pub(crate) fn admit(
     let current = open_request(tx, &machine_key)?;
     // An open request is the machine that booted with its MAC: a join from another MAC (a
     // machine that claims the same identifiers) changes nothing.
+    // And from its address: the gateway saw the request's joins come from one address, and a
+    // machine that spoofs the MAC (a sighting is one UDP packet) from another changes nothing
+    // either, not even an approved request's CSR.
     if let Some((id, ..)) = &current {
-        let mac: Option<String> = crate::store::query_row(
+        let (mac, ip): (Option<String>, Option<String>) = crate::store::query_row(
             tx,
-            "SELECT mac FROM join_requests WHERE id = ?1",
+            "SELECT mac, ip FROM join_requests WHERE id = ?1",
             [id],
-            |x| x.get(0),
+            |x| Ok((x.get(0)?, x.get(1)?)),
         )?;
         if mac.as_deref().is_some_and(|m| m != t.mac) {
             return refused(Reason::DiscoveryMacConflict, None);
+        }
+        if ip.as_deref().is_some_and(|ip| ip != r.peer_ip) {
+            return refused(Reason::DiscoveryAddressConflict, None);
         }
     }
     let ttl = cfg.discovery.cert_ttl_seconds.min(7200) as i64;

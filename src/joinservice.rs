@@ -409,7 +409,9 @@ impl JoinHandle {
 
     async fn join(&self, request: JoinRequest, peer: &str) -> Outcome {
         let now = crate::clock::now();
-        let role = request.role.chars().take(32).collect::<String>();
+        // Recorded in refusal events: a peer's control characters are kept inert (`text`).
+        let role =
+            crate::text::escape(&request.role.chars().take(32).collect::<String>()).into_owned();
         let prepared = prepare(
             &self.inner.signer,
             &request,

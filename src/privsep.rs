@@ -1487,10 +1487,17 @@ mod tests {
         let closed = |n: &str| Call::SessionClosed { node_id: n.into() };
         assert!(!session_call_allowed(&held, &seen("node_a")));
         assert!(!session_call_allowed(&held, &closed("node_a")));
-        held.lock().unwrap().as_mut().unwrap().insert("node_a".into(), 1);
+        held.lock()
+            .unwrap()
+            .as_mut()
+            .unwrap()
+            .insert("node_a".into(), 1);
         assert!(session_call_allowed(&held, &seen("node_a")));
         assert!(session_call_allowed(&held, &closed("node_a")));
-        assert!(!session_call_allowed(&held, &closed("node_b")), "another tenant's node");
+        assert!(
+            !session_call_allowed(&held, &closed("node_b")),
+            "another tenant's node"
+        );
         // A child that died holds nothing.
         *held.lock().unwrap() = None;
         assert!(!session_call_allowed(&held, &seen("node_a")));

@@ -89,23 +89,24 @@ pub struct Gate {
     waiting: HashMap<String, Waiting>,
     windows: HashMap<String, (i64, u32)>,
     seq: u64,
+    swept: i64,
 }
 
 impl Gate {
     /// Records that the network saw `mac` at `ip` now.
     pub fn sight(&mut self, mac: &str, ip: IpAddr, now: i64, l: &Limits) {
         if self.sightings.len() >= MAX_SIGHTINGS && !self.sightings.contains_key(mac) {
-            self.sightings
-                .retain(|_, (_, at)| now - *at <= l.sighting_seconds);
+            // The expired ones go, at most once a second (a pass is the whole table).
+            if self.swept != now {
+                self.swept = now;
+                self.sightings
+                    .retain(|_, (_, at)| now - *at <= l.sighting_seconds);
+            }
             if self.sightings.len() >= MAX_SIGHTINGS {
-                // Still full of live sightings: the oldest gives way.
-                if let Some(oldest) = self
-                    .sightings
-                    .iter()
-                    .min_by_key(|(_, (_, at))| *at)
-                    .map(|(m, _)| m.clone())
-                {
-                    self.sightings.remove(&oldest);
+                // Still full of live sightings (a flood of made-up MACs): one gives way, in
+                // constant time. A real machine's sighting lives MAX_SIGHTINGS floods long.
+                if let Some(any) = self.sightings.keys().next().cloned() {
+                    self.sightings.remove(&any);
                 }
             }
         }
@@ -119,7 +120,9 @@ impl Gate {
             .is_some_and(|(seen, at)| *seen == canonical(ip) && now - *at <= l.sighting_seconds)
     }
 
-    /// Counts a `boot.ipxe` request of `mac` from `ip` against the per-minute rates.
+    /// Counts a `boot.ipxe` request of `mac` from `ip` against the per-minute rates: every
+    /// request against its source's, and only a request from where the network saw the MAC
+    /// against the MAC's (else anyone could spend a machine's budget with refused requests).
     pub fn admit_script(
         &mut self,
         mac: &str,
@@ -127,6 +130,7 @@ impl Gate {
         now: i64,
         l: &Limits,
     ) -> Result<(), Refused> {
+        let count_mac = self.sighted(mac, ip, now, l);
         let minute = now / 60;
         if self.windows.len() > SWEEP_WINDOWS {
             self.windows.retain(|_, (m, _)| *m == minute);
@@ -142,13 +146,13 @@ impl Gate {
                 l.scripts_per_source
             )));
         }
-        if over(&self.windows, &km, l.scripts_per_mac) {
+        if count_mac && over(&self.windows, &km, l.scripts_per_mac) {
             return Err(Refused::Rate(format!(
                 "more than {} boot scripts a minute for {mac}; retry in a minute",
                 l.scripts_per_mac
             )));
         }
-        for k in [ks, km] {
+        for k in std::iter::once(ks).chain(count_mac.then_some(km)) {
             let w = self.windows.entry(k).or_insert((minute, 0));
             if w.0 != minute {
                 *w = (minute, 0);
@@ -289,11 +293,12 @@ mod tests {
     fn scripts_are_rated_per_source_and_per_mac_per_minute() {
         let mut g = Gate::default();
         let l = limits();
+        g.sight("m1", ip("10.0.0.1"), 600, &l);
         for _ in 0..3 {
             g.admit_script("m1", ip("10.0.0.1"), 600, &l).unwrap();
         }
         assert!(matches!(
-            g.admit_script("m1", ip("10.0.0.2"), 600, &l),
+            g.admit_script("m1", ip("10.0.0.1"), 600, &l),
             Err(Refused::Rate(m)) if m.contains("for m1")
         ));
         g.admit_script("m2", ip("10.0.0.1"), 600, &l).unwrap();
@@ -302,6 +307,14 @@ mod tests {
             g.admit_script("m4", ip("10.0.0.1"), 600, &l),
             Err(Refused::Rate(m)) if m.contains("from 10.0.0.1")
         ));
+        // Refused requests from where the MAC was not seen spend only their source's budget:
+        // nobody can spend a machine's with them.
+        g.sight("m9", ip("10.0.0.50"), 600, &l);
+        for i in 0..3 {
+            g.admit_script("m9", ip(&format!("10.0.1.{i}")), 600, &l)
+                .unwrap();
+        }
+        g.admit_script("m9", ip("10.0.0.50"), 600, &l).unwrap();
         // Another /64 is another source; the next minute starts afresh.
         g.admit_script("m4", ip("10.0.0.9"), 600, &l).unwrap();
         g.admit_script("m4", ip("10.0.0.1"), 660, &l).unwrap();

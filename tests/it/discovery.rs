@@ -967,3 +967,147 @@ fn control_characters_never_reach_the_operators_terminal() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("\\u{1b}]0;title"));
     let _ = j.wait_with_output();
 }
+
+/// From the attack review: refused `boot.ipxe` requests (from where the MAC was not seen) spend
+/// no budget of the MAC's, so nobody can stop a machine's boot with them.
+#[test]
+fn refused_boot_scripts_do_not_spend_a_machines_budget() {
+    let a = appliance("always");
+    let victim = "52:54:00:0d:05:01";
+    for _ in 0..15 {
+        let (code, _) = get_from(
+            &a,
+            "127.0.0.9",
+            &format!("/api/compute/boot/boot.ipxe?mac={victim}"),
+        );
+        assert_eq!(code, 403);
+    }
+    sight_at(&a, victim, "127.0.0.5".parse().unwrap());
+    let (code, body) = get_from(
+        &a,
+        "127.0.0.5",
+        &format!("/api/compute/boot/boot.ipxe?mac={victim}"),
+    );
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+}
+
+/// A request's frame sent to the gateway from the loopback address `from`; the reply's bytes.
+fn send_from(a: &Appliance, from: &str, req: Vec<u8>) -> Vec<u8> {
+    let sim = Sim::new(a);
+    let (gw, from) = (a.gateway.clone(), from.to_string());
+    rt().block_on(async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        let stream = sock.connect(gw.parse().unwrap()).await.unwrap();
+        let tls = bca::tlsclient::client_config(&sim.cfg.serving_ca_spki_pin).unwrap();
+        let mut s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls))
+            .connect(
+                rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+                stream,
+            )
+            .await
+            .unwrap();
+        bca::protocol::write_frame(&mut s, &req).await.unwrap();
+        bca::protocol::read_frame(&mut s).await.unwrap()
+    })
+}
+
+/// From the attack review: an attacker that spoofs a waiting machine's MAC (its sighting is one
+/// UDP packet) and claims its identifiers, from another address, cannot reset an approved
+/// request to its own CSR; the machine's retry is then admitted.
+#[test]
+fn an_approved_request_is_not_reset_from_another_address() {
+    let a = appliance("always");
+    let pool = a.pool("intake");
+    let m = machine();
+    let mac = m["macs"][0].as_str().unwrap().to_string();
+    let claims = write_claims(&a, &m);
+    let (_, dir) = boot(&a, &mac);
+    let agent = discovery_join(&dir, &claims, 60);
+    let req = wait_for("a pending request", 20, || pending(&a, &mac));
+    let approved = a.cli_json(&[
+        "join-requests",
+        "approve",
+        req["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+    ]);
+    // The attacker at 127.0.0.9: the victim's MAC sighted there, its archive, the victim's
+    // claims, a CSR of its own.
+    sight_at(&a, &mac, "127.0.0.9".parse().unwrap());
+    let (code, script) = get_from(
+        &a,
+        "127.0.0.9",
+        &format!("/api/compute/boot/boot.ipxe?mac={mac}"),
+    );
+    assert_eq!(code, 200);
+    let (code, cpio) = get_from(
+        &a,
+        "127.0.0.9",
+        &archive_path(&String::from_utf8(script).unwrap()),
+    );
+    assert_eq!(code, 200);
+    let entries = bca::boot::cpio::read(&cpio).unwrap();
+    let token = entries
+        .iter()
+        .find(|e| e.name.ends_with("discovery-token"))
+        .unwrap();
+    let token = String::from_utf8(token.data.clone())
+        .unwrap()
+        .trim()
+        .to_string();
+    let sim = Sim::new(&a);
+    let key = bca::crypto::SigningKey::generate();
+    let csr = bca::csr::create(&key);
+    let sealed = bca::jwe::seal(&token, &sim.enc, &csr, bca::clock::now()).unwrap();
+    let raw = send_from(
+        &a,
+        "127.0.0.9",
+        Sim::request(sealed, &csr, &m, "discovery", "ramdisk"),
+    );
+    assert_eq!(raw, refused_bytes());
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "discovery:address-conflict"
+    );
+    let all = a.cli_json(&["join-requests", "list", "--state", "all"]);
+    let now = all["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == req["id"])
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (now["state"].as_str(), now["csrSha256"].clone()),
+        (Some("approved"), approved["csrSha256"].clone())
+    );
+    // The machine's retry, from where it asked, is admitted.
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// From the attack review: a join's `role` is the peer's too; its control characters reach no
+/// event raw.
+#[test]
+fn a_joins_role_reaches_no_event_raw() {
+    let a = appliance("always");
+    let sim = Sim::new(&a);
+    let req = Sim::request(
+        "x".into(),
+        b"not a CSR",
+        &machine(),
+        "",
+        "\u{1b}]0;PWNED\u{7}\u{9b}1A\u{202e}",
+    );
+    let raw = bca::agent::exchange_raw(&sim.cfg, &req).unwrap();
+    assert_eq!(raw, refused_bytes());
+    let (_, ev) = a.last_event("security.join.refused").unwrap();
+    let role = ev["role"].as_str().unwrap();
+    assert!(!bca::text::has_control(role), "{role:?}");
+    assert!(role.contains("\\u{1b}]0;PWNED"), "{role:?}");
+}
