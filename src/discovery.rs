@@ -475,40 +475,14 @@ fn reclaim(
     }
     crate::joinservice::revoke_all(tx, &k.tenant_id, &k.id, "reclaimed", now)?;
     app.sessions.close(&k.id);
-    let (response, serial) = certify(
-        tx,
-        app,
-        signer,
-        &Subject {
-            node_id: &k.id,
-            generation,
-            role: "ramdisk",
-            statements: &[],
-            ttl,
-        },
-        &r.csr,
-        now,
-    )?;
-    spend(tx, token_id, now)?;
-    if let Some(req) = by.request() {
-        crate::store::exec(tx,
-            "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
-            params![req, now, k.id],
-        )?;
-    }
-    joined(
-        tx,
-        now,
-        &k.tenant_id,
-        &k.id,
-        &k.pool_id,
-        &serial,
-        r,
-        &by,
-        true,
-    )?;
-    crate::joinservice::adopt(tx, &k.tenant_id, &k.id, &k.pool_id, now)?;
-    Ok(Decided::Issued(response))
+    let node = Admitted {
+        id: &k.id,
+        tenant_id: &k.tenant_id,
+        pool_id: &k.pool_id,
+        generation,
+        reclaim: true,
+    };
+    issue(tx, app, signer, r, token_id, &node, &by, ttl, now)
 }
 
 /// A new `ramdisk` node in the approved pool. A retired node that still holds the machine's
@@ -555,13 +529,47 @@ fn admit_new(
             t.mac
         ],
     )?;
+    let admitted = Admitted {
+        id: &node,
+        tenant_id: &pool.tenant_id,
+        pool_id: &pool.id,
+        generation: 1,
+        reclaim: false,
+    };
+    issue(tx, app, signer, r, token_id, &admitted, &by, ttl, now)
+}
+
+/// The node a discovery join is admitted as.
+struct Admitted<'a> {
+    id: &'a str,
+    tenant_id: &'a str,
+    pool_id: &'a str,
+    generation: i64,
+    /// An existing node again (`node.reclaimed`), or a new one (`node.joined`).
+    reclaim: bool,
+}
+
+/// What every discovery admission does once its node is written: the `ramdisk` certificate, the
+/// token spent, the request it answers consumed, `node.joined` and its audit row, the adoption.
+#[allow(clippy::too_many_arguments)]
+fn issue(
+    tx: &Transaction<'_>,
+    app: &App,
+    signer: &Signer,
+    r: &Ready,
+    token_id: &str,
+    node: &Admitted<'_>,
+    by: &Vouched<'_>,
+    ttl: i64,
+    now: i64,
+) -> ApiResult<Decided> {
     let (response, serial) = certify(
         tx,
         app,
         signer,
         &Subject {
-            node_id: &node,
-            generation: 1,
+            node_id: node.id,
+            generation: node.generation,
             role: "ramdisk",
             statements: &[],
             ttl,
@@ -573,21 +581,35 @@ fn admit_new(
     if let Some(req) = by.request() {
         crate::store::exec(tx,
             "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
-            params![req, now, node],
+            params![req, now, node.id],
         )?;
     }
-    joined(
+    let data = json!({
+        "nodeId": node.id,
+        "poolId": node.pool_id,
+        "attestor": "discovery",
+        "reclaim": node.reclaim,
+        "knownMachine": node.reclaim,
+        "hardwareKeyTrusted": r.key.as_ref().is_some_and(|k| k.trusted),
+        "certificateSerial": serial,
+        "nodeKey": "unattested",
+        "role": "ramdisk",
+    });
+    api::publish(tx, now, node.tenant_id, "node.joined", data.clone())?;
+    api::audit(
         tx,
         now,
-        &pool.tenant_id,
-        &node,
-        &pool.id,
-        &serial,
-        r,
-        &by,
-        false,
+        node.tenant_id,
+        if node.reclaim {
+            "node.reclaimed"
+        } else {
+            "node.joined"
+        },
+        &format!("discovery:{}", by.label()),
+        node.id,
+        data,
     )?;
-    crate::joinservice::adopt(tx, &pool.tenant_id, &node, &pool.id, now)?;
+    crate::joinservice::adopt(tx, node.tenant_id, node.id, node.pool_id, now)?;
     Ok(Decided::Issued(response))
 }
 
@@ -626,45 +648,6 @@ fn spend(tx: &Transaction<'_>, token: &str, now: i64) -> ApiResult<()> {
         params![token, now],
     )?;
     Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn joined(
-    tx: &Transaction<'_>,
-    now: i64,
-    tenant: &str,
-    node: &str,
-    pool: &str,
-    serial: &str,
-    r: &Ready,
-    by: &Vouched<'_>,
-    reclaim: bool,
-) -> ApiResult<()> {
-    let data = json!({
-        "nodeId": node,
-        "poolId": pool,
-        "attestor": "discovery",
-        "reclaim": reclaim,
-        "knownMachine": reclaim,
-        "hardwareKeyTrusted": r.key.as_ref().is_some_and(|k| k.trusted),
-        "certificateSerial": serial,
-        "nodeKey": "unattested",
-        "role": "ramdisk",
-    });
-    api::publish(tx, now, tenant, "node.joined", data.clone())?;
-    api::audit(
-        tx,
-        now,
-        tenant,
-        if reclaim {
-            "node.reclaimed"
-        } else {
-            "node.joined"
-        },
-        &format!("discovery:{}", by.label()),
-        node,
-        data,
-    )
 }
 
 #[cfg(test)]

@@ -21,6 +21,14 @@ pub fn source_of(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// [`source_of`] as a key and as messages name it: `a.b.c.d`, or `x:x:x:x::/64`.
+pub fn source_label(ip: IpAddr) -> String {
+    match source_of(ip) {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => format!("{v6}/64"),
+    }
+}
+
 #[derive(Default)]
 pub struct PerSource {
     open: Mutex<HashMap<IpAddr, usize>>,
@@ -75,6 +83,8 @@ mod tests {
         assert_eq!(source_of(m), "10.0.0.1".parse::<IpAddr>().unwrap());
         let v4: IpAddr = "10.0.0.2".parse().unwrap();
         assert_eq!(source_of(v4), v4);
+        assert_eq!(source_label(b), "2001:db8:0:1::/64");
+        assert_eq!(source_label(m), "10.0.0.1");
     }
 
     #[test]

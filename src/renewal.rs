@@ -243,6 +243,20 @@ struct Caller {
     owner: Option<String>,
 }
 
+/// A stored certificate row and its node, as stage 2 reads them.
+struct Stored {
+    node_id: String,
+    serial: String,
+    generation: i64,
+    role: String,
+    not_after: i64,
+    revoked: bool,
+    state: String,
+    current_generation: i64,
+    attestor: String,
+    tenant: String,
+}
+
 /// Stage 2, inside the writer's transaction: the presented leaf (already the connection's
 /// certificate) must be a stored `node_certs` row before the proof counts; then the node's and
 /// the row's state, then what stage 1 found past the proof.
@@ -264,31 +278,42 @@ pub(crate) fn process(
             .unwrap_or(RenewReason::Malformed);
         return refuse(tx, app, p, &caller, reason, now, limits);
     };
-    let row: Option<(String, String, i64, String, i64, Option<i64>)> = crate::store::query_row(tx,
-            "SELECT node_id, serial, identity_generation, role, not_after, revoked_at FROM node_certs WHERE serial = ?1 AND der = ?2",
-            params![leaf_serial, leaf_der],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?, x.get(5)?)),
-        )
-        .optional()?;
-    let Some((node_id, serial, generation, role, not_after, revoked_at)) = row else {
-        return refuse(
-            tx,
-            app,
-            p,
-            &caller,
-            RenewReason::UnknownCertificate,
-            now,
-            limits,
-        );
-    };
-    let node: Option<(String, i64, String, String)> = crate::store::query_row(
+    // The row and its node at once: a certificate of a node that no longer exists is unknown.
+    let row = crate::store::query_row(
         tx,
-        "SELECT state, identity_generation, attestor, tenant_id FROM nodes WHERE id = ?1",
-        [&node_id],
-        |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
+        "SELECT c.node_id, c.serial, c.identity_generation, c.role, c.not_after, c.revoked_at,
+                n.state, n.identity_generation, n.attestor, n.tenant_id
+         FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?1 AND c.der = ?2",
+        params![leaf_serial, leaf_der],
+        |x| {
+            Ok(Stored {
+                node_id: x.get(0)?,
+                serial: x.get(1)?,
+                generation: x.get(2)?,
+                role: x.get(3)?,
+                not_after: x.get(4)?,
+                revoked: x.get::<_, Option<i64>>(5)?.is_some(),
+                state: x.get(6)?,
+                current_generation: x.get(7)?,
+                attestor: x.get(8)?,
+                tenant: x.get(9)?,
+            })
+        },
     )
     .optional()?;
-    let Some((state, current_generation, attestor, tenant)) = node else {
+    let Some(Stored {
+        node_id,
+        serial,
+        generation,
+        role,
+        not_after,
+        revoked,
+        state,
+        current_generation,
+        attestor,
+        tenant,
+    }) = row
+    else {
         return refuse(
             tx,
             app,
@@ -303,14 +328,14 @@ pub(crate) fn process(
         return refuse(tx, app, p, &caller, RenewReason::Pop, now, limits);
     }
     caller.node = Some(node_id.clone());
-    if revoked_at.is_none() && generation == current_generation {
+    if !revoked && generation == current_generation {
         caller.owner = Some(tenant.clone());
     }
     let reason = if state == "retired" {
         Some(RenewReason::Retired)
     } else if generation != current_generation {
         Some(RenewReason::Generation)
-    } else if revoked_at.is_some() {
+    } else if revoked {
         Some(RenewReason::Revoked)
     } else if not_after <= now {
         Some(RenewReason::Expired)

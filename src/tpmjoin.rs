@@ -58,14 +58,7 @@ pub(crate) fn source_key(peer: &str) -> String {
         .map(|a| a.ip())
         .or_else(|_| peer.parse::<std::net::IpAddr>());
     match ip {
-        Ok(std::net::IpAddr::V4(v4)) => v4.to_string(),
-        Ok(std::net::IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
-            Some(v4) => v4.to_string(),
-            None => {
-                let s = v6.segments();
-                format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
-            }
-        },
+        Ok(ip) => crate::limits::source_label(ip),
         Err(_) => peer.to_string(),
     }
 }

@@ -22,21 +22,6 @@ const MAX_SIGHTINGS: usize = 65_536;
 /// Rate windows kept before the stale ones are swept.
 const SWEEP_WINDOWS: usize = 8_192;
 
-/// A source as the limits count it: an IPv4 address, or the /64 of an IPv6 address (one host
-/// holds a whole /64, so counting addresses would count nothing).
-pub fn source_key(ip: IpAddr) -> String {
-    match ip {
-        IpAddr::V4(v4) => v4.to_string(),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => v4.to_string(),
-            None => {
-                let s = v6.segments();
-                format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
-            }
-        },
-    }
-}
-
 /// The same address, whatever its spelling (an IPv4-mapped IPv6 address is its IPv4 address).
 fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
@@ -135,7 +120,7 @@ impl Gate {
         if self.windows.len() > SWEEP_WINDOWS {
             self.windows.retain(|_, (m, _)| *m == minute);
         }
-        let source = source_key(ip);
+        let source = crate::limits::source_label(ip);
         let over = |w: &HashMap<String, (i64, u32)>, k: &str, cap: u32| {
             w.get(k).is_some_and(|(m, n)| *m == minute && *n >= cap)
         };
@@ -189,7 +174,7 @@ impl Gate {
     ) -> usize {
         self.expire(now);
         self.waiting.retain(|_, w| w.mac != mac);
-        let source = source_key(ip);
+        let source = crate::limits::source_label(ip);
         let mut evicted = 0;
         while self.waiting.values().filter(|w| w.source == source).count() >= l.archives_per_source
         {
@@ -273,20 +258,6 @@ mod tests {
         assert!(!g.sighted("52:54:00:00:00:01", ip("10.0.0.6"), 1000, &l));
         assert!(!g.sighted("52:54:00:00:00:02", ip("10.0.0.5"), 1000, &l));
         assert!(!g.sighted("52:54:00:00:00:01", ip("10.0.0.5"), 1301, &l));
-    }
-
-    #[test]
-    fn sources_count_ipv6_by_64() {
-        assert_eq!(source_key(ip("2001:db8:1:2:aaaa::1")), "2001:db8:1:2::/64");
-        assert_eq!(
-            source_key(ip("2001:db8:1:2:bbbb::9")),
-            source_key(ip("2001:db8:1:2:aaaa::1"))
-        );
-        assert_ne!(
-            source_key(ip("2001:db8:1:3::1")),
-            source_key(ip("2001:db8:1:2::1"))
-        );
-        assert_eq!(source_key(ip("::ffff:10.1.2.3")), "10.1.2.3");
     }
 
     #[test]

@@ -291,20 +291,6 @@ async fn answer(
             dhcproto::v4::MessageType::Discover
         ))
     );
-    let sighting = counts_as_sighting(b, &req, how);
-    // In proxy mode the site's DHCP server gives the address: the REQUEST names it, and is
-    // recorded before any decision to answer (a proxy never answers a REQUEST on port 67).
-    if proxy && sighting {
-        if let Some(ip) = requested_address(&req) {
-            let _ = edge
-                .core
-                .ask(Ask::Sighting {
-                    mac: mac.clone(),
-                    ip,
-                })
-                .await;
-        }
-    }
     let lease = if proxy {
         None
     } else {
@@ -317,17 +303,22 @@ async fn answer(
             _ => None,
         }
     };
-    // In full DHCP mode the sighting is the MAC's lease, once the REQUEST made it durable.
-    if !proxy && sighting && !discover {
-        if let Some(ip) = lease {
-            let _ = edge
-                .core
-                .ask(Ask::Sighting {
-                    mac: mac.clone(),
-                    ip,
-                })
-                .await;
-        }
+    // What the network saw, recorded before any decision to answer: in proxy mode the address
+    // the REQUEST names (the site's DHCP server gave it; a proxy never answers a REQUEST on port
+    // 67), in full DHCP mode the MAC's lease once the REQUEST made it durable.
+    let seen_at = if proxy {
+        requested_address(&req)
+    } else {
+        lease.filter(|_| !discover)
+    };
+    if let Some(ip) = seen_at.filter(|_| counts_as_sighting(b, &req, how)) {
+        let _ = edge
+            .core
+            .ask(Ask::Sighting {
+                mac: mac.clone(),
+                ip,
+            })
+            .await;
     }
     let files = files(&edge.boot_root);
     let ctx = ReplyCtx {

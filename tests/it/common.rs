@@ -698,3 +698,24 @@ pub fn sight_at(a: &Appliance, mac: &str, ip: std::net::Ipv4Addr) {
         .unwrap();
     wait_for("the sighting", 10, || (sightings(a) > before).then_some(()));
 }
+
+/// A request's frame sent to the gateway from the loopback address `from`; the reply's bytes.
+pub fn send_from(a: &Appliance, from: &str, req: Vec<u8>) -> Vec<u8> {
+    let sim = Sim::new(a);
+    let (gw, from) = (a.gateway.clone(), from.to_string());
+    rt().block_on(async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        let stream = sock.connect(gw.parse().unwrap()).await.unwrap();
+        let tls = bca::tlsclient::client_config(&sim.cfg.serving_ca_spki_pin).unwrap();
+        let mut s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls))
+            .connect(
+                rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+                stream,
+            )
+            .await
+            .unwrap();
+        bca::protocol::write_frame(&mut s, &req).await.unwrap();
+        bca::protocol::read_frame(&mut s).await.unwrap()
+    })
+}

@@ -78,6 +78,17 @@ pub(crate) fn boot(a: &Appliance, mac: &str) -> (String, PathBuf) {
     (script, dir)
 }
 
+/// The agent's exit: it must have succeeded (its stderr says why not); its stdout, the node id.
+fn succeeded(agent: Child) -> String {
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 fn discovery_join(dir: &Path, claims: &Path, wait: u32) -> Child {
     let etc = dir.join("etc/bca-agent");
     Command::new(bin())
@@ -195,13 +206,7 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
         a.cli_json(&["join-requests", "approve", &id, "--pool", &pool])["decidedAt"],
         approved["decidedAt"]
     );
-    let out = agent.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let node_id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let node_id = succeeded(agent);
     let node = a.cli_json(&["nodes", "get", &node_id]);
     assert_eq!(node["role"], "ramdisk");
     assert_eq!(node["poolId"], json!(pool));
@@ -347,12 +352,7 @@ fn a_rejected_machine_is_refused_and_another_waiting_one_is_unaffected() {
         "--pool",
         &pool,
     ]);
-    let out = j2.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(j2);
 }
 
 /// Under `unknown-machines`, a machine an operator approved once (a `ramdisk` node) that boots
@@ -376,13 +376,7 @@ fn a_known_machine_is_admitted_at_once_under_unknown_machines() {
         "--pool",
         &pool,
     ]);
-    let out = agent.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let node_id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let node_id = succeeded(agent);
     let first_serial: String = a
         .db()
         .query_row(
@@ -544,12 +538,7 @@ fn a_rack_is_approved_at_once_by_serial_prefix_each_audited() {
     );
     // The two B7 machines join; the C1 machine still waits.
     for j in joins.drain(..2) {
-        let out = j.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeded(j);
     }
     // A decision on a request that changed since it was listed is refused.
     let r = pending(&a, macs[2]).unwrap();
@@ -667,13 +656,7 @@ fn discovered_node(a: &Appliance, pool: &str, mac: &str, claims: &Path) -> Strin
         "--pool",
         pool,
     ]);
-    let out = agent.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    succeeded(agent)
 }
 
 /// Reproduction 1 (security review): with HTTP access only, nothing is minted for a MAC the
@@ -864,12 +847,7 @@ fn requests_cannot_be_hijacked() {
         get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}")).0,
         200
     );
-    let out = agent.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(agent);
 }
 
 /// Reproduction 3: one source flooding `boot.ipxe` keeps at most its own share of waiting
@@ -991,27 +969,6 @@ fn refused_boot_scripts_do_not_spend_a_machines_budget() {
     assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
 }
 
-/// A request's frame sent to the gateway from the loopback address `from`; the reply's bytes.
-fn send_from(a: &Appliance, from: &str, req: Vec<u8>) -> Vec<u8> {
-    let sim = Sim::new(a);
-    let (gw, from) = (a.gateway.clone(), from.to_string());
-    rt().block_on(async move {
-        let sock = tokio::net::TcpSocket::new_v4().unwrap();
-        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
-        let stream = sock.connect(gw.parse().unwrap()).await.unwrap();
-        let tls = bca::tlsclient::client_config(&sim.cfg.serving_ca_spki_pin).unwrap();
-        let mut s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls))
-            .connect(
-                rustls::pki_types::ServerName::try_from("localhost").unwrap(),
-                stream,
-            )
-            .await
-            .unwrap();
-        bca::protocol::write_frame(&mut s, &req).await.unwrap();
-        bca::protocol::read_frame(&mut s).await.unwrap()
-    })
-}
-
 /// From the attack review: an attacker that spoofs a waiting machine's MAC (its sighting is one
 /// UDP packet) and claims its identifiers, from another address, cannot reset an approved
 /// request to its own CSR; the machine's retry is then admitted.
@@ -1083,12 +1040,7 @@ fn an_approved_request_is_not_reset_from_another_address() {
         (Some("approved"), approved["csrSha256"].clone())
     );
     // The machine's retry, from where it asked, is admitted.
-    let out = agent.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(agent);
 }
 
 /// From the attack review: a join's `role` is the peer's too; its control characters reach no

@@ -55,26 +55,7 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 fn join_from(a: &Appliance, from: &str, token: &str) -> Vec<u8> {
     let sim = Sim::new(a);
     let (req, _, _) = sim.join_request(token, &machine(), "node", None, bca::clock::now());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (gw, from) = (a.gateway.clone(), from.to_string());
-    rt.block_on(async move {
-        let sock = tokio::net::TcpSocket::new_v4().unwrap();
-        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
-        let stream = sock.connect(gw.parse().unwrap()).await.unwrap();
-        let tls = bca::tlsclient::client_config(&sim.cfg.serving_ca_spki_pin).unwrap();
-        let mut s = tokio_rustls::TlsConnector::from(Arc::new(tls))
-            .connect(
-                rustls::pki_types::ServerName::try_from("localhost").unwrap(),
-                stream,
-            )
-            .await
-            .unwrap();
-        bca::protocol::write_frame(&mut s, &req).await.unwrap();
-        bca::protocol::read_frame(&mut s).await.unwrap()
-    })
+    send_from(a, from, req)
 }
 
 #[test]
