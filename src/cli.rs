@@ -797,6 +797,7 @@ fn run(cli: Cli) -> ApiResult<()> {
                 listen_http: a.listen_http,
                 listen_gateway: a.listen_gateway,
                 admin_socket: a.admin_socket,
+                announce: None,
             };
             crate::serve::run(&conn.state_dir(), opts).map_err(ApiError::invalid_config)
         }
@@ -1438,18 +1439,10 @@ fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
         )?;
         print_init(&state_dir, &out, false);
     }
-    let sd = state_dir.display();
-    println!(
-        "bca dev: serving {sd} (keys in plain files: development only). Try, in another shell:\n\
-         \x20 bca --state-dir {sd} pools create --name rack-a\n\
-         \x20 bca --state-dir {sd} join-tokens create --pool <pool id> --ttl 1h --key first --out ./join-token\n\
-         \x20 bca --state-dir {sd} daemon agent-config --gateway-url https://{gw} --out ./agent\n\
-         \x20 bca agent join --config ./agent/config.toml --data-dir ./agent --claims claims.json < ./join-token\n\
-         \x20 bca --state-dir {sd} nodes list\n\
-         \x20 curl http://{http}/api/compute/.well-known/better-compute",
-        gw = a.listen_gateway,
-        http = a.listen_http
-    );
+    let try_dir = dev_try_dir(&state_dir)?;
+    let announce: crate::serve::Announce = std::sync::Arc::new(move |ready: &Value| {
+        println!("{}", dev_try_lines(&try_dir, ready));
+    });
     crate::serve::run(
         &state_dir,
         crate::serve::ServeOptions {
@@ -1457,9 +1450,80 @@ fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
             listen_http: Some(a.listen_http),
             listen_gateway: Some(a.listen_gateway),
             admin_socket: None,
+            announce: Some(announce),
         },
     )
     .map_err(ApiError::invalid_config)
+}
+
+/// Where `bca dev`'s "try" lines put their files: `<state dir>/try`, with the example claims of
+/// a simulated machine written once. A VM's or a laptop's own hardware identity is usually a
+/// placeholder (`To Be Filled By O.E.M.`, all zeros) that the appliance refuses
+/// (`join:placeholder-hardware`), so the example joins as a well-identified simulated machine.
+fn dev_try_dir(state_dir: &Path) -> ApiResult<PathBuf> {
+    let abs = std::fs::canonicalize(state_dir).map_err(|e| {
+        ApiError::invalid_state(format!("cannot resolve {}: {e}", state_dir.display()))
+    })?;
+    let dir = abs.join("try");
+    crate::fsutil::create_private_dir(&dir)
+        .map_err(|e| ApiError::invalid_state(format!("{}: {e}", dir.display())))?;
+    let claims = dir.join("claims.json");
+    if !claims.exists() {
+        let mut b = [0u8; 16];
+        crate::crypto::fill_random(&mut b);
+        let h = crate::crypto::hex(&b);
+        let example = json!({
+            "productUuid": format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]),
+            "serials": {"product": format!("DEV-{}", &h[0..8].to_uppercase())},
+            "macs": [format!("02:00:00:{}:{}:{}", &h[0..2], &h[2..4], &h[4..6])],
+            "hostname": format!("dev-{}", &h[0..6]),
+        });
+        let text = serde_json::to_string_pretty(&example).expect("serializes");
+        crate::fsutil::write_new(&claims, text.as_bytes(), 0o600)
+            .map_err(ApiError::invalid_state)?;
+    }
+    Ok(dir)
+}
+
+/// The lines `bca dev` prints to try next: each runs as pasted, one after another, in one new
+/// shell anywhere (absolute paths, this very binary); only `<pool id>` is filled in by hand,
+/// from the first line's output.
+fn dev_try_lines(try_dir: &Path, ready: &Value) -> String {
+    let bin = std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| "bca".into());
+    let state = try_dir.parent().unwrap_or(try_dir);
+    let q = |p: &str| shell_quote(p);
+    let (bin, sd) = (q(&bin), q(&state.display().to_string()));
+    let t = |name: &str| q(&try_dir.join(name).display().to_string());
+    let (gw, http) = (
+        ready["gateway"].as_str().unwrap_or_default(),
+        ready["http"].as_str().unwrap_or_default(),
+    );
+    format!(
+        "bca dev: serving {sd} (keys in plain files: development only). Try, in another shell:\n\
+         \x20 {bin} --state-dir {sd} pools create --name rack-a\n\
+         \x20 {bin} --state-dir {sd} join-tokens create --pool <pool id> --ttl 1h --key first --out {token}\n\
+         \x20 {bin} --state-dir {sd} daemon agent-config --gateway-url https://{gw} --out {agent}\n\
+         \x20 {bin} agent join --config {agent}/config.toml --data-dir {agent} --claims {claims} --token-file {token}\n\
+         \x20 {bin} --state-dir {sd} nodes list\n\
+         \x20 curl http://{http}/api/compute/.well-known/better-compute",
+        token = t("join-token"),
+        agent = t("agent"),
+        claims = t("claims.json"),
+    )
+}
+
+/// `s` as one shell word: as is when it holds only safe characters, else in single quotes.
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-:@%+=,".contains(&b))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
 }
 
 fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {

@@ -16,7 +16,13 @@ pub struct ServeOptions {
     pub listen_http: Option<String>,
     pub listen_gateway: Option<String>,
     pub admin_socket: Option<PathBuf>,
+    /// Called once with the readiness line, after every listener is bound (`bca dev` prints
+    /// what to try with the addresses actually bound).
+    pub announce: Option<Announce>,
 }
+
+/// What [`ServeOptions::announce`] is given: the readiness line's JSON.
+pub type Announce = Arc<dyn Fn(&serde_json::Value) + Send + Sync>;
 
 /// Loads everything `serve` needs; every failure here is a clear message and changes nothing.
 pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
@@ -289,6 +295,9 @@ async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<()
     });
     tracing::info!(http = %ready["http"], gateway = %ready["gateway"], admin = %admin_path.display(), "serving");
     println!("{ready}");
+    if let Some(announce) = &opts.announce {
+        announce(&ready);
+    }
 
     tasks.spawn(crate::http::serve_admin(
         admin,

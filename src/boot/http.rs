@@ -14,7 +14,8 @@
 
 use crate::app::{App, BASE_PATH};
 use crate::boot::cpio::Cpio;
-use crate::edge::{Answer, Ask, Edge};
+use crate::boot::templates;
+use crate::edge::{Answer, Ask, Edge, ReadRoot};
 use crate::protocol::{Call, Outcome};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -136,6 +137,11 @@ pub fn boot_root(app: &App) -> PathBuf {
         .unwrap_or_else(|| app.state_dir.join("boot"))
 }
 
+/// The boot root, opened to read a template override beneath it.
+fn script_root(app: &App) -> Result<ReadRoot, ScriptRefused> {
+    ReadRoot::open(&boot_root(app)).map_err(ScriptRefused::Unavailable)
+}
+
 /// The URL iPXE reaches the HTTP listener at.
 pub fn http_url(boot: &crate::boot::BootConfig, local: Option<SocketAddr>) -> String {
     if let Some(u) = &boot.http_url {
@@ -155,8 +161,12 @@ pub fn http_url(boot: &crate::boot::BootConfig, local: Option<SocketAddr>) -> St
 
 /// The script iPXE gets first: it chains to the per-machine script with the MAC of the NIC that
 /// did DHCP (`netX`, iPXE's last opened device: not always `net0` on a machine with several).
-pub fn chain_script(base: &str) -> String {
-    format!("#!ipxe\nchain {base}{BASE_PATH}/boot/boot.ipxe?mac=${{netX/mac}}\n")
+pub fn chain_script(root: &ReadRoot, base: &str) -> String {
+    templates::render(
+        root,
+        templates::CHAIN,
+        &[("base", base), ("base_path", BASE_PATH)],
+    )
 }
 
 fn valid_file_name(n: &str) -> bool {
@@ -199,7 +209,7 @@ pub async fn handle(
 ) -> BootAnswer {
     let base = http_url(&edge.boot, local);
     if rest == "chain.ipxe" {
-        return BootAnswer::Text(chain_script(&base));
+        return BootAnswer::Text(chain_script(&edge.boot_root, &base));
     }
     if rest == "boot.ipxe" {
         let mac = query
@@ -207,9 +217,11 @@ pub async fn handle(
             .find_map(|kv| kv.strip_prefix("mac="))
             .map(|m| m.replace("%3A", ":").replace("%3a", ":"));
         let Some(mac) = mac.as_deref().and_then(crate::discovery::loose_mac) else {
-            return BootAnswer::Text(
-                "#!ipxe\necho bca: this script needs ?mac=<the booting NIC's MAC>\nexit 1\n".into(),
-            );
+            return BootAnswer::Text(templates::render(
+                &edge.boot_root,
+                templates::NEEDS_MAC,
+                &[],
+            ));
         };
         let ask = Ask::BootScript {
             mac,
@@ -294,8 +306,6 @@ pub enum ScriptRefused {
     Unavailable(String),
 }
 
-const LOCAL_BOOT: &str = "#!ipxe\necho bca: this machine is an adopted node; booting its local disk\nsanboot --no-describe --drive 0x80 || exit\n";
-
 /// The core's side of `boot.ipxe`. A discovery token is minted, and the boot recorded, only for
 /// a MAC the boot server's DHCP saw at `peer` (the address the edge saw the request come from)
 /// within `[boot] sighting_seconds`; the local-disk answer needs no sighting. A refused request
@@ -354,7 +364,11 @@ pub async fn script(
             Some(Outcome::LocalBoot) => {
                 record("script").await;
                 tracing::info!(%mac, "boot: adopted node; local disk");
-                Ok(LOCAL_BOOT.into())
+                Ok(templates::render(
+                    &script_root(app)?,
+                    templates::LOCAL_DISK,
+                    &[],
+                ))
             }
             Some(_) => {
                 tracing::info!(%mac, %peer, "boot: no DHCP sighting of this MAC at this address; refused");
@@ -371,7 +385,11 @@ pub async fn script(
     match ask(epoch, true).await {
         Some(Outcome::LocalBoot) => {
             tracing::info!(%mac, "boot: adopted node; local disk");
-            Ok(LOCAL_BOOT.into())
+            Ok(templates::render(
+                &script_root(app)?,
+                templates::LOCAL_DISK,
+                &[],
+            ))
         }
         Some(Outcome::DiscoveryToken { token }) => {
             let token = zeroize::Zeroizing::new(token);
@@ -390,12 +408,16 @@ pub async fn script(
                 tracing::warn!(%mac, %peer, evicted, "boot: waiting per-boot archives gave way (a source at its cap, or all places taken)");
             }
             tracing::info!(%mac, "boot: discovery ramdisk");
-            let args = &app.config.boot.kernel_args;
-            Ok(format!(
-                "#!ipxe\necho bca: discovery ramdisk for {mac}\n\
-                 kernel {base}{BASE_PATH}/boot/files/vmlinuz {args} initrd=initrd.img\n\
-                 initrd --name initrd.img {base}{BASE_PATH}/boot/per-boot/{nonce}/initrd.img\n\
-                 boot\n"
+            Ok(templates::render(
+                &script_root(app)?,
+                templates::DISCOVERY,
+                &[
+                    ("mac", mac),
+                    ("base", base),
+                    ("base_path", BASE_PATH),
+                    ("kernel_args", &app.config.boot.kernel_args),
+                    ("nonce", &nonce),
+                ],
             ))
         }
         _ => Err(bad("no discovery token could be minted")),

@@ -6,6 +6,7 @@ pub mod dhcp;
 pub mod gate;
 pub mod http;
 pub mod server;
+pub mod templates;
 pub mod tftp;
 
 use serde::{Deserialize, Serialize};

@@ -463,12 +463,9 @@ pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootS
         .transpose()?;
     let tftp = udp(&b.listen_tftp, iface, false)?;
     // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
-    crate::fsutil::write_atomic(
-        &root.join("chain.ipxe"),
-        crate::boot::http::chain_script(http_base).as_bytes(),
-        0o644,
-    )
-    .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
+    let script = crate::boot::http::chain_script(&crate::edge::ReadRoot::open(root)?, http_base);
+    crate::fsutil::write_atomic(&root.join("chain.ipxe"), script.as_bytes(), 0o644)
+        .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
     Ok(Some(BootSockets { dhcp, proxy, tftp }))
 }
 

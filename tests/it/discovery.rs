@@ -1063,3 +1063,57 @@ fn a_joins_role_reaches_no_event_raw() {
     assert!(!bca::text::has_control(role), "{role:?}");
     assert!(role.contains("\\u{1b}]0;PWNED"), "{role:?}");
 }
+
+/// `pxe/`'s templates are built in; an operator's file of the same name under
+/// `<boot root>/templates/` replaces one at its next use, and the values are filled in. The
+/// chain script TFTP serves is rendered at start.
+#[test]
+fn an_operators_template_under_the_boot_root_replaces_the_built_in_script() {
+    let mut a = appliance("always");
+    let root = a.state().join("boot");
+    let templates = root.join("templates");
+    std::fs::create_dir_all(&templates).unwrap();
+    std::fs::write(
+        templates.join("discovery.ipxe"),
+        "#!ipxe\necho site override for {{mac}}\nkernel {{base}}{{base_path}}/boot/files/vmlinuz {{kernel_args}}\ninitrd --name initrd.img {{base}}{{base_path}}/boot/per-boot/{{nonce}}/initrd.img\nboot\n",
+    )
+    .unwrap();
+    std::fs::write(
+        templates.join("chain.ipxe"),
+        "#!ipxe\n# site chain\nchain {{base}}{{base_path}}/boot/boot.ipxe?mac=${net0/mac}\n",
+    )
+    .unwrap();
+    let mac = "52:54:00:7e:01:01";
+    let (script, _) = boot(&a, mac);
+    assert!(
+        script.contains(&format!("echo site override for {mac}")),
+        "{script}"
+    );
+    assert!(
+        script.contains(&format!("http://{}/api/compute/boot/files/vmlinuz", a.http)),
+        "{script}"
+    );
+    assert!(!script.contains("{{"), "{script}");
+    let (code, chain) = get(&a, "/api/compute/boot/chain.ipxe");
+    assert_eq!(code, 200);
+    let chain = String::from_utf8(chain).unwrap();
+    assert!(
+        chain.contains("# site chain") && chain.contains("${net0/mac}"),
+        "{chain}"
+    );
+    // Restarted, the boot server writes the chain script TFTP serves from the override.
+    a.restart();
+    let written = std::fs::read_to_string(root.join("chain.ipxe")).unwrap();
+    assert!(written.contains("# site chain"), "{written}");
+    // Removed, the built-in one is back at once. (A link out of the root: `boot::templates`'s
+    // unit tests.)
+    std::fs::remove_file(templates.join("discovery.ipxe")).unwrap();
+    let (script, _) = boot(&a, "52:54:00:7e:01:02");
+    assert!(
+        script.contains("echo bca: discovery ramdisk for 52:54:00:7e:01:02"),
+        "{script}"
+    );
+    let (_, missing) = get(&a, "/api/compute/boot/boot.ipxe");
+    let missing = String::from_utf8(missing).unwrap();
+    assert!(missing.contains("needs ?mac="), "{missing}");
+}

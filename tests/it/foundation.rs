@@ -849,3 +849,116 @@ fn completions_and_man_page() {
     let o = Command::new(bin()).arg("man").output().unwrap();
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains(".TH bca"));
 }
+
+/// The front door: every line `bca dev` prints under "Try, in another shell:" works when pasted,
+/// one after another, into one new shell with nothing set up by hand; only `<pool id>` is filled
+/// in, from the first line's output.
+#[test]
+fn bca_dev_prints_lines_that_work_as_pasted_into_one_new_shell() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::{Command, Stdio};
+    let checkout = tempfile::tempdir().unwrap();
+    let mut dev = Command::new(bin())
+        .args([
+            "dev",
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
+        .current_dir(checkout.path())
+        .env_remove("BCA_STATE_DIR")
+        .env_remove("BCA_SOCKET")
+        .env("BCA_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(dev.stdout.take().unwrap());
+    let mut lines = Vec::new();
+    let mut heading = false;
+    loop {
+        let mut l = String::new();
+        assert!(
+            out.read_line(&mut l).unwrap() > 0,
+            "bca dev ended before its lines"
+        );
+        if heading {
+            match l.strip_prefix("  ") {
+                Some(cmd) => lines.push(cmd.trim_end().to_string()),
+                None => break,
+            }
+            if lines.len() == 6 {
+                break;
+            }
+        } else if l.contains("Try, in another shell:") {
+            heading = true;
+        }
+    }
+    assert_eq!(lines.len(), 6, "{lines:?}");
+    // One new shell: no environment beyond what a login gives, in the checkout.
+    let mut shell = Command::new("bash")
+        .args(["--norc", "--noprofile"])
+        .current_dir(checkout.path())
+        .env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("HOME", checkout.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = shell.stdin.take().unwrap();
+    let mut sout = BufReader::new(shell.stdout.take().unwrap());
+    let mut paste = |line: &str| -> (i32, String) {
+        writeln!(stdin, "{line}\necho \"__rc=$?\"").unwrap();
+        let mut text = String::new();
+        loop {
+            let mut l = String::new();
+            assert!(sout.read_line(&mut l).unwrap() > 0, "the shell ended");
+            if let Some(rc) = l.trim_end().strip_prefix("__rc=") {
+                return (rc.parse().unwrap(), text);
+            }
+            text.push_str(&l);
+        }
+    };
+    let mut pool = None;
+    let mut outputs = Vec::new();
+    for line in &lines {
+        assert!(!line.contains("./"), "a relative path: {line}");
+        let line = match line.contains("<pool id>") {
+            true => line.replace("<pool id>", pool.as_deref().expect("a pool id was printed")),
+            false => line.clone(),
+        };
+        assert!(
+            !line.contains('<'),
+            "a placeholder besides <pool id>: {line}"
+        );
+        let (rc, text) = paste(&line);
+        assert_eq!(rc, 0, "`{line}` failed: {text}");
+        if pool.is_none() {
+            if let Some(i) = text.find("pool_") {
+                pool = Some(text[i..i + 31].to_string());
+            }
+        }
+        outputs.push(text);
+    }
+    drop(stdin);
+    let mut err = String::new();
+    shell
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    shell.wait().unwrap();
+    assert!(outputs[4].contains("node_"), "nodes list: {}", outputs[4]);
+    assert!(outputs[5].contains("signingKeyPin"), "{}", outputs[5]);
+    // The token file was spent by the join; the example claims stay, owner-only.
+    let state = checkout.path().join(".bca");
+    assert!(!state.join("try/join-token").exists());
+    assert_eq!(mode(&state.join("try/claims.json")), 0o600);
+    let _ = Command::new("kill")
+        .args(["-TERM", &dev.id().to_string()])
+        .status();
+    assert!(dev.wait().unwrap().success());
+}
