@@ -663,7 +663,7 @@ async fn connect_from(
     tls: Arc<rustls::ClientConfig>,
     src: std::net::IpAddr,
 ) -> Result<agent::GatewayStream, String> {
-    let (host, port) = bca::tlsclient::host_port(&cfg.gateway_url).ok_or("gateway_url")?;
+    let (host, port) = bca::net::host_port(&cfg.gateway_url).ok_or("gateway_url")?;
     let dst = std::net::SocketAddr::new(host.parse().map_err(|_| "not an address")?, port);
     let stream = tcp_from(src, dst).await?;
     let name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone().unwrap_or(host))

@@ -65,7 +65,7 @@ impl AgentConfig {
                 )));
             }
         }
-        if crate::tlsclient::host_port(&c.gateway_url).is_none() {
+        if crate::net::host_port(&c.gateway_url).is_none() {
             return Err(ApiError::invalid_config(format!(
                 "{}: gateway_url must be https://host[:port]",
                 path.display()
@@ -323,7 +323,7 @@ pub fn fetch_document(server: &str) -> ApiResult<serde_json::Value> {
     };
     let mut s = std::net::TcpStream::connect(&addr).map_err(|e| fail(e.to_string()))?;
     let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(10)));
-    let req = format!("GET {}/.well-known/better-compute HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\n\r\n", crate::app::BASE_PATH);
+    let req = format!("GET {}/.well-known/better-compute HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\n\r\n", crate::protocol::BASE_PATH);
     s.write_all(req.as_bytes())
         .map_err(|e| fail(e.to_string()))?;
     let mut raw = Vec::new();
@@ -331,7 +331,7 @@ pub fn fetch_document(server: &str) -> ApiResult<serde_json::Value> {
         .read_to_end(&mut raw)
         .map_err(|e| fail(e.to_string()))?;
     let (status, body) =
-        crate::client::split_response(&raw).ok_or_else(|| fail("malformed answer".into()))?;
+        crate::net::split_response(&raw).ok_or_else(|| fail("malformed answer".into()))?;
     if status != 200 {
         return Err(fail(format!("HTTP {status}")));
     }
@@ -480,7 +480,7 @@ pub fn collect_claims() -> Claims {
 }
 
 fn utc_stamp(now: i64) -> String {
-    crate::api::rfc3339(now).replace(':', "")
+    crate::clock::rfc3339(now).replace(':', "")
 }
 
 /// `bca agent join`. Returns the node id (or the existing one when already joined).
@@ -780,7 +780,7 @@ pub async fn connect_with(
     cfg: &AgentConfig,
     tls: Arc<rustls::ClientConfig>,
 ) -> ApiResult<GatewayStream> {
-    let (host, port) = crate::tlsclient::host_port(&cfg.gateway_url)
+    let (host, port) = crate::net::host_port(&cfg.gateway_url)
         .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
     let name = cfg.server_name.clone().unwrap_or(host.clone());
     let stream = tokio::time::timeout(
@@ -925,7 +925,7 @@ pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(Agent
     let public =
         pki::PublicPki::load(&pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
     let pins = public.pins().map_err(ApiError::invalid_config)?;
-    if crate::tlsclient::host_port(gateway_url).is_none() {
+    if crate::net::host_port(gateway_url).is_none() {
         return Err(ApiError::invalid_input(format!(
             "--gateway-url {gateway_url:?} must be https://host[:port]"
         )));

@@ -286,7 +286,7 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
 pub fn expired(at: i64) -> ApiError {
     ApiError::invalid_state(format!(
         "the certificate expired at {}; join again as root: bca agent join --reset --yes, then bca agent join",
-        crate::api::rfc3339(at)
+        crate::clock::rfc3339(at)
     ))
 }
 
@@ -430,7 +430,7 @@ pub fn doctor(config: &Path, data_dir: &Path, tpm: Option<&crate::tpm::Tcti>) ->
                 "node {} ({}), certificate valid until {}",
                 l.identity.node_id,
                 l.identity.role,
-                crate::api::rfc3339(l.not_after)
+                crate::clock::rfc3339(l.not_after)
             ),
         ),
         Err(e) => line(false, "identity", e.message),

@@ -4,13 +4,14 @@
 //! the API reference, and runs in one store transaction: an error leaves the database as it was.
 //! Mutations write an audit row naming the caller (`uid:<n>` from the socket's peer credentials).
 
-use crate::error::{ApiError, ApiResult, Code};
+use crate::error::{ApiError, ApiResult};
 use crate::store::{found, Store};
 use crate::{crypto, ids, validate};
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use crate::clock::rfc3339;
 
 /// Who calls and when; passed in, never read from the environment.
 pub struct Ctx<'a> {
@@ -20,16 +21,6 @@ pub struct Ctx<'a> {
     pub root_tenant: &'a str,
     /// The gateway's live sessions, closed when a node's identity is revoked.
     pub sessions: Option<&'a crate::sessions::Registry>,
-}
-
-pub fn rfc3339(t: i64) -> String {
-    time::OffsetDateTime::from_unix_timestamp(t)
-        .ok()
-        .and_then(|d| {
-            d.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
-        .unwrap_or_default()
 }
 
 /// Parses a request body strictly; the error names the field (`expect.mac: invalid type ...`).
@@ -1085,15 +1076,6 @@ fn join_tokens_revoke(
         )?;
     }
     Ok(t.to_json())
-}
-
-/// The error body the admin API answers with.
-pub fn error_body(e: &ApiError) -> Value {
-    json!({"code": e.code.as_str(), "message": e.message})
-}
-
-pub fn code_of(v: &Value) -> Option<Code> {
-    serde_json::from_value(v.get("code")?.clone()).ok()
 }
 
 #[cfg(test)]

@@ -7,6 +7,9 @@ use crate::store::Store;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use crate::protocol::BASE_PATH;
+use crate::protocol::PROTOCOL_MIN;
+use crate::protocol::PROTOCOL_MAX;
 
 pub struct App {
     pub state_dir: PathBuf,
@@ -31,10 +34,6 @@ pub struct App {
     /// (each holds a discovery token: wiped when dropped).
     pub boot_gate: std::sync::Mutex<crate::boot::gate::Gate>,
 }
-
-pub const BASE_PATH: &str = "/api/compute";
-pub const PROTOCOL_MIN: u32 = 1;
-pub const PROTOCOL_MAX: u32 = 1;
 
 impl App {
     /// Loads the config, the store and the public PKI of an initialised state directory.

@@ -185,7 +185,7 @@ pub fn backup(state_dir: &Path, out: &Path) -> ApiResult<Manifest> {
         bca_version: env!("CARGO_PKG_VERSION").into(),
         site_id: config.site_id.clone(),
         site_name: config.site_name.clone(),
-        created_at: crate::api::rfc3339(crate::clock::now()),
+        created_at: crate::clock::rfc3339(crate::clock::now()),
         key_protection: protection,
         files: members
             .iter()

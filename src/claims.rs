@@ -296,6 +296,26 @@ pub fn expect_matches(e: &crate::api::Expect, ids: &Identifiers) -> bool {
     true
 }
 
+/// A MAC with any separators and case as `aa:bb:cc:dd:ee:ff` (any address: the boot MAC of a VM
+/// may be locally administered).
+pub fn loose_mac(v: &str) -> Option<String> {
+    let hex: String = v
+        .trim()
+        .chars()
+        .filter(|c| !matches!(c, ':' | '-' | '.'))
+        .collect::<String>()
+        .to_ascii_lowercase();
+    if hex.len() != 12 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    Some(
+        (0..6)
+            .map(|i| &hex[2 * i..2 * i + 2])
+            .collect::<Vec<_>>()
+            .join(":"),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -874,7 +874,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             let tenant = tenant_scope(&c, tenant, all_tenants)?;
             // An age is turned into a time here; a time is passed on for the server to check.
             let since = since.map(|s| match crate::audit::parse_age(&s) {
-                Some(age) => crate::api::rfc3339(crate::clock::now() - age),
+                Some(age) => crate::clock::rfc3339(crate::clock::now() - age),
                 None => s,
             });
             let v = c.call(
@@ -1777,8 +1777,8 @@ fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
                 "subject": c.subject().to_string(),
                 "issuer": c.issuer().to_string(),
                 "serial": c.raw_serial_as_string(),
-                "notBefore": crate::api::rfc3339(c.validity().not_before.timestamp()),
-                "notAfter": crate::api::rfc3339(c.validity().not_after.timestamp()),
+                "notBefore": crate::clock::rfc3339(c.validity().not_before.timestamp()),
+                "notAfter": crate::clock::rfc3339(c.validity().not_after.timestamp()),
             }),
             Err(e) => json!({"error": e.to_string()}),
         }

@@ -6,6 +6,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use crate::net::split_response;
 
 pub struct Client {
     pub socket: PathBuf,
@@ -33,7 +34,7 @@ impl Client {
         let payload = serde_json::to_vec(body).expect("serializes");
         let head = format!(
             "POST {}/{method} HTTP/1.1\r\nhost: bca\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            crate::app::BASE_PATH,
+            crate::protocol::BASE_PATH,
             payload.len()
         );
         let io = |e: std::io::Error| {
@@ -65,7 +66,7 @@ impl Client {
         if status == 200 {
             Ok(v)
         } else {
-            let code = crate::api::code_of(&v).unwrap_or(Code::Internal);
+            let code = crate::error::code_of(&v).unwrap_or(Code::Internal);
             let msg = v
                 .get("message")
                 .and_then(Value::as_str)
@@ -76,19 +77,3 @@ impl Client {
     }
 }
 
-/// (status, body) of a whole HTTP/1.1 response with a content-length.
-pub fn split_response(raw: &[u8]) -> Option<(u16, &[u8])> {
-    let end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = std::str::from_utf8(&raw[..end]).ok()?;
-    let status: u16 = head.split_whitespace().nth(1)?.parse().ok()?;
-    let body = &raw[end + 4..];
-    let len = head
-        .lines()
-        .find_map(|l| {
-            l.split_once(':')
-                .filter(|(k, _)| k.eq_ignore_ascii_case("content-length"))
-        })
-        .and_then(|(_, v)| v.trim().parse::<usize>().ok())
-        .unwrap_or(body.len());
-    body.get(..len).map(|b| (status, b))
-}

@@ -26,26 +26,7 @@ use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
 use crate::protocol::{JoinDeferral, JoinResponse, Outcome, JOIN_DEFERRAL_PURPOSE};
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
-
-/// A MAC with any separators and case as `aa:bb:cc:dd:ee:ff` (any address: the boot MAC of a VM
-/// may be locally administered).
-pub fn loose_mac(v: &str) -> Option<String> {
-    let hex: String = v
-        .trim()
-        .chars()
-        .filter(|c| !matches!(c, ':' | '-' | '.'))
-        .collect::<String>()
-        .to_ascii_lowercase();
-    if hex.len() != 12 || !hex.bytes().all(|c| c.is_ascii_hexdigit()) {
-        return None;
-    }
-    Some(
-        (0..6)
-            .map(|i| &hex[2 * i..2 * i + 2])
-            .collect::<Vec<_>>()
-            .join(":"),
-    )
-}
+use crate::claims::loose_mac;
 
 /// Marks requests past their expiry `expired`.
 pub fn expire(tx: &Transaction<'_>, now: i64) -> ApiResult<()> {

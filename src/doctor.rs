@@ -188,13 +188,13 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
                         "gateway certificate",
                         format!(
                             "expires {}: rotate it (bca pki rotate gateway)",
-                            crate::api::rfc3339(t)
+                            crate::clock::rfc3339(t)
                         ),
                     ),
                     Some(t) => r.line(
                         Level::Ok,
                         "gateway certificate",
-                        format!("valid until {}", crate::api::rfc3339(t)),
+                        format!("valid until {}", crate::clock::rfc3339(t)),
                     ),
                     None => r.line(Level::Fail, "gateway certificate", "cannot be read"),
                 }
@@ -348,7 +348,7 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
 
     let findings = crate::health::clock_findings(newest, skew, crate::clock::now());
     if findings.is_empty() {
-        r.line(Level::Ok, "clock", crate::api::rfc3339(crate::clock::now()));
+        r.line(Level::Ok, "clock", crate::clock::rfc3339(crate::clock::now()));
     }
     for f in findings {
         r.line(Level::Warn, "clock", f);

@@ -3,7 +3,8 @@
 //! `<state-dir>/downloads/bcd/<version>/linux-<arch>` and records its SHA-256; the HTTP listener
 //! serves it at `GET /api/compute/downloads/bcd/<version>/linux-<arch>`.
 
-use crate::api::{audit, rfc3339, Ctx};
+use crate::api::{audit, Ctx};
+use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
 use crate::store::Store;
 use rusqlite::{params, OptionalExtension};

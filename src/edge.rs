@@ -11,7 +11,7 @@
 //! boot root, not linked from elsewhere.
 
 use crate::app::App;
-use crate::boot::BootConfig;
+use crate::config::BootConfig;
 use serde::{Deserialize, Serialize};
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -312,7 +312,7 @@ pub async fn answer(app: &Arc<App>, a: Ask) -> Answer {
 fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
     match a {
         Ask::DhcpAddress { mac, discover } => Answer::Address {
-            ip: crate::discovery::loose_mac(&mac).and_then(|mac| {
+            ip: crate::claims::loose_mac(&mac).and_then(|mac| {
                 crate::boot::server::address(app, &mac, discover, crate::clock::now())
             }),
         },
@@ -326,7 +326,7 @@ fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
             let known = ["dhcp", "dhcp-ipxe"].contains(&stage.as_str());
             let ip = ip.filter(|i| i.parse::<std::net::IpAddr>().is_ok());
             let file = file.filter(|f| f.len() <= 255 && !f.contains(['\0', '\n']));
-            if let (Some(mac), true) = (crate::discovery::loose_mac(&mac), known) {
+            if let (Some(mac), true) = (crate::claims::loose_mac(&mac), known) {
                 crate::boot::http::lease(app, &mac, ip, arch, &stage, file.as_deref());
             }
             Answer::Done
@@ -351,7 +351,7 @@ fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
             body: crate::metrics::get().render(app.sessions.len(), edge.as_ref()),
         },
         Ask::Sighting { mac, ip } => {
-            if let Some(mac) = crate::discovery::loose_mac(&mac) {
+            if let Some(mac) = crate::claims::loose_mac(&mac) {
                 crate::boot::server::sighted(app, &mac, ip, crate::clock::now());
             }
             Answer::Done

@@ -106,3 +106,12 @@ impl From<rusqlite::Error> for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+pub fn code_of(v: &serde_json::Value) -> Option<Code> {
+    serde_json::from_value(v.get("code")?.clone()).ok()
+}
+
+/// The error body the admin API answers with.
+pub fn error_body(e: &ApiError) -> serde_json::Value {
+    serde_json::json!({"code": e.code.as_str(), "message": e.message})
+}

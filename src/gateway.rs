@@ -13,7 +13,9 @@
 //! wait in the kernel's accept queue, so an overload is served in arrival order); frames are at most
 //! [`protocol::MAX_FRAME`] bytes; a session silent for three heartbeats is closed.
 
-use crate::app::{App, PROTOCOL_MAX, PROTOCOL_MIN};
+use crate::app::{App};
+use crate::protocol::PROTOCOL_MAX;
+use crate::protocol::PROTOCOL_MIN;
 use crate::joinservice::JoinHandle;
 use crate::protocol::{self, Call, Clock, Outcome, Reply, Request, Welcome};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -22,6 +24,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::server::TlsStream;
+use crate::net::provider;
 
 /// Per-source limits: connections open now, and a token bucket of joins.
 #[derive(Default)]
@@ -95,22 +98,6 @@ pub enum Relay {
     None,
     Local(JoinHandle),
     Parent(Arc<crate::privsep::Link>),
-}
-
-/// The rustls provider every TLS endpoint of bca uses: aws-lc-rs.
-///
-/// TLS 1.3's AES-128-GCM-SHA256 is preferred: its key schedule runs on SHA-256, which these
-/// machines accelerate, where SHA-384 (AES-256-GCM's) cost 5% of a join in a profile. AES-256-GCM
-/// and ChaCha20-Poly1305 stay available.
-pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    use rustls::crypto::aws_lc_rs::cipher_suite as cs;
-    let mut p = rustls::crypto::aws_lc_rs::default_provider();
-    p.cipher_suites = vec![
-        cs::TLS13_AES_128_GCM_SHA256,
-        cs::TLS13_AES_256_GCM_SHA384,
-        cs::TLS13_CHACHA20_POLY1305_SHA256,
-    ];
-    Arc::new(p)
 }
 
 /// The gateway's certificate and key, swapped by a rotation while serving: new handshakes get the

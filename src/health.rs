@@ -31,14 +31,14 @@ pub fn clock_findings(
     if now < CLOCK_FLOOR {
         out.push(format!(
             "the clock reads {}, before this release existed: set the time (renewals need clocks within 60 s)",
-            crate::api::rfc3339(now)
+            crate::clock::rfc3339(now)
         ));
     }
     if let Some(t) = newest_row.filter(|t| *t > now + BACKWARDS_SLACK) {
         out.push(format!(
             "the clock went backwards: the newest record was written at {} and the clock reads {}",
-            crate::api::rfc3339(t),
-            crate::api::rfc3339(now)
+            crate::clock::rfc3339(t),
+            crate::clock::rfc3339(now)
         ));
     }
     if let Some((m, n)) =
@@ -86,7 +86,7 @@ pub fn report(app: &App) -> ApiResult<Value> {
     };
     Ok(json!({
         "status": status,
-        "time": crate::api::rfc3339(now),
+        "time": crate::clock::rfc3339(now),
         "database": db_ok,
         "joinService": join_ok,
         "sessions": app.sessions.len(),

@@ -2,7 +2,8 @@
 //! socket, whose callers are identified by `SO_PEERCRED` and recorded in audit rows.
 
 use crate::api::{self, Ctx};
-use crate::app::{App, BASE_PATH};
+use crate::app::{App};
+use crate::protocol::BASE_PATH;
 use crate::edge::{Answer, Ask, Core, Edge};
 use crate::error::ApiError;
 use bytes::Bytes;
@@ -39,7 +40,7 @@ fn respond(status: u16, v: &Value) -> Response<Body> {
 }
 
 fn error(e: &ApiError) -> Response<Body> {
-    respond(e.code.http_status(), &api::error_body(e))
+    respond(e.code.http_status(), &crate::error::error_body(e))
 }
 
 fn well_known_path() -> String {

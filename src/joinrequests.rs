@@ -6,7 +6,8 @@
 //! approving twice returns the approval; any other decided state, or an archived pool, is
 //! `INVALID_STATE`. `reject` is final, and withdraws an approval not used yet.
 
-use crate::api::{audit, publish, rfc3339, Ctx};
+use crate::api::{audit, publish, Ctx};
+use crate::clock::rfc3339;
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
 use crate::error::{ApiError, ApiResult};
 use crate::store::{found, Store};

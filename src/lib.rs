@@ -39,6 +39,7 @@ pub mod jwe;
 pub mod keys;
 pub mod limits;
 pub mod metrics;
+pub mod net;
 pub mod nodekey;
 pub mod nodes;
 pub mod pki;

@@ -24,7 +24,7 @@ pub struct Metrics {
     pub tftp_refused_busy: AtomicU64,
     pub tftp_bytes: AtomicU64,
     pub boot_http_requests: AtomicU64,
-    /// Restarts of the network child ([`crate::privsep`]).
+    /// Restarts of the network child (`privsep`).
     pub privsep_restarts: AtomicU64,
     /// DHCP sightings the core recorded (a MAC seen at an address: `boot::gate`).
     pub boot_sightings: AtomicU64,

@@ -148,7 +148,7 @@ impl NodeKey {
     /// The key as rustls signs a TLS 1.3 handshake with it.
     pub fn tls_key(&self) -> Result<Arc<dyn rustls::sign::SigningKey>, String> {
         match self {
-            NodeKey::Soft(k) => crate::gateway::provider()
+            NodeKey::Soft(k) => crate::net::provider()
                 .key_provider
                 .load_private_key(rustls::pki_types::PrivateKeyDer::Pkcs8(
                     k.pkcs8().to_vec().into(),

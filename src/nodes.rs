@@ -1,6 +1,7 @@
 //! Nodes: the admin API's `nodes.*` methods and `bca nodes`.
 
-use crate::api::{audit, parse, publish, rfc3339, Ctx};
+use crate::api::{audit, parse, publish, Ctx};
+use crate::clock::rfc3339;
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
 use crate::error::{ApiError, ApiResult};
 use crate::store::{found, Store};

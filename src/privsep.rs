@@ -338,7 +338,7 @@ struct Init {
     user: Option<(u32, u32)>,
     /// Files the child must fail to open.
     probe: Vec<PathBuf>,
-    boot: crate::boot::BootConfig,
+    boot: crate::config::BootConfig,
     metrics_public: bool,
     /// The boot root and the downloads directory, for messages (the child gets descriptors).
     roots: (PathBuf, PathBuf),

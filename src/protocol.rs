@@ -451,3 +451,9 @@ impl Reply {
         serde_json::to_vec(self).expect("serializes")
     }
 }
+
+pub const BASE_PATH: &str = "/api/compute";
+
+pub const PROTOCOL_MIN: u32 = 1;
+
+pub const PROTOCOL_MAX: u32 = 1;

@@ -446,7 +446,7 @@ pub fn status(state_dir: &Path) -> ApiResult<Value> {
     let public = PublicPki::load(&pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
     let pins = public.pins().map_err(ApiError::invalid_config)?;
     let s = load_schedule(state_dir);
-    let t = |v: Option<i64>| v.map(crate::api::rfc3339);
+    let t = |v: Option<i64>| v.map(crate::clock::rfc3339);
     Ok(json!({
         "pins": pins,
         "rotation": {

@@ -18,7 +18,7 @@ impl PinnedCaVerifier {
     pub fn new(pin: &str) -> Self {
         Self {
             pin: pin.to_string(),
-            provider: crate::gateway::provider(),
+            provider: crate::net::provider(),
         }
     }
 }
@@ -108,7 +108,7 @@ pub fn client_config_with(
     let identity = match identity {
         None => None,
         Some((chain, pkcs8)) => {
-            let key = crate::gateway::provider()
+            let key = crate::net::provider()
                 .key_provider
                 .load_private_key(rustls::pki_types::PrivateKeyDer::Pkcs8(
                     pkcs8.to_vec().into(),
@@ -128,7 +128,7 @@ pub fn client_config_signer(
     serving_ca_pin: &str,
     identity: Option<ClientIdentity>,
 ) -> Result<rustls::ClientConfig, String> {
-    let builder = rustls::ClientConfig::builder_with_provider(crate::gateway::provider())
+    let builder = rustls::ClientConfig::builder_with_provider(crate::net::provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
         .dangerous()
@@ -173,19 +173,6 @@ impl rustls::client::ResolvesClientCert for Always {
     fn has_certs(&self) -> bool {
         true
     }
-}
-
-/// Host and port of an `https://host[:port]` URL (443 by default).
-pub fn host_port(url: &str) -> Option<(String, u16)> {
-    let host = crate::config::url_host(url)?;
-    let authority = url.strip_prefix("https://")?.split('/').next()?;
-    let port = match authority.rsplit_once(':') {
-        Some((h, p)) if !h.ends_with(':') && (!authority.starts_with('[') || h.ends_with(']')) => {
-            p.parse().ok()?
-        }
-        _ => 443,
-    };
-    Some((host, port))
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@
 //! `tpm` attestor. Allowing it again into the same pool changes nothing; into another pool is a
 //! conflict (remove it first: a machine never moves pools silently). Each change is audited.
 
-use crate::api::{audit, rfc3339, Ctx};
+use crate::api::{audit, Ctx};
+use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
 use crate::store::Store;
 use crate::validate;

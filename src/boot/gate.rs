@@ -10,7 +10,7 @@
 //!
 //! Nothing here touches the network or the database: `boot::http` and `boot::server` ask it.
 
-use crate::boot::BootConfig;
+use crate::config::BootConfig;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use zeroize::Zeroizing;

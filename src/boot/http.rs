@@ -12,7 +12,8 @@
 //!
 //! The discovery token never appears in a URL, a log line or a boot lease row.
 
-use crate::app::{App, BASE_PATH};
+use crate::app::{App};
+use crate::protocol::BASE_PATH;
 use crate::boot::cpio::Cpio;
 use crate::boot::templates;
 use crate::edge::{Answer, Ask, Edge, ReadRoot};
@@ -143,7 +144,7 @@ fn script_root(app: &App) -> Result<ReadRoot, ScriptRefused> {
 }
 
 /// The URL iPXE reaches the HTTP listener at.
-pub fn http_url(boot: &crate::boot::BootConfig, local: Option<SocketAddr>) -> String {
+pub fn http_url(boot: &crate::config::BootConfig, local: Option<SocketAddr>) -> String {
     if let Some(u) = &boot.http_url {
         return u.trim_end_matches('/').to_string();
     }
@@ -216,7 +217,7 @@ pub async fn handle(
             .split('&')
             .find_map(|kv| kv.strip_prefix("mac="))
             .map(|m| m.replace("%3A", ":").replace("%3a", ":"));
-        let Some(mac) = mac.as_deref().and_then(crate::discovery::loose_mac) else {
+        let Some(mac) = mac.as_deref().and_then(crate::claims::loose_mac) else {
             return BootAnswer::Text(templates::render(
                 &edge.boot_root,
                 templates::NEEDS_MAC,
@@ -317,7 +318,7 @@ pub async fn script(
     base: &str,
 ) -> Result<String, ScriptRefused> {
     let bad = |m: &str| ScriptRefused::Unavailable(m.to_string());
-    let mac = crate::discovery::loose_mac(mac).ok_or_else(|| bad("not a MAC address"))?;
+    let mac = crate::claims::loose_mac(mac).ok_or_else(|| bad("not a MAC address"))?;
     let mac = mac.as_str();
     let peer_ip = peer
         .parse::<std::net::IpAddr>()

@@ -3,7 +3,7 @@
 
 use crate::app::App;
 use crate::boot::dhcp::{self, Files, ReplyCtx};
-use crate::boot::BootConfig;
+use crate::config::BootConfig;
 use crate::edge::{Answer, Ask, Edge, ReadRoot};
 use dhcproto::{Encodable, Encoder};
 use socket2::{Domain, Protocol, Socket, Type};
@@ -91,7 +91,7 @@ impl DhcpState {
     }
 
     /// The MAC's address: its lease's, else a free one (the one offered to it first).
-    fn address_for(&self, b: &crate::boot::BootConfig, mac: &str, now: i64) -> Option<Ipv4Addr> {
+    fn address_for(&self, b: &crate::config::BootConfig, mac: &str, now: i64) -> Option<Ipv4Addr> {
         if let Some((ip, _)) = self.leases.get(mac) {
             return Some(*ip);
         }
@@ -107,7 +107,7 @@ impl DhcpState {
     /// another MAC; `prefer` first.
     fn free(
         &self,
-        b: &crate::boot::BootConfig,
+        b: &crate::config::BootConfig,
         mac: &str,
         prefer: Option<Ipv4Addr>,
         now: i64,

@@ -303,7 +303,7 @@ pub(crate) fn parse<R: TpmUnmarshalBody>(name: &'static str, raw: &[u8]) -> Resu
         .map_err(|e| fail(format!("a malformed response: {e:?}")))
 }
 
-/// Every response bca parses, as the fuzzer drives it ([`crate::fuzzing::tpm`]).
+/// Every response bca parses, as the fuzzer drives it (the `tpm` fuzz target).
 pub(crate) fn parse_any(raw: &[u8]) {
     if let Some(b) = raw.get(6..10) {
         let _ = explain(u32::from_be_bytes([b[0], b[1], b[2], b[3]]));

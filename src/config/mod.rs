@@ -2,6 +2,12 @@
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use crate::net::url_host;
+
+mod boot;
+mod retention;
+pub use boot::BootConfig;
+pub use retention::RetentionConfig;
 
 /// How the appliance's private keys are protected at rest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,16 +76,16 @@ pub struct Config {
     #[serde(default)]
     pub tpm_attestor: TpmAttestorConfig,
     #[serde(default)]
-    pub boot: crate::boot::BootConfig,
+    pub boot: BootConfig,
     #[serde(default)]
-    pub retention: crate::audit::RetentionConfig,
+    pub retention: RetentionConfig,
     #[serde(default)]
     pub health: HealthConfig,
     #[serde(default)]
     pub privsep: PrivsepConfig,
 }
 
-/// Privilege separation ([`crate::privsep`]): the gateway's TLS and frames are parsed in a child
+/// Privilege separation (`privsep`): the gateway's TLS and frames are parsed in a child
 /// process that holds no private key and cannot open a file.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -415,22 +421,6 @@ impl Config {
             .clone()
             .or_else(|| self.gateway_url.as_deref().and_then(url_host))
     }
-}
-
-/// The host of an `https://host[:port][/...]` URL.
-pub fn url_host(url: &str) -> Option<String> {
-    let rest = url.strip_prefix("https://")?;
-    let authority = rest.split('/').next()?;
-    let host = if let Some(v6) = authority.strip_prefix('[') {
-        v6.split(']').next()?.to_string()
-    } else {
-        authority
-            .rsplit_once(':')
-            .map(|(h, _)| h)
-            .unwrap_or(authority)
-            .to_string()
-    };
-    (!host.is_empty()).then_some(host)
 }
 
 #[cfg(test)]
