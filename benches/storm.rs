@@ -18,7 +18,7 @@
 //! they are the reference of; each `*_ceiling_fraction` is against the mean of the two around its
 //! storm. The loop runs in this bench's own build of bca's code (the host's, glibc), whatever
 //! binary is under test: the same aws-lc, whose cost per join the static binary matched within
-//! 10% in profiles (BENCHMARKS.md, 2026-12-06). The ceilings after a storm share core 0 with the
+//! 10% in profiles (docs/benchmarks-history.md, 2026-12-06). The ceilings after a storm share core 0 with the
 //! appliance, idle by then (its sessions send nothing). `*_core_steal` is the part of core 0's
 //! time the hypervisor gave to something else. `*_context_switches` counts the appliance's
 //! threads' switches per join or renewal (both processes): a figure that, unlike the rates,
@@ -27,7 +27,8 @@
 #[path = "storm/floor.rs"]
 mod floor;
 mod support;
-use bca::agent::{self, AgentConfig};
+use bca::agent::{self};
+use bca::agent_config::AgentConfig;
 use bca::crypto::{self, SigningKey};
 use bca::protocol::{self, Hello, JoinRequest, RenewRequest, Reply, Request};
 use serde_json::{json, Value};
@@ -263,8 +264,8 @@ fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
 }
 
 /// An appliance's keys and configuration for the ceilings' tight loops.
-fn ceiling_setup() -> (bca::keys::KeyBundle, bca::config::Config) {
-    let keys = bca::keys::KeyBundle::generate();
+fn ceiling_setup() -> (bca::bundle::KeyBundle, bca::config::Config) {
+    let keys = bca::bundle::KeyBundle::generate();
     let cfg: bca::config::Config = toml::from_str(
         "trust_domain = \"b.example\"\nsite_id = \"site_x\"\nsite_name = \"x\"\nkey_protection = \"file\"\n",
     )
@@ -275,7 +276,7 @@ fn ceiling_setup() -> (bca::keys::KeyBundle, bca::config::Config) {
 /// Signs a node certificate for `public_point` and the response over it, as the JoinService
 /// does for a join and for a renewal.
 fn ceiling_issue(
-    keys: &bca::keys::KeyBundle,
+    keys: &bca::bundle::KeyBundle,
     node_ca: &(rcgen::Certificate, rcgen::KeyPair),
     public_point: &[u8],
 ) -> Vec<u8> {
@@ -627,7 +628,7 @@ fn reconnect_storm(
 
 fn chain_der(pems: &[String]) -> Vec<Vec<u8>> {
     pems.iter()
-        .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .map(|p| bca::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
         .collect()
 }
 
@@ -850,7 +851,7 @@ fn prepare_machines_in(
         })
         .collect();
     let adir = a.dir.join(format!("agent-{pool_name}"));
-    agent::write_agent_config(
+    bca::agent_files::write_agent_config(
         &a.dir.join("state"),
         &format!("https://{}", a.gateway),
         &adir,
@@ -1257,7 +1258,7 @@ fn main() {
     // With passphrase protection, start also pays the key derivation (Argon2id, 64 MiB, 3
     // passes), printed apart: it is the price of the protection, not of the start.
     let kdf_dir = a.dir.join("kdf");
-    let bundle = bca::keys::KeyBundle::generate();
+    let bundle = bca::bundle::KeyBundle::generate();
     bca::keys::seal(
         &kdf_dir,
         &bundle,

@@ -4,11 +4,13 @@
 //! `identity.json` (0600: node id, site, trust domain, role, certificate chain). The config (the
 //! seed's `config.toml`) and `join-encryption.jwk` lie beside each other (default `/etc/bca-agent`).
 
+use crate::agent_config::write_agent_files;
+use crate::agent_config::AgentConfig;
 use crate::claims::Claims;
 use crate::crypto::{self, SigningKey};
 use crate::error::{ApiError, ApiResult, Code};
+use crate::jwe::Jwk;
 use crate::nodekey::NodeKey;
-use crate::pki::{self, Jwk};
 use crate::protocol::{self, JoinRequest, JoinResponseBody, Reply, Request, JOIN_RESPONSE_PURPOSE};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -17,86 +19,6 @@ use zeroize::Zeroizing;
 
 pub const DEFAULT_CONFIG: &str = "/etc/bca-agent/config.toml";
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/bca-agent";
-
-/// The agent's `config.toml`, as the seed's install script writes it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct AgentConfig {
-    pub gateway_url: String,
-    pub site: String,
-    pub serving_ca_spki_pin: String,
-    pub join_signing_key_pin: String,
-    pub join_encryption_key_pin: String,
-    /// The name to verify on the gateway's certificate (default: the URL's host).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub server_name: Option<String>,
-    /// During a join-signing rotation: the next key's pin, accepted as well as the current one.
-    /// Written by `bca daemon agent-config` during the overlap, or learned from a renewal's
-    /// signed answer; becomes the current pin when the appliance signs with it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub join_signing_next_key_pin: Option<String>,
-}
-
-impl AgentConfig {
-    pub fn load(path: &Path) -> ApiResult<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            ApiError::invalid_config(format!("cannot read {}: {e}", path.display()))
-        })?;
-        let c: AgentConfig = toml::from_str(&text)
-            .map_err(|e| ApiError::invalid_config(format!("{}: {e}", path.display())))?;
-        for (k, v) in [
-            ("serving_ca_spki_pin", Some(&c.serving_ca_spki_pin)),
-            ("join_signing_key_pin", Some(&c.join_signing_key_pin)),
-            ("join_encryption_key_pin", Some(&c.join_encryption_key_pin)),
-            (
-                "join_signing_next_key_pin",
-                c.join_signing_next_key_pin.as_ref(),
-            ),
-        ] {
-            let Some(v) = v else { continue };
-            let ok = v
-                .strip_prefix("sha256/")
-                .and_then(crypto::b64_decode)
-                .is_some_and(|h| h.len() == 32);
-            if !ok {
-                return Err(ApiError::invalid_config(format!(
-                    "{}: {k} must be sha256/<base64 of 32 bytes>",
-                    path.display()
-                )));
-            }
-        }
-        if crate::net::host_port(&c.gateway_url).is_none() {
-            return Err(ApiError::invalid_config(format!(
-                "{}: gateway_url must be https://host[:port]",
-                path.display()
-            )));
-        }
-        Ok(c)
-    }
-
-    /// The join-encryption key beside the config, used only when its SPKI hash equals the pin.
-    pub fn join_encryption_point(&self, config_path: &Path) -> ApiResult<Vec<u8>> {
-        let p = config_path.with_file_name("join-encryption.jwk");
-        let text = std::fs::read_to_string(&p).map_err(|e| {
-            ApiError::invalid_config(format!(
-                "cannot read {}: {e} (run bca daemon agent-config again)",
-                p.display()
-            ))
-        })?;
-        let jwk: Jwk = serde_json::from_str(&text)
-            .map_err(|e| ApiError::invalid_config(format!("{}: {e}", p.display())))?;
-        let point = jwk.point().ok_or_else(|| {
-            ApiError::invalid_config(format!("{} is not a P-256 key", p.display()))
-        })?;
-        if crypto::spki_pin(&crypto::p256_spki_from_point(&point)) != self.join_encryption_key_pin {
-            return Err(ApiError::invalid_config(format!(
-                "{} does not match join_encryption_key_pin; the key was rotated or the file replaced: write the agent config again",
-                p.display()
-            )));
-        }
-        Ok(point)
-    }
-}
 
 /// What a node keeps after joining.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -145,7 +67,7 @@ fn signed_body(
     purpose: &str,
 ) -> Result<Vec<u8>, &'static str> {
     let signer = crypto::b64_decode(&r.signer).ok_or("signer")?;
-    let spki = pki::cert_spki(&signer).map_err(|_| "signer")?;
+    let spki = crate::x509::cert_spki(&signer).map_err(|_| "signer")?;
     let pin = crypto::spki_pin(&spki);
     if pin != cfg.join_signing_key_pin && Some(&pin) != cfg.join_signing_next_key_pin.as_ref() {
         return Err("not signed by the pinned join-signing key");
@@ -169,7 +91,7 @@ pub fn pins_learned(
 ) -> Option<AgentConfig> {
     let mut next = cfg.clone();
     let signer_pin = crypto::b64_decode(&r.signer)
-        .and_then(|d| pki::cert_spki(&d).ok())
+        .and_then(|d| crate::x509::cert_spki(&d).ok())
         .map(|s| crypto::spki_pin(&s));
     if let Some(p) = signer_pin.filter(|p| Some(p) == cfg.join_signing_next_key_pin.as_ref()) {
         next.join_signing_key_pin = p;
@@ -691,7 +613,7 @@ pub fn tpm_evidence(
             };
             let ek = t.ek_public_area(alg)?;
             let spki = crate::tpm::public_key_of(&ek).map(|p| p.spki).ok();
-            if spki.is_some() && pki::cert_spki(&c).ok() == spki && c.len() <= 4096 {
+            if spki.is_some() && crate::x509::cert_spki(&c).ok() == spki && c.len() <= 4096 {
                 return Ok((alg, Some(c), ek));
             }
         }
@@ -868,11 +790,11 @@ pub fn verify_response_for(
         .certificate_chain
         .first()
         .ok_or_else(|| bad("no certificate"))?;
-    let leaf = pki::pem_decode_all(leaf_pem, "CERTIFICATE")
+    let leaf = crate::x509::pem_decode_all(leaf_pem, "CERTIFICATE")
         .into_iter()
         .next()
         .ok_or_else(|| bad("certificate"))?;
-    if pki::cert_spki(&leaf).map_err(|_| bad("certificate"))? != key_spki {
+    if crate::x509::cert_spki(&leaf).map_err(|_| bad("certificate"))? != key_spki {
         return Err(bad("the certificate does not certify this machine's key"));
     }
     let want = format!(
@@ -896,7 +818,7 @@ pub fn verify_response_for(
 pub fn spiffe_sans(der: &[u8]) -> Option<String> {
     use x509_parser::prelude::*;
     let (_, c) = X509Certificate::from_der(der).ok()?;
-    let uris = pki::uri_sans(&c)?;
+    let uris = crate::x509::uri_sans(&c)?;
     let first = *uris.first()?;
     if !first.starts_with("spiffe://") || uris[1..].iter().any(|u| !u.starts_with("urn:bc:")) {
         return None;
@@ -917,64 +839,4 @@ pub fn cert_role(der: &[u8]) -> Option<String> {
         [one] => one.strip_prefix("bc-role:").map(str::to_string),
         _ => None,
     }
-}
-
-/// The agent configuration and the join-encryption JWK (JSON) for this appliance's site.
-pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(AgentConfig, String)> {
-    let cfg = crate::config::Config::load(state_dir).map_err(ApiError::invalid_config)?;
-    let public =
-        pki::PublicPki::load(&pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
-    let pins = public.pins().map_err(ApiError::invalid_config)?;
-    if crate::net::host_port(gateway_url).is_none() {
-        return Err(ApiError::invalid_input(format!(
-            "--gateway-url {gateway_url:?} must be https://host[:port]"
-        )));
-    }
-    // During a join-encryption overlap the agent gets the next key: the appliance accepts it from
-    // the moment it is staged, and it stays good after the promotion.
-    let (enc_pin, enc_jwk) = match (&pins.join_encryption_next, &public.join_encryption_next) {
-        (Some(p), Some(j)) => (p.clone(), j),
-        _ => (pins.join_encryption, &public.join_encryption),
-    };
-    let agent = AgentConfig {
-        gateway_url: gateway_url.to_string(),
-        site: cfg.site_id,
-        serving_ca_spki_pin: pins.serving_ca,
-        join_signing_key_pin: pins.join_signing,
-        join_encryption_key_pin: enc_pin,
-        server_name: None,
-        join_signing_next_key_pin: pins.join_signing_next,
-    };
-    let jwk = serde_json::to_string_pretty(enc_jwk).expect("serializes") + "\n";
-    Ok((agent, jwk))
-}
-
-/// `bca daemon agent-config`: the agent's `config.toml` (0600) and `join-encryption.jwk` (0644).
-pub fn write_agent_config(state_dir: &Path, gateway_url: &str, out: &Path) -> ApiResult<()> {
-    let (agent, jwk) = agent_config_for(state_dir, gateway_url)?;
-    write_agent_files(&agent, &jwk, out)
-}
-
-/// Writes an agent's two files into `out`, never over existing ones.
-pub fn write_agent_files(agent: &AgentConfig, jwk: &str, out: &Path) -> ApiResult<()> {
-    std::fs::create_dir_all(out)
-        .map_err(|e| ApiError::invalid_state(format!("cannot create {}: {e}", out.display())))?;
-    let cfg_path = out.join("config.toml");
-    let jwk_path = out.join("join-encryption.jwk");
-    for p in [&cfg_path, &jwk_path] {
-        if p.exists() {
-            return Err(ApiError::already_exists(format!(
-                "{} exists; it was not written over",
-                p.display()
-            )));
-        }
-    }
-    let text = format!(
-        "# bca agent configuration\n{}",
-        toml::to_string(agent).expect("serializes")
-    );
-    crate::fsutil::write_new(&cfg_path, text.as_bytes(), 0o600)
-        .map_err(ApiError::already_exists)?;
-    crate::fsutil::write_new(&jwk_path, jwk.as_bytes(), 0o644).map_err(ApiError::already_exists)?;
-    Ok(())
 }

@@ -8,11 +8,11 @@
 //!
 //! [`load_identity`] finishes step 3 when it finds an identity whose key is `node.key.next`.
 
-use crate::agent::{self, AgentConfig, GatewayStream, Identity};
+use crate::agent::{self, GatewayStream, Identity};
+use crate::agent_config::AgentConfig;
 use crate::crypto;
 use crate::error::{ApiError, ApiResult, Code};
 use crate::nodekey::NodeKey;
-use crate::pki;
 use crate::protocol::{
     renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
 };
@@ -44,9 +44,13 @@ pub fn load_identity(data_dir: &Path) -> ApiResult<Loaded> {
     let chain_der: Vec<Vec<u8>> = identity
         .certificate_chain
         .iter()
-        .filter_map(|p| pki::pem_decode_all(p, "CERTIFICATE").into_iter().next())
+        .filter_map(|p| {
+            crate::x509::pem_decode_all(p, "CERTIFICATE")
+                .into_iter()
+                .next()
+        })
         .collect();
-    let leaf = chain_der.first().and_then(|d| pki::parse_node_leaf(d)).ok_or_else(|| {
+    let leaf = chain_der.first().and_then(|d| crate::x509::parse_node_leaf(d)).ok_or_else(|| {
         ApiError::invalid_state(format!("{} holds no node certificate; join again as root: bca agent join --reset --yes, then bca agent join", ip.display()))
     })?;
     let want = crypto::p256_spki_from_point(&leaf.public_point);
@@ -129,8 +133,12 @@ pub async fn renew(
     let serial = body
         .certificate_chain
         .first()
-        .and_then(|p| pki::pem_decode_all(p, "CERTIFICATE").into_iter().next())
-        .and_then(|d| pki::parse_node_leaf(&d))
+        .and_then(|p| {
+            crate::x509::pem_decode_all(p, "CERTIFICATE")
+                .into_iter()
+                .next()
+        })
+        .and_then(|d| crate::x509::parse_node_leaf(&d))
         .map(|l| l.serial_hex)
         .unwrap_or_default();
     write_renewed(
@@ -155,10 +163,10 @@ fn attest_key(
         .tpm()
         .ok_or_else(|| ApiError::internal("the next key is not held by the TPM"))?;
     let (ak, ak_public) = tpm_key.with_tpm(|t| t.ak_public())?;
-    let named = pki::parse_node_leaf(&cur.chain_der[0]).and_then(|l| {
+    let named = crate::x509::parse_node_leaf(&cur.chain_der[0]).and_then(|l| {
         l.statements
             .iter()
-            .find_map(|s| crate::tpmjoin::statement_ak_name(s))
+            .find_map(|s| crate::x509::statement_ak_name(s))
     });
     match named {
         Some(n) if n == ak.name => {}

@@ -4,6 +4,7 @@
 //! the API reference, and runs in one store transaction: an error leaves the database as it was.
 //! Mutations write an audit row naming the caller (`uid:<n>` from the socket's peer credentials).
 
+use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
 use crate::store::{found, Store};
 use crate::{crypto, ids, validate};
@@ -11,7 +12,6 @@ use rusqlite::{params, OptionalExtension, Transaction};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use crate::clock::rfc3339;
 
 /// Who calls and when; passed in, never read from the environment.
 pub struct Ctx<'a> {

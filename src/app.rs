@@ -1,15 +1,16 @@
 //! The running appliance: what `serve` loads once and every listener shares.
 
+use crate::bundle::check_keys_against;
+use crate::bundle::KeyBundle;
 use crate::config::Config;
-use crate::keys::KeyBundle;
 use crate::pki::PublicPki;
+use crate::protocol::BASE_PATH;
+use crate::protocol::PROTOCOL_MAX;
+use crate::protocol::PROTOCOL_MIN;
 use crate::store::Store;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use crate::protocol::BASE_PATH;
-use crate::protocol::PROTOCOL_MIN;
-use crate::protocol::PROTOCOL_MAX;
 
 pub struct App {
     pub state_dir: PathBuf,
@@ -79,25 +80,6 @@ impl App {
         check_keys_against(&self.pki, keys)
             .map_err(|e| format!("{e} (in {})", self.state_dir.display()))
     }
-}
-
-/// Checks that the unsealed keys are the ones the certificates and the JWK name.
-pub fn check_keys_against(pki: &PublicPki, keys: &KeyBundle) -> Result<(), String> {
-    let pairs = [
-        ("node CA", &pki.node_ca, &keys.node_ca),
-        ("serving CA", &pki.serving_ca, &keys.serving_ca),
-        ("gateway", &pki.gateway, &keys.gateway),
-        ("join-signing", &pki.join_signing, &keys.join_signing),
-    ];
-    for (name, cert, key) in pairs {
-        if crate::pki::cert_spki(cert)? != key.spki_der() {
-            return Err(format!("the {name} key does not match its certificate"));
-        }
-    }
-    if pki.join_encryption.point().as_deref() != Some(keys.join_encryption.public_point()) {
-        return Err("the join-encryption key does not match join-encryption.jwk".into());
-    }
-    Ok(())
 }
 
 pub fn well_known(config: &Config, pki: &PublicPki) -> Result<Value, String> {

@@ -10,13 +10,13 @@
 
 use crate::api::{page, Ctx};
 use crate::clock::rfc3339;
+use crate::config::RetentionConfig;
 use crate::error::{ApiError, ApiResult};
 use crate::store::Store;
 use crate::validate;
 use rusqlite::{params, Transaction};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use crate::config::RetentionConfig;
 
 /// What one pruning removed.
 #[derive(Debug, Default, PartialEq, Eq)]

@@ -1305,7 +1305,7 @@ fn run(cli: Cli) -> ApiResult<()> {
                     "pool {pool} admits no agent (agent none, or archived)"
                 )));
             }
-            let (cfg, jwk) = crate::agent::agent_config_for(&conn.state_dir(), &gateway_url)?;
+            let (cfg, jwk) = crate::agent_files::agent_config_for(&conn.state_dir(), &gateway_url)?;
             print!(
                 "{}",
                 crate::install_script::render(&crate::install_script::ScriptInput {
@@ -1321,7 +1321,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Daemon(DaemonCmd::AgentConfig { gateway_url, out }) => {
-            crate::agent::write_agent_config(&conn.state_dir(), &gateway_url, &out)?;
+            crate::agent_files::write_agent_config(&conn.state_dir(), &gateway_url, &out)?;
             println!(
                 "wrote {}/config.toml (0600) and {}/join-encryption.jwk (0644)",
                 out.display(),

@@ -1,12 +1,12 @@
 //! The CLI's client of the admin API: HTTP/1.1 over the Unix socket, one request a connection.
 
 use crate::error::{ApiError, Code};
+use crate::net::split_response;
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use crate::net::split_response;
 
 pub struct Client {
     pub socket: PathBuf,
@@ -76,4 +76,3 @@ impl Client {
         }
     }
 }
-

@@ -128,7 +128,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
     let mut agents: Vec<PathBuf> = Vec::new();
     for i in 0..o.machines {
         let adir = dir.join("agents").join(format!("m{i}"));
-        crate::agent::write_agent_config(&state, &format!("https://{gateway}"), &adir)?;
+        crate::agent_files::write_agent_config(&state, &format!("https://{gateway}"), &adir)?;
         let claims = adir.join("claims.json");
         std::fs::write(
             &claims,

@@ -20,13 +20,13 @@
 use crate::admission::Reason;
 use crate::api::{self, Bearer};
 use crate::app::App;
+use crate::claims::loose_mac;
 use crate::crypto;
 use crate::error::ApiResult;
 use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
 use crate::protocol::{JoinDeferral, JoinResponse, Outcome, JOIN_DEFERRAL_PURPOSE};
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
-use crate::claims::loose_mac;
 
 /// Marks requests past their expiry `expired`.
 pub fn expire(tx: &Transaction<'_>, now: i64) -> ApiResult<()> {

@@ -167,7 +167,7 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
         )
         .and_then(|k| {
             let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
-            crate::app::check_keys_against(&pki, &k)?;
+            crate::bundle::check_keys_against(&pki, &k)?;
             Ok(pki)
         });
         match checked {
@@ -182,7 +182,7 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
                         "unsealed and matching their certificates".to_string()
                     },
                 );
-                match crate::pki::not_after(&pki.gateway) {
+                match crate::x509::not_after(&pki.gateway) {
                     Some(t) if t - crate::clock::now() < 14 * 86_400 => r.line(
                         Level::Warn,
                         "gateway certificate",
@@ -348,7 +348,11 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
 
     let findings = crate::health::clock_findings(newest, skew, crate::clock::now());
     if findings.is_empty() {
-        r.line(Level::Ok, "clock", crate::clock::rfc3339(crate::clock::now()));
+        r.line(
+            Level::Ok,
+            "clock",
+            crate::clock::rfc3339(crate::clock::now()),
+        );
     }
     for f in findings {
         r.line(Level::Warn, "clock", f);

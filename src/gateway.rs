@@ -13,10 +13,11 @@
 //! wait in the kernel's accept queue, so an overload is served in arrival order); frames are at most
 //! [`protocol::MAX_FRAME`] bytes; a session silent for three heartbeats is closed.
 
-use crate::app::{App};
+use crate::app::App;
+use crate::joinservice::JoinHandle;
+use crate::net::provider;
 use crate::protocol::PROTOCOL_MAX;
 use crate::protocol::PROTOCOL_MIN;
-use crate::joinservice::JoinHandle;
 use crate::protocol::{self, Call, Clock, Outcome, Reply, Request, Welcome};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use std::sync::Arc;
@@ -24,7 +25,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio_rustls::server::TlsStream;
-use crate::net::provider;
 
 /// Per-source limits: connections open now, and a token bucket of joins.
 #[derive(Default)]

@@ -2,10 +2,10 @@
 //! socket, whose callers are identified by `SO_PEERCRED` and recorded in audit rows.
 
 use crate::api::{self, Ctx};
-use crate::app::{App};
-use crate::protocol::BASE_PATH;
+use crate::app::App;
 use crate::edge::{Answer, Ask, Core, Edge};
 use crate::error::ApiError;
+use crate::protocol::BASE_PATH;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;

@@ -1,8 +1,9 @@
 //! `bca init`: a new state directory with its database, root tenant, site, PKI and sealed keys.
 
+use crate::bundle::KeyBundle;
 use crate::config::{Config, JoinConfig, KeyProtection, PkiConfig};
 use crate::error::{ApiError, ApiResult};
-use crate::keys::{self, KeyBundle};
+use crate::keys::{self};
 use crate::pki::{self, Pins, PublicPki};
 use crate::store::Store;
 use crate::{fsutil, ids};

@@ -8,7 +8,7 @@
 //! has the config, it upgrades the binary in place and restarts the unit. `DESTDIR` installs into a
 //! scratch root (and skips systemctl); `BCA_CLAIMS_FILE` passes `--claims` for simulated machines.
 
-use crate::agent::AgentConfig;
+use crate::agent_config::AgentConfig;
 
 pub struct ScriptInput<'a> {
     pub pool: &'a str,

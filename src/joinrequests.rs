@@ -7,8 +7,8 @@
 //! `INVALID_STATE`. `reject` is final, and withdraws an approval not used yet.
 
 use crate::api::{audit, publish, Ctx};
-use crate::clock::rfc3339;
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
+use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
 use crate::store::{found, Store};
 use crate::validate;

@@ -16,10 +16,10 @@
 use crate::admission::{self, AdmitInput, Kind, KnownNode, Reason};
 use crate::api::{self, Bearer, TokenRow, TOKEN_COLS};
 use crate::app::App;
+use crate::bundle::KeyBundle;
 use crate::claims::{self, Claims, HardwareKey, Identifiers};
 use crate::crypto::{self, SigningKey};
 use crate::error::ApiResult;
-use crate::keys::KeyBundle;
 use crate::pki::{self, CaKind};
 use crate::protocol::{
     Call, JoinRequest, JoinResponse, JoinResponseBody, Outcome, JOIN_RESPONSE_PURPOSE,
@@ -211,7 +211,7 @@ impl JoinService {
         let node_ca = pki::issuer(CaKind::Node, &app.config, &keys.node_ca);
         let signer = Arc::new(Signer {
             node_ca,
-            node_ca_pem: pki::pem("CERTIFICATE", &app.pki.node_ca),
+            node_ca_pem: crate::x509::pem("CERTIFICATE", &app.pki.node_ca),
             keys: std::sync::RwLock::new(SignerKeys::new(&app.pki, &keys)?),
         });
         drop(keys);
@@ -1037,7 +1037,10 @@ pub(crate) fn certify(
     )?;
     let body = JoinResponseBody {
         node_id: who.node_id.to_string(),
-        certificate_chain: vec![pki::pem("CERTIFICATE", &der), signer.node_ca_pem.clone()],
+        certificate_chain: vec![
+            crate::x509::pem("CERTIFICATE", &der),
+            signer.node_ca_pem.clone(),
+        ],
         command_signing_trust_bundle: vec![],
         csr_sha256: crypto::hex(&csr.sha256),
         trust_domain: cfg.trust_domain.clone(),

@@ -218,6 +218,49 @@ pub fn decryption_key(pkcs8: &[u8]) -> Result<PrivateKey, String> {
         .map_err(|e| format!("the join-encryption key: {e}"))
 }
 
+/// A JWK for a P-256 public point.
+pub fn jwk(point: &[u8]) -> Jwk {
+    Jwk {
+        kty: "EC".into(),
+        crv: "P-256".into(),
+        x: crypto::b64url(&point[1..33]),
+        y: crypto::b64url(&point[33..65]),
+    }
+}
+
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Jwk {
+    pub kty: String,
+    pub crv: String,
+    pub x: String,
+    pub y: String,
+}
+
+impl Jwk {
+    /// The uncompressed point, if this is a P-256 key with 32-byte coordinates.
+    pub fn point(&self) -> Option<Vec<u8>> {
+        if self.kty != "EC" || self.crv != "P-256" {
+            return None;
+        }
+        let x = crypto::b64url_decode(&self.x)?;
+        let y = crypto::b64url_decode(&self.y)?;
+        if x.len() != 32 || y.len() != 32 {
+            return None;
+        }
+        let mut p = vec![4u8];
+        p.extend_from_slice(&x);
+        p.extend_from_slice(&y);
+        Some(p)
+    }
+}
+
+/// The pin of a JWK's P-256 key.
+pub fn jwk_pin(j: &Jwk) -> Result<String, String> {
+    let point = j.point().ok_or("the JWK is not a P-256 key")?;
+    Ok(crypto::spki_pin(&crypto::p256_spki_from_point(&point)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,7 @@
 //! The appliance's private keys and how they rest on disk.
 //!
 //! All five keys are P-256: the node CA, the serving CA, the gateway's TLS leaf, the join-signing
-//! key and the join-encryption key. They live together in one [`KeyBundle`] so that they are loaded
+//! key and the join-encryption key. They live together in one `KeyBundle` (`bundle`) so that they are loaded
 //! once, at `serve`, and zeroized on drop. How the bundle rests is a [`KeyProtection`]:
 //!
 //! - `passphrase`: `keys/keys.sealed`, the bundle encrypted with AES-256-GCM under a key derived
@@ -14,43 +14,13 @@
 //!   parameter encryption of the unsealed key on the bus (ARCHITECTURE.md's threat model), and an
 //!   escrow copy.
 
+use crate::bundle::KeyBundle;
 use crate::config::KeyProtection;
-use crate::crypto::{self, SigningKey};
+use crate::crypto;
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use zeroize::Zeroizing;
-
-pub struct KeyBundle {
-    pub node_ca: SigningKey,
-    pub serving_ca: SigningKey,
-    pub gateway: SigningKey,
-    pub join_signing: SigningKey,
-    pub join_encryption: SigningKey,
-    /// A rotation's staged next join-signing key (see `rotation`).
-    pub join_signing_next: Option<SigningKey>,
-    /// A rotation's staged next join-encryption key.
-    pub join_encryption_next: Option<SigningKey>,
-    /// The join-encryption key a promotion replaced, still accepted until its overlap ends.
-    pub join_encryption_previous: Option<SigningKey>,
-}
-
-#[derive(Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct BundleFile {
-    version: u32,
-    node_ca: String,
-    serving_ca: String,
-    gateway: String,
-    join_signing: String,
-    join_encryption: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    join_signing_next: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    join_encryption_next: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    join_encryption_previous: Option<String>,
-}
 
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -91,116 +61,6 @@ struct TpmSealedFile {
 const AAD: &[u8] = b"bca keys v1";
 const ARGON_M_KIB: u32 = 64 * 1024;
 const ARGON_T: u32 = 3;
-
-impl KeyBundle {
-    pub fn generate() -> Self {
-        Self {
-            node_ca: SigningKey::generate(),
-            serving_ca: SigningKey::generate(),
-            gateway: SigningKey::generate(),
-            join_signing: SigningKey::generate(),
-            join_encryption: SigningKey::generate(),
-            join_signing_next: None,
-            join_encryption_next: None,
-            join_encryption_previous: None,
-        }
-    }
-
-    fn to_json(&self) -> Zeroizing<Vec<u8>> {
-        let f = BundleFile {
-            version: 1,
-            node_ca: crypto::b64(self.node_ca.pkcs8()),
-            serving_ca: crypto::b64(self.serving_ca.pkcs8()),
-            gateway: crypto::b64(self.gateway.pkcs8()),
-            join_signing: crypto::b64(self.join_signing.pkcs8()),
-            join_encryption: crypto::b64(self.join_encryption.pkcs8()),
-            join_signing_next: self
-                .join_signing_next
-                .as_ref()
-                .map(|k| crypto::b64(k.pkcs8())),
-            join_encryption_next: self
-                .join_encryption_next
-                .as_ref()
-                .map(|k| crypto::b64(k.pkcs8())),
-            join_encryption_previous: self
-                .join_encryption_previous
-                .as_ref()
-                .map(|k| crypto::b64(k.pkcs8())),
-        };
-        // Serialized into a buffer large enough up front: a growing Vec would free copies of the
-        // keys without wiping them.
-        let mut out = Zeroizing::new(Vec::with_capacity(16 * 1024));
-        serde_json::to_writer_pretty(&mut *out, &f).expect("serializes");
-        f.zeroize_strings();
-        out
-    }
-
-    fn from_json(bytes: &[u8]) -> Result<Self, String> {
-        let f: BundleFile =
-            serde_json::from_slice(bytes).map_err(|e| format!("the key file is damaged: {e}"))?;
-        if f.version != 1 {
-            return Err(format!(
-                "the key file has version {}, this bca reads version 1",
-                f.version
-            ));
-        }
-        let one = |name: &str, s: &str| -> Result<SigningKey, String> {
-            let der = Zeroizing::new(
-                crypto::b64_decode(s).ok_or_else(|| format!("the {name} key is not base64"))?,
-            );
-            SigningKey::from_pkcs8(&der).map_err(|e| format!("the {name} key: {e}"))
-        };
-        let k = Self {
-            node_ca: one("node CA", &f.node_ca)?,
-            serving_ca: one("serving CA", &f.serving_ca)?,
-            gateway: one("gateway", &f.gateway)?,
-            join_signing: one("join-signing", &f.join_signing)?,
-            join_encryption: one("join-encryption", &f.join_encryption)?,
-            join_signing_next: f
-                .join_signing_next
-                .as_deref()
-                .map(|s| one("next join-signing", s))
-                .transpose()?,
-            join_encryption_next: f
-                .join_encryption_next
-                .as_deref()
-                .map(|s| one("next join-encryption", s))
-                .transpose()?,
-            join_encryption_previous: f
-                .join_encryption_previous
-                .as_deref()
-                .map(|s| one("previous join-encryption", s))
-                .transpose()?,
-        };
-        f.zeroize_strings();
-        Ok(k)
-    }
-}
-
-impl BundleFile {
-    /// Wipes the base64 copies of the keys.
-    fn zeroize_strings(self) {
-        let BundleFile {
-            node_ca,
-            serving_ca,
-            gateway,
-            join_signing,
-            join_encryption,
-            join_signing_next,
-            join_encryption_next,
-            join_encryption_previous,
-            ..
-        } = self;
-        for s in [node_ca, serving_ca, gateway, join_signing, join_encryption]
-            .into_iter()
-            .chain(join_signing_next)
-            .chain(join_encryption_next)
-            .chain(join_encryption_previous)
-        {
-            drop(Zeroizing::new(s));
-        }
-    }
-}
 
 pub fn keys_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("keys")
@@ -517,7 +377,7 @@ fn open_escrow(
     })?;
     let (bundle, _) = Kek::open_passphrase(&f, passphrase, escrow)?;
     let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
-    crate::app::check_keys_against(&pki, &bundle).map_err(|e| {
+    crate::bundle::check_keys_against(&pki, &bundle).map_err(|e| {
         format!(
             "{} holds other keys than this appliance's now ({e}): another appliance's copy, or one \
              made before a key rotation (make a new one after each: bca tpm escrow)",

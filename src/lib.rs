@@ -4,12 +4,15 @@
 
 pub mod admission;
 pub mod agent;
+pub mod agent_config;
+pub mod agent_files;
 pub mod agent_run;
 pub mod api;
 pub mod app;
 pub mod audit;
 pub mod backup;
 pub mod boot;
+pub mod bundle;
 pub mod claims;
 pub mod cli;
 pub mod client;
@@ -58,3 +61,4 @@ pub mod tpm;
 pub mod tpmeks;
 pub mod tpmjoin;
 pub mod validate;
+pub mod x509;

@@ -85,7 +85,7 @@ impl NodeKey {
     pub fn file_bytes(&self) -> Zeroizing<Vec<u8>> {
         match self {
             NodeKey::Soft(k) => {
-                Zeroizing::new(crate::pki::pem("PRIVATE KEY", k.pkcs8()).into_bytes())
+                Zeroizing::new(crate::x509::pem("PRIVATE KEY", k.pkcs8()).into_bytes())
             }
             NodeKey::Tpm(k) => {
                 let blob = k.blob();
@@ -134,7 +134,7 @@ impl NodeKey {
             return Ok(Some(NodeKey::Tpm(Arc::new(key))));
         }
         let der = Zeroizing::new(
-            match crate::pki::pem_decode_all(&text, "PRIVATE KEY")
+            match crate::x509::pem_decode_all(&text, "PRIVATE KEY")
                 .into_iter()
                 .next()
             {

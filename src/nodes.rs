@@ -1,8 +1,8 @@
 //! Nodes: the admin API's `nodes.*` methods and `bca nodes`.
 
 use crate::api::{audit, parse, publish, Ctx};
-use crate::clock::rfc3339;
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
+use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
 use crate::store::{found, Store};
 use crate::validate;

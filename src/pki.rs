@@ -4,9 +4,15 @@
 //! CA subjects are derived from the site, so a CA's issuer object can be rebuilt from its key at
 //! `serve` without parsing the stored certificate (the subject and key identifier are the same).
 
+use crate::bundle::KeyBundle;
 use crate::config::Config;
 use crate::crypto::{self, SigningKey};
-use crate::keys::KeyBundle;
+use crate::jwe::jwk;
+use crate::jwe::jwk_pin;
+use crate::jwe::Jwk;
+use crate::x509::cert_spki;
+use crate::x509::pem;
+use crate::x509::pem_decode_all;
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyUsagePurpose, SanType, SerialNumber,
@@ -133,30 +139,6 @@ pub fn join_signing_cert(cfg: &Config, key: &SigningKey, now: i64) -> Result<Vec
     Ok(c.der().to_vec())
 }
 
-/// The DNS names and IP addresses of a certificate's subjectAltName (to renew the gateway leaf
-/// for the same names).
-pub fn cert_sans(der: &[u8]) -> Result<Vec<String>, String> {
-    use x509_parser::extensions::GeneralName;
-    use x509_parser::prelude::*;
-    let (_, c) = X509Certificate::from_der(der).map_err(|e| format!("not a certificate: {e}"))?;
-    let mut out = Vec::new();
-    if let Ok(Some(san)) = c.subject_alternative_name() {
-        for n in &san.value.general_names {
-            match n {
-                GeneralName::DNSName(d) => out.push(d.to_string()),
-                GeneralName::IPAddress(b) if b.len() == 4 => out.push(
-                    std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*b).expect("4")).to_string(),
-                ),
-                GeneralName::IPAddress(b) if b.len() == 16 => out.push(
-                    std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*b).expect("16")).to_string(),
-                ),
-                _ => {}
-            }
-        }
-    }
-    Ok(out)
-}
-
 /// A gateway leaf for `sans` (DNS names or IP addresses), signed by the serving CA.
 pub fn gateway_leaf(
     cfg: &Config,
@@ -259,96 +241,6 @@ pub fn issue_node_cert(
     Ok((cert.der().to_vec(), serial_hex))
 }
 
-pub fn pem(label: &str, der: &[u8]) -> String {
-    let b = crypto::b64(der);
-    let mut s = format!("-----BEGIN {label}-----\n");
-    for chunk in b.as_bytes().chunks(64) {
-        s.push_str(std::str::from_utf8(chunk).expect("base64 is ASCII"));
-        s.push('\n');
-    }
-    s.push_str(&format!("-----END {label}-----\n"));
-    s
-}
-
-/// The DER blocks of every `label` block in a PEM text.
-pub fn pem_decode_all(text: &str, label: &str) -> Vec<Vec<u8>> {
-    let begin = format!("-----BEGIN {label}-----");
-    let end = format!("-----END {label}-----");
-    let mut out = Vec::new();
-    let mut rest = text;
-    while let Some(i) = rest.find(&begin) {
-        let after = &rest[i + begin.len()..];
-        let Some(j) = after.find(&end) else { break };
-        let body: String = after[..j].chars().filter(|c| !c.is_whitespace()).collect();
-        if let Some(der) = crypto::b64_decode(&body) {
-            out.push(der);
-        }
-        rest = &after[j + end.len()..];
-    }
-    out
-}
-
-/// The SubjectPublicKeyInfo DER of a certificate.
-pub fn cert_spki(der: &[u8]) -> Result<Vec<u8>, String> {
-    use x509_parser::prelude::*;
-    let (_, c) = X509Certificate::from_der(der).map_err(|e| format!("not a certificate: {e}"))?;
-    Ok(c.public_key().raw.to_vec())
-}
-
-/// A certificate's (notBefore, notAfter), in Unix seconds.
-pub fn validity(der: &[u8]) -> Option<(i64, i64)> {
-    use x509_parser::prelude::*;
-    let (_, c) = X509Certificate::from_der(der).ok()?;
-    Some((
-        c.validity().not_before.timestamp(),
-        c.validity().not_after.timestamp(),
-    ))
-}
-
-/// A certificate's notAfter, in Unix seconds.
-pub fn not_after(der: &[u8]) -> Option<i64> {
-    use x509_parser::prelude::*;
-    let (_, c) = X509Certificate::from_der(der).ok()?;
-    Some(c.validity().not_after.timestamp())
-}
-
-/// A JWK for a P-256 public point.
-pub fn jwk(point: &[u8]) -> Jwk {
-    Jwk {
-        kty: "EC".into(),
-        crv: "P-256".into(),
-        x: crypto::b64url(&point[1..33]),
-        y: crypto::b64url(&point[33..65]),
-    }
-}
-
-#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct Jwk {
-    pub kty: String,
-    pub crv: String,
-    pub x: String,
-    pub y: String,
-}
-
-impl Jwk {
-    /// The uncompressed point, if this is a P-256 key with 32-byte coordinates.
-    pub fn point(&self) -> Option<Vec<u8>> {
-        if self.kty != "EC" || self.crv != "P-256" {
-            return None;
-        }
-        let x = crypto::b64url_decode(&self.x)?;
-        let y = crypto::b64url_decode(&self.y)?;
-        if x.len() != 32 || y.len() != 32 {
-            return None;
-        }
-        let mut p = vec![4u8];
-        p.extend_from_slice(&x);
-        p.extend_from_slice(&y);
-        Some(p)
-    }
-}
-
 /// The three pins agents embed.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -362,12 +254,6 @@ pub struct Pins {
     /// During a rotation: the staged next join-encryption key's pin.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub join_encryption_next: Option<String>,
-}
-
-/// The pin of a JWK's P-256 key.
-pub fn jwk_pin(j: &Jwk) -> Result<String, String> {
-    let point = j.point().ok_or("the JWK is not a P-256 key")?;
-    Ok(crypto::spki_pin(&crypto::p256_spki_from_point(&point)))
 }
 
 /// The public half of the PKI as it lies in `<state>/pki/`.
@@ -471,62 +357,6 @@ mod tests {
         let all = pem_decode_all(&text, "CERTIFICATE");
         assert_eq!(all, vec![der, vec![9u8; 100]]);
     }
-}
-
-/// What the JoinService reads back from a node certificate it issued.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NodeLeaf {
-    pub spiffe_id: String,
-    pub node_id: String,
-    pub serial_hex: String,
-    pub public_point: Vec<u8>,
-    /// `urn:bc:` statements, in order.
-    pub statements: Vec<String>,
-    pub not_after: i64,
-}
-
-/// The URI SANs of a certificate, in order (`None` without a SAN extension).
-pub fn uri_sans<'a>(c: &'a x509_parser::certificate::X509Certificate<'_>) -> Option<Vec<&'a str>> {
-    use x509_parser::extensions::GeneralName;
-    let san = c.subject_alternative_name().ok()??;
-    Some(
-        san.value
-            .general_names
-            .iter()
-            .filter_map(|g| {
-                if let GeneralName::URI(u) = g {
-                    Some(*u)
-                } else {
-                    None
-                }
-            })
-            .collect(),
-    )
-}
-
-/// Parses a node certificate: its SPIFFE ID (`…/node/<id>`), serial, key and statements.
-pub fn parse_node_leaf(der: &[u8]) -> Option<NodeLeaf> {
-    use x509_parser::prelude::*;
-    let (rest, c) = X509Certificate::from_der(der).ok()?;
-    if !rest.is_empty() {
-        return None;
-    }
-    let uris = uri_sans(&c)?;
-    let spiffe = uris.first().filter(|u| u.starts_with("spiffe://"))?;
-    let node_id = spiffe.rsplit_once("/node/")?.1.to_string();
-    let point = crypto::p256_point_from_spki(c.public_key().raw)?.to_vec();
-    Some(NodeLeaf {
-        spiffe_id: spiffe.to_string(),
-        node_id,
-        serial_hex: crypto::hex(c.raw_serial()),
-        public_point: point,
-        statements: uris[1..]
-            .iter()
-            .filter(|u| u.starts_with("urn:bc:"))
-            .map(|u| u.to_string())
-            .collect(),
-        not_after: c.validity().not_after.timestamp(),
-    })
 }
 
 /// How far a node certificate's `notBefore` is set back, for relying parties whose clocks lag:

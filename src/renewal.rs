@@ -14,7 +14,6 @@ use crate::crypto;
 use crate::csr::VerifiedCsr;
 use crate::error::ApiResult;
 use crate::joinservice::{RateLimit, Signer};
-use crate::pki;
 use crate::protocol::{renew_pop_message, Outcome, RenewRequest, RENEW_POP_PURPOSE};
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
@@ -107,7 +106,7 @@ impl ReplayCache {
 }
 
 pub struct Ready {
-    leaf: pki::NodeLeaf,
+    leaf: crate::x509::NodeLeaf,
     csr: VerifiedCsr,
 }
 
@@ -145,11 +144,11 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         }
     };
     p.csr_sha256 = Some(csr.sha256);
-    let Some(leaf_der) = r
-        .chain
-        .first()
-        .and_then(|pem| pki::pem_decode_all(pem, "CERTIFICATE").into_iter().next())
-    else {
+    let Some(leaf_der) = r.chain.first().and_then(|pem| {
+        crate::x509::pem_decode_all(pem, "CERTIFICATE")
+            .into_iter()
+            .next()
+    }) else {
         return p;
     };
     // The connection's certificate is the one renewed (a resumed connection's is not checked by
@@ -158,7 +157,7 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         p.result = Err(RenewReason::Identity);
         return p;
     }
-    let Some(leaf) = pki::parse_node_leaf(&leaf_der) else {
+    let Some(leaf) = crate::x509::parse_node_leaf(&leaf_der) else {
         return p;
     };
     p.leaf_der = Some((leaf_der, leaf.serial_hex.clone()));
@@ -192,14 +191,14 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
 /// neither dropped nor downgraded.
 fn check_key_attestation(
     r: &RenewRequest,
-    leaf: &pki::NodeLeaf,
+    leaf: &crate::x509::NodeLeaf,
     csr: &VerifiedCsr,
 ) -> Result<(), RenewReason> {
     let Some(want_ak) = leaf
         .statements
         .iter()
         .find(|s| s.starts_with("urn:bc:tpm-ak:"))
-        .map(|s| crate::tpmjoin::statement_ak_name(s).ok_or(RenewReason::KeyAttestationAk))
+        .map(|s| crate::x509::statement_ak_name(s).ok_or(RenewReason::KeyAttestationAk))
     else {
         return Ok(());
     };

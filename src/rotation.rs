@@ -26,9 +26,10 @@
 //! between the two is finished, never half-applied.
 
 use crate::app::App;
+use crate::bundle::KeyBundle;
 use crate::config::Config;
 use crate::error::{ApiError, ApiResult};
-use crate::keys::{KeyBundle, Vault};
+use crate::keys::Vault;
 use crate::pki::{self, PublicPki};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -150,13 +151,13 @@ fn remove(dir: &Path, name: &str) -> Result<(), String> {
 }
 
 fn jwk_text(key: &crate::crypto::SigningKey) -> String {
-    serde_json::to_string_pretty(&pki::jwk(key.public_point())).expect("serializes") + "\n"
+    serde_json::to_string_pretty(&crate::jwe::jwk(key.public_point())).expect("serializes") + "\n"
 }
 
 fn jwk_matches(dir: &Path, name: &str, key: &crate::crypto::SigningKey) -> bool {
     std::fs::read_to_string(dir.join(name))
         .ok()
-        .and_then(|t| serde_json::from_str::<pki::Jwk>(&t).ok())
+        .and_then(|t| serde_json::from_str::<crate::jwe::Jwk>(&t).ok())
         .and_then(|j| j.point())
         .is_some_and(|p| p == key.public_point())
 }
@@ -164,8 +165,12 @@ fn jwk_matches(dir: &Path, name: &str, key: &crate::crypto::SigningKey) -> bool 
 fn cert_matches(dir: &Path, name: &str, key: &crate::crypto::SigningKey) -> bool {
     std::fs::read_to_string(dir.join(name))
         .ok()
-        .and_then(|t| pki::pem_decode_all(&t, "CERTIFICATE").into_iter().next())
-        .and_then(|c| pki::cert_spki(&c).ok())
+        .and_then(|t| {
+            crate::x509::pem_decode_all(&t, "CERTIFICATE")
+                .into_iter()
+                .next()
+        })
+        .and_then(|c| crate::x509::cert_spki(&c).ok())
         .is_some_and(|s| s == key.spki_der())
 }
 
@@ -183,7 +188,7 @@ pub fn reconcile(
         write_pem(
             &dir,
             "join-signing.pem",
-            pki::pem(
+            crate::x509::pem(
                 "CERTIFICATE",
                 &pki::join_signing_cert(cfg, &keys.join_signing, now)?,
             ),
@@ -195,7 +200,7 @@ pub fn reconcile(
             write_pem(
                 &dir,
                 "join-signing.next.pem",
-                pki::pem("CERTIFICATE", &pki::join_signing_cert(cfg, k, now)?),
+                crate::x509::pem("CERTIFICATE", &pki::join_signing_cert(cfg, k, now)?),
             )?;
             fixed.push("join-signing.next.pem".into());
         }
@@ -230,12 +235,13 @@ pub fn reconcile(
     }
     if !cert_matches(&dir, "gateway.pem", &keys.gateway) {
         let old = PublicPki::load(&dir)?;
-        let sans = pki::cert_sans(&old.gateway)?;
+        let sans = crate::x509::cert_sans(&old.gateway)?;
         let leaf = pki::gateway_leaf(cfg, keys, &sans, now)?;
         write_pem(
             &dir,
             "gateway.pem",
-            pki::pem("CERTIFICATE", &leaf) + &pki::pem("CERTIFICATE", &old.serving_ca),
+            crate::x509::pem("CERTIFICATE", &leaf)
+                + &crate::x509::pem("CERTIFICATE", &old.serving_ca),
         )?;
         fixed.push("gateway.pem".into());
     }
@@ -403,8 +409,12 @@ impl Rotator {
         let s = load_schedule(&app.state_dir);
         let gw = std::fs::read_to_string(pki::pki_dir(&app.state_dir).join("gateway.pem"))
             .ok()
-            .and_then(|t| pki::pem_decode_all(&t, "CERTIFICATE").into_iter().next())
-            .and_then(|c| pki::validity(&c));
+            .and_then(|t| {
+                crate::x509::pem_decode_all(&t, "CERTIFICATE")
+                    .into_iter()
+                    .next()
+            })
+            .and_then(|c| crate::x509::validity(&c));
         if gw.is_none() {
             tracing::error!("pki: cannot read gateway.pem; its renewal is not scheduled");
         }
@@ -425,7 +435,7 @@ impl Rotator {
     /// well-known document.
     fn go_live(&self, app: &App, keys: &KeyBundle) -> ApiResult<()> {
         let public = PublicPki::load(&pki::pki_dir(&app.state_dir)).map_err(ApiError::internal)?;
-        crate::app::check_keys_against(&public, keys).map_err(ApiError::internal)?;
+        crate::bundle::check_keys_against(&public, keys).map_err(ApiError::internal)?;
         if let Some(j) = app.join.get() {
             j.replace_keys(
                 crate::joinservice::SignerKeys::new(&public, keys).map_err(ApiError::internal)?,
@@ -453,7 +463,7 @@ pub fn status(state_dir: &Path) -> ApiResult<Value> {
             "joinSigning": s.join_signing.as_ref().map(|st| json!({"stagedAt": t(Some(st.staged_at)), "promoteAt": t(Some(st.promote_at))})),
             "joinEncryption": s.join_encryption.as_ref().map(|st| json!({"stagedAt": t(Some(st.staged_at)), "promoteAt": t(Some(st.promote_at))})),
             "previousEncryptionAcceptedUntil": t(s.previous_encryption_until),
-            "gatewayNotAfter": t(pki::not_after(&public.gateway)),
+            "gatewayNotAfter": t(crate::x509::not_after(&public.gateway)),
         }
     }))
 }

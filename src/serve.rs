@@ -25,7 +25,7 @@ pub struct ServeOptions {
 pub type Announce = Arc<dyn Fn(&serde_json::Value) + Send + Sync>;
 
 /// Loads everything `serve` needs; every failure here is a clear message and changes nothing.
-pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
+pub fn prepare(state_dir: &Path) -> Result<(App, crate::bundle::KeyBundle), String> {
     prepare_vault(state_dir, None).map(|(app, keys, _)| (app, keys))
 }
 
@@ -33,7 +33,7 @@ pub fn prepare(state_dir: &Path) -> Result<(App, keys::KeyBundle), String> {
 pub fn prepare_vault(
     state_dir: &Path,
     tpm: Option<&str>,
-) -> Result<(App, keys::KeyBundle, keys::Vault), String> {
+) -> Result<(App, crate::bundle::KeyBundle, keys::Vault), String> {
     let tcti: Option<crate::tpm::Tcti> = tpm
         .map(|t| t.parse().map_err(|e: String| format!("--tpm: {e}")))
         .transpose()?;
@@ -178,7 +178,7 @@ async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-async fn serve(app: App, keys: keys::KeyBundle, opts: ServeOptions) -> Result<(), String> {
+async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> Result<(), String> {
     let http_addr = opts
         .listen_http
         .clone()

@@ -7,7 +7,6 @@
 
 use crate::api;
 use crate::error::ApiResult;
-use crate::pki;
 use crate::protocol::Outcome;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
@@ -96,7 +95,7 @@ struct CertRow {
 /// A `Hello` over mTLS with `leaf`: the certificate must be byte for byte a `node_certs` row,
 /// unrevoked, unexpired, of the node's current generation, and the node not retired.
 pub fn open(tx: &Transaction<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
-    let Some(l) = pki::parse_node_leaf(leaf) else {
+    let Some(l) = crate::x509::parse_node_leaf(leaf) else {
         return Ok(Outcome::Refused);
     };
     let row = crate::store::query_row(tx,

@@ -37,7 +37,7 @@ impl ServerCertVerifier for PinnedCaVerifier {
         let anchor = intermediates
             .iter()
             .find(|c| {
-                crate::pki::cert_spki(c)
+                crate::x509::cert_spki(c)
                     .map(|s| crypto::spki_pin(&s) == self.pin)
                     .unwrap_or(false)
             })

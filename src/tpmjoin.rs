@@ -35,6 +35,7 @@ use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
 use crate::protocol::{
     tpm_join_qualifying, Outcome, TpmChallenge, TpmChallengeRequest, TpmEvidence,
 };
+use crate::x509::ak_statement;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
 
@@ -96,18 +97,6 @@ impl TpmProof {
     }
 }
 
-/// `urn:bc:tpm-ak:<nameAlg>:<digest>` for an AK Name (`000b` and a SHA-256 digest).
-pub fn ak_statement(ak_name: &[u8]) -> String {
-    format!("urn:bc:tpm-ak:sha256:{}", crypto::hex(&ak_name[2..]))
-}
-
-/// The AK Name a statement names, when it is one.
-pub fn statement_ak_name(statement: &str) -> Option<Vec<u8>> {
-    let hex = statement.strip_prefix("urn:bc:tpm-ak:sha256:")?;
-    let digest = crypto::hex_decode(hex).filter(|d| d.len() == 32)?;
-    Some([&[0x00, 0x0b][..], &digest].concat())
-}
-
 /// One base64 field of TPM evidence (a join's or a renewal's): not empty, at most 4 KiB decoded.
 pub(crate) fn evidence_field(s: &str) -> Option<Vec<u8>> {
     crypto::b64_decode(s).filter(|b| !b.is_empty() && b.len() <= MAX_FIELD)
@@ -146,7 +135,8 @@ pub(crate) fn prepare_challenge(
     let ek_certified = match &r.ek_certificate {
         Some(cert) => {
             let der = field(cert)?;
-            crate::pki::cert_spki(&der).ok().as_deref() == Some(&ek.spki[..]) && cas.certifies(&der)
+            crate::x509::cert_spki(&der).ok().as_deref() == Some(&ek.spki[..])
+                && cas.certifies(&der)
         }
         None => false,
     };
@@ -612,7 +602,7 @@ impl EkCas {
         use x509_parser::prelude::*;
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("the EK CA bundle {}: {e}", path.display()))?;
-        let ders = crate::pki::pem_decode_all(&text, "CERTIFICATE");
+        let ders = crate::x509::pem_decode_all(&text, "CERTIFICATE");
         if ders.is_empty() {
             return Err(format!(
                 "the EK CA bundle {} holds no PEM certificate",

@@ -12,11 +12,11 @@
 //!
 //! The discovery token never appears in a URL, a log line or a boot lease row.
 
-use crate::app::{App};
-use crate::protocol::BASE_PATH;
+use crate::app::App;
 use crate::boot::cpio::Cpio;
 use crate::boot::templates;
 use crate::edge::{Answer, Ask, Edge, ReadRoot};
+use crate::protocol::BASE_PATH;
 use crate::protocol::{Call, Outcome};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -439,7 +439,7 @@ fn per_boot_archive(
         .clone()
         .ok_or("the appliance has no gateway_url: the ramdisk would not know where to join")?;
     let (cfg, jwk) =
-        crate::agent::agent_config_for(&app.state_dir, &gateway).map_err(|e| e.message)?;
+        crate::agent_files::agent_config_for(&app.state_dir, &gateway).map_err(|e| e.message)?;
     let boot = serde_json::json!({"mac": mac, "bootLeaseEpoch": epoch});
     let mut c = Cpio::new();
     c.dir("etc", 0o755)

@@ -1,8 +1,8 @@
 //! `config.toml` in the state directory: every key documented here and in `docs/config.md`.
 
+use crate::net::url_host;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use crate::net::url_host;
 
 mod boot;
 mod retention;

@@ -268,7 +268,7 @@ fn the_well_known_fallback_and_token_files() {
     let other = bca::crypto::SigningKey::generate();
     std::fs::write(
         dir2.join("join-encryption.jwk"),
-        serde_json::to_string(&bca::pki::jwk(other.public_point())).unwrap(),
+        serde_json::to_string(&bca::jwe::jwk(other.public_point())).unwrap(),
     )
     .unwrap();
     let o = agent_join(
@@ -367,7 +367,7 @@ fn the_well_known_fallback_and_token_files() {
     let o = run(&b_pins, &tf);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!tf.exists(), "the token file was not deleted");
-    let written = bca::agent::AgentConfig::load(&bare.join("etc/config.toml")).unwrap();
+    let written = bca::agent_config::AgentConfig::load(&bare.join("etc/config.toml")).unwrap();
     assert_eq!(written.gateway_url, format!("https://{}", b.gateway));
     assert!(written.site.starts_with("site_"));
     assert_eq!(mode(&bare.join("etc/config.toml")), 0o600);

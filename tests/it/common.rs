@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use bca::agent::AgentConfig;
+use bca::agent_config::AgentConfig;
 use bca::client::Client;
 use bca::crypto::{self, SigningKey};
 use bca::error::ApiError;

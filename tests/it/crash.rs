@@ -59,8 +59,8 @@ fn issued(
 ) -> (String, String, Vec<String>) {
     let body = bca::agent::verify_response(&sim.cfg, resp, csr, key, role)
         .expect("an answer that is not refused verifies");
-    let der = bca::pki::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
-    let serial = bca::pki::parse_node_leaf(&der).unwrap().serial_hex;
+    let der = bca::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
+    let serial = bca::x509::parse_node_leaf(&der).unwrap().serial_hex;
     (serial, body.node_id, body.certificate_chain)
 }
 
@@ -84,7 +84,7 @@ fn renew(sim: &Sim, h: &Held) -> Option<(String, Vec<String>, SigningKey)> {
     let der: Vec<Vec<u8>> = h
         .chain_pem
         .iter()
-        .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .map(|p| bca::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
         .collect();
     let raw = rt().block_on(async {
         let mut s = bca::agent::connect(&sim.cfg, Some((der, h.key.pkcs8())))

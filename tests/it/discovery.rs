@@ -221,7 +221,7 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
     assert!(ttl <= 7200);
     let identity: Value =
         serde_json::from_slice(&std::fs::read(dir2.join("data/identity.json")).unwrap()).unwrap();
-    let leaf = bca::pki::pem_decode_all(
+    let leaf = bca::x509::pem_decode_all(
         identity["certificateChain"][0].as_str().unwrap(),
         "CERTIFICATE",
     )

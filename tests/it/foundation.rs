@@ -236,7 +236,7 @@ fn the_well_known_document_is_the_seeds() {
     let cert =
         bca::crypto::b64_decode(doc["join"]["signingCertificate"].as_str().unwrap()).unwrap();
     assert_eq!(
-        bca::crypto::spki_pin(&bca::pki::cert_spki(&cert).unwrap()),
+        bca::crypto::spki_pin(&bca::x509::cert_spki(&cert).unwrap()),
         pins["joinSigning"].as_str().unwrap()
     );
     assert_eq!(

@@ -167,7 +167,7 @@ fn no_secret_is_left_anywhere_and_every_mode_is_tight() {
         ));
     }
     let node_key = std::fs::read_to_string(agent.join("data/node.key")).unwrap();
-    let node_der = bca::pki::pem_decode_all(&node_key, "PRIVATE KEY").remove(0);
+    let node_der = bca::x509::pem_decode_all(&node_key, "PRIVATE KEY").remove(0);
     secrets.push((
         "the node's key (base64)".into(),
         bca::crypto::b64(&node_der).into_bytes(),

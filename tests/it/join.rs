@@ -2,7 +2,7 @@
 //! reclaims, and josekit as the JWE oracle.
 
 use crate::common::*;
-use bca::agent::AgentConfig;
+use bca::agent_config::AgentConfig;
 use bca::crypto::{self, SigningKey};
 use bca::protocol::{JoinRequest, Reply, Request};
 use serde_json::{json, Value};
@@ -182,7 +182,7 @@ fn the_agent_refuses_bad_tokens_and_configs_locally() {
     let other = SigningKey::generate();
     std::fs::write(
         dir.join("join-encryption.jwk"),
-        serde_json::to_string(&bca::pki::jwk(other.public_point())).unwrap(),
+        serde_json::to_string(&bca::jwe::jwk(other.public_point())).unwrap(),
     )
     .unwrap();
     let o = agent_join(&dir, "data", &claims, "bcjt_x.y", &[]);
@@ -758,9 +758,9 @@ fn every_certificate_kind_parses_with_pyca_cryptography_and_openssl() {
     for name in ["node-ca", "serving-ca", "gateway", "join-signing"] {
         let p = a.state().join("pki").join(format!("{name}.pem"));
         let pem = std::fs::read_to_string(&p).unwrap();
-        let first = bca::pki::pem_decode_all(&pem, "CERTIFICATE").remove(0);
+        let first = bca::x509::pem_decode_all(&pem, "CERTIFICATE").remove(0);
         let out = dir.join(format!("{name}.pem"));
-        std::fs::write(&out, bca::pki::pem("CERTIFICATE", &first)).unwrap();
+        std::fs::write(&out, bca::x509::pem("CERTIFICATE", &first)).unwrap();
         files.push((name.to_string(), out));
     }
     for (name, body) in [("node-leaf", &node), ("node-tenant-leaf", &tenant_leaf)] {

@@ -1,7 +1,7 @@
 //! Renewal, sessions, `bca agent run` and `doctor`.
 
 use crate::common::*;
-use bca::agent::AgentConfig;
+use bca::agent_config::AgentConfig;
 use bca::crypto::{self, SigningKey};
 use bca::protocol::{
     renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
@@ -31,7 +31,7 @@ fn join_node(sim: &Sim, token: &str, claims: &Value) -> Node {
 fn node_from(id: String, chain_pem: Vec<String>, key: SigningKey) -> Node {
     let chain_der = chain_pem
         .iter()
-        .map(|p| bca::pki::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .map(|p| bca::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
         .collect();
     Node {
         id,
@@ -108,9 +108,9 @@ fn renewal_keeps_role_and_san_and_refuses_every_bad_condition() {
         .unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(&raw)));
     let body: bca::protocol::JoinResponseBody =
         serde_json::from_slice(&crypto::b64_decode(&resp.body).unwrap()).unwrap();
-    let new_leaf = bca::pki::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
-    let old_leaf = bca::pki::parse_node_leaf(&n.chain_der[0]).unwrap();
-    let nl = bca::pki::parse_node_leaf(&new_leaf).unwrap();
+    let new_leaf = bca::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
+    let old_leaf = bca::x509::parse_node_leaf(&n.chain_der[0]).unwrap();
+    let nl = bca::x509::parse_node_leaf(&new_leaf).unwrap();
     assert_eq!(nl.spiffe_id, old_leaf.spiffe_id);
     assert_ne!(nl.serial_hex, old_leaf.serial_hex);
     assert_eq!(bca::agent::cert_role(&new_leaf).as_deref(), Some("node"));
@@ -452,7 +452,7 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     assert_eq!(after["fields"]["resumed"], false, "{text}");
     let loaded = bca::agent_run::load_identity(&data).unwrap();
     assert_eq!(
-        bca::pki::parse_node_leaf(&loaded.chain_der[0])
+        bca::x509::parse_node_leaf(&loaded.chain_der[0])
             .unwrap()
             .public_point,
         loaded.key.public_point()
@@ -475,7 +475,7 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     std::fs::write(data.join("node.key"), &old_key).unwrap();
     let l = bca::agent_run::load_identity(&data).unwrap();
     assert_eq!(
-        bca::pki::parse_node_leaf(&l.chain_der[0])
+        bca::x509::parse_node_leaf(&l.chain_der[0])
             .unwrap()
             .public_point,
         l.key.public_point()
@@ -487,7 +487,7 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     let l = bca::agent_run::load_identity(&data).unwrap();
     assert_eq!(std::fs::read(data.join("identity.json")).unwrap(), before);
     assert_eq!(
-        bca::pki::parse_node_leaf(&l.chain_der[0])
+        bca::x509::parse_node_leaf(&l.chain_der[0])
             .unwrap()
             .public_point,
         l.key.public_point()
@@ -612,7 +612,7 @@ fn s_client_as(a: &Appliance, n: &Node, dir: &Path, sess: (&str, &Path)) -> Stri
     std::fs::write(dir.join("leaf.pem"), &n.chain_pem[0]).unwrap();
     std::fs::write(
         dir.join("leaf.key"),
-        bca::pki::pem("PRIVATE KEY", n.key.pkcs8()),
+        bca::x509::pem("PRIVATE KEY", n.key.pkcs8()),
     )
     .unwrap();
     // A ping outside a session: answered with a pong, then the connection is closed.
@@ -751,7 +751,7 @@ fn a_node_forging_another_tenants_leaf_writes_nothing_into_that_tenants_stream()
     let now = bca::clock::now();
 
     // A self-signed leaf with B's SPIFFE ID and A's key; the proof names B's node.
-    let b_leaf = bca::pki::parse_node_leaf(&nb.chain_der[0]).unwrap();
+    let b_leaf = bca::x509::parse_node_leaf(&nb.chain_der[0]).unwrap();
     let mut lp = rcgen::CertificateParams::default();
     lp.subject_alt_names = vec![rcgen::SanType::URI(
         b_leaf.spiffe_id.clone().try_into().unwrap(),

@@ -4,7 +4,7 @@
 
 use crate::common::*;
 use crate::tpm::Swtpm;
-use bca::agent::AgentConfig;
+use bca::agent_config::AgentConfig;
 use bca::crypto;
 use bca::nodekey::NodeKey;
 use bca::protocol::{KeyAttestation, RenewRequest, Reply, Request};
