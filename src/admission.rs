@@ -2,9 +2,11 @@
 //! rows involved, the claims and `now`. The JoinService loads the rows inside its transaction,
 //! asks these functions, and writes what they decide.
 
-use crate::api::{Pool, TokenRow};
-use crate::claims::{expect_matches, HardwareKey, Identifiers};
+use crate::claims::{HardwareKey, Identifiers};
 use crate::crypto;
+use crate::pool::Pool;
+use crate::token::expect_matches;
+use crate::token::TokenRow;
 
 /// Why a join was refused: recorded as `security.join.refused`'s `reason`, never told the agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,8 +264,10 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{Expect, KubernetesPolicy, Policy};
     use crate::claims::{hardware_key, Claims};
+    use crate::pool::KubernetesPolicy;
+    use crate::pool::Policy;
+    use crate::token::Expect;
 
     fn token() -> TokenRow {
         TokenRow {

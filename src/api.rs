@@ -6,11 +6,25 @@
 
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
+use crate::pool::Policy;
+use crate::pool::Pool;
+use crate::store::events::audit;
+use crate::store::events::publish;
+use crate::store::tenancy::pool_load;
+use crate::store::tenancy::pool_row;
+use crate::store::tenancy::pool_save;
+use crate::store::tenancy::tenant_must_exist;
+use crate::store::tenancy::token_row;
+use crate::store::tenancy::POOL_COLS;
+use crate::store::tenancy::TOKEN_COLS;
 use crate::store::{found, Store};
+use crate::token::Bearer;
+use crate::token::Expect;
+use crate::token::TokenRow;
 use crate::{crypto, ids, validate};
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// Who calls and when; passed in, never read from the environment.
@@ -117,40 +131,6 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> ApiRes
 }
 
 // ---------- events and audit ----------
-
-/// Publishes an event to a tenant's stream.
-pub fn publish(
-    tx: &Transaction<'_>,
-    now: i64,
-    tenant: &str,
-    kind: &str,
-    data: Value,
-) -> ApiResult<()> {
-    let id = ids::new_id("ev", now * 1000);
-    crate::store::exec(
-        tx,
-        "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![id, tenant, kind, data.to_string(), now],
-    )?;
-    Ok(())
-}
-
-/// Writes an audit row.
-pub fn audit(
-    tx: &Transaction<'_>,
-    now: i64,
-    tenant: &str,
-    action: &str,
-    actor: &str,
-    target: &str,
-    data: Value,
-) -> ApiResult<()> {
-    crate::store::exec(tx,
-        "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        params![tenant, action, actor, target, data.to_string(), now],
-    )?;
-    Ok(())
-}
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -278,163 +258,7 @@ fn tenants_list(tx: &Transaction<'_>, _: Empty) -> ApiResult<Value> {
     Ok(json!({"items": items, "cursor": null}))
 }
 
-pub fn tenant_must_exist(tx: &Transaction<'_>, tenant: &str) -> ApiResult<()> {
-    let n: i64 = tx.query_row(
-        "SELECT count(*) FROM tenants WHERE id = ?1",
-        [tenant],
-        |r| r.get(0),
-    )?;
-    if n == 0 {
-        return Err(ApiError::not_found(format!("tenant {tenant} not found")));
-    }
-    Ok(())
-}
-
 // ---------- pools ----------
-
-pub const ATTESTORS: &[&str] = &["join-token", "discovery", "tpm", "x509pop"];
-
-#[derive(Deserialize, Serialize, Default, Clone, PartialEq, Debug)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct Policy {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub join_attestors: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kubernetes: Option<KubernetesPolicy>,
-}
-
-#[derive(Deserialize, Serialize, Default, Clone, PartialEq, Debug)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct KubernetesPolicy {
-    #[serde(default)]
-    pub platform_operated: bool,
-}
-
-impl Policy {
-    fn validate(&self) -> ApiResult<()> {
-        if let Some(a) = &self.join_attestors {
-            if a.is_empty() {
-                return Err(ApiError::invalid_input(
-                    "policy.joinAttestors must name at least one attestor",
-                ));
-            }
-            for (n, x) in a.iter().enumerate() {
-                if !ATTESTORS.contains(&x.as_str()) {
-                    return Err(ApiError::invalid_input(format!(
-                        "policy.joinAttestors: unknown attestor {x:?}; known: {}",
-                        ATTESTORS.join(", ")
-                    )));
-                }
-                if a[..n].contains(x) {
-                    return Err(ApiError::invalid_input(format!(
-                        "policy.joinAttestors names {x} twice"
-                    )));
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct Pool {
-    pub id: String,
-    pub tenant_id: String,
-    pub site_id: String,
-    pub name: String,
-    pub agent: String,
-    pub policy: Policy,
-    pub archived_at: Option<i64>,
-    pub created_at: i64,
-    pub updated_at: i64,
-}
-
-impl Pool {
-    pub fn to_json(&self) -> Value {
-        let mut v = json!({
-            "id": self.id, "tenantId": self.tenant_id, "siteId": self.site_id, "name": self.name,
-            "agent": self.agent, "policy": self.policy,
-            "createdAt": rfc3339(self.created_at), "updatedAt": rfc3339(self.updated_at),
-        });
-        if let Some(a) = self.archived_at {
-            v["archivedAt"] = json!(rfc3339(a));
-        }
-        v
-    }
-
-    /// Whether the pool's policy lets `attestor` admit machines (no list means every attestor).
-    pub fn allows_attestor(&self, attestor: &str) -> bool {
-        self.policy
-            .join_attestors
-            .as_ref()
-            .is_none_or(|l| l.iter().any(|a| a == attestor))
-    }
-}
-
-const POOL_COLS: &str =
-    "id, tenant_id, site_id, name, agent, join_attestors, k8s_platform_operated, archived_at, created_at, updated_at";
-
-fn pool_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Pool> {
-    let attestors: Option<String> = r.get(5)?;
-    let k8s: i64 = r.get(6)?;
-    Ok(Pool {
-        id: r.get(0)?,
-        tenant_id: r.get(1)?,
-        site_id: r.get(2)?,
-        name: r.get(3)?,
-        agent: r.get(4)?,
-        policy: Policy {
-            join_attestors: attestors.and_then(|s| serde_json::from_str(&s).ok()),
-            kubernetes: (k8s == 1).then_some(KubernetesPolicy {
-                platform_operated: true,
-            }),
-        },
-        archived_at: r.get(7)?,
-        created_at: r.get(8)?,
-        updated_at: r.get(9)?,
-    })
-}
-
-/// The pool `pool` of `tenant`, or `NOT_FOUND` (also when it belongs to another tenant).
-pub fn pool_load(tx: &Transaction<'_>, tenant: &str, pool: &str) -> ApiResult<Pool> {
-    validate::tenant_id("tenantId", tenant)?;
-    validate::pool_id("poolId", pool)?;
-    found(
-        tx.query_row(
-            &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1 AND tenant_id = ?2"),
-            [pool, tenant],
-            pool_row,
-        ),
-        || format!("pool {pool} not found in tenant {tenant}"),
-    )
-}
-
-/// The pool by id alone, for the JoinService (which then checks the tenant itself).
-pub fn pool_by_id(tx: &Transaction<'_>, pool: &str) -> ApiResult<Option<Pool>> {
-    Ok(crate::store::query_row(
-        tx,
-        &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1"),
-        [pool],
-        pool_row,
-    )
-    .optional()?)
-}
-
-fn pool_save(tx: &Transaction<'_>, p: &Pool) -> ApiResult<()> {
-    tx.execute(
-        "UPDATE pools SET name = ?2, agent = ?3, join_attestors = ?4, k8s_platform_operated = ?5, archived_at = ?6, updated_at = ?7 WHERE id = ?1",
-        params![
-            p.id,
-            p.name,
-            p.agent,
-            p.policy.join_attestors.as_ref().map(|a| serde_json::to_string(a).expect("serializes")),
-            p.policy.kubernetes.as_ref().is_some_and(|k| k.platform_operated) as i64,
-            p.archived_at,
-            p.updated_at
-        ],
-    )?;
-    Ok(())
-}
 
 fn agent_value(a: Option<String>) -> ApiResult<String> {
     let a = a.unwrap_or_else(|| "bcd".into());
@@ -630,43 +454,6 @@ fn pools_archive(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: PoolRef) -> ApiResult<V
 
 // ---------- join tokens ----------
 
-/// A token's `expect` binding: every identifier named must be among the machine's claims.
-#[derive(Deserialize, Serialize, Default, Clone, PartialEq, Eq, Debug)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct Expect {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub product_uuid: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub serial: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mac: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu_uuid: Option<String>,
-}
-
-impl Expect {
-    fn validate(&self) -> ApiResult<()> {
-        if let Some(v) = &self.product_uuid {
-            validate::product_uuid("expect.productUuid", v)?;
-        }
-        if let Some(v) = &self.serial {
-            validate::serial("expect.serial", v)?;
-        }
-        if let Some(v) = &self.mac {
-            validate::mac("expect.mac", v)?;
-        }
-        if let Some(v) = &self.gpu_uuid {
-            validate::gpu_uuid("expect.gpuUuid", v)?;
-        }
-        if *self == Expect::default() {
-            return Err(ApiError::invalid_input(
-                "expect must name at least one identifier (productUuid, serial, mac or gpuUuid)",
-            ));
-        }
-        Ok(())
-    }
-}
-
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JoinTokensCreateInput {
@@ -679,104 +466,6 @@ pub struct JoinTokensCreateInput {
     allow_reclaim: bool,
     hosted: Option<String>,
     idempotency_key: String,
-}
-
-/// A join-token row.
-#[derive(Debug, Clone)]
-pub struct TokenRow {
-    pub id: String,
-    pub tenant_id: String,
-    pub pool_id: String,
-    pub site_id: String,
-    pub role: String,
-    pub secret_sha256: Vec<u8>,
-    pub max_uses: i64,
-    pub uses_left: i64,
-    pub expect: Option<Expect>,
-    pub allow_reclaim: bool,
-    pub hosted: Option<String>,
-    pub created_at: i64,
-    pub expires_at: i64,
-    pub revoked_at: Option<i64>,
-}
-
-pub const TOKEN_COLS: &str = "id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json, allow_reclaim, hosted, created_at, expires_at, revoked_at";
-
-pub fn token_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TokenRow> {
-    let expect: Option<String> = r.get(8)?;
-    Ok(TokenRow {
-        id: r.get(0)?,
-        tenant_id: r.get(1)?,
-        pool_id: r.get(2)?,
-        site_id: r.get(3)?,
-        role: r.get(4)?,
-        secret_sha256: r.get(5)?,
-        max_uses: r.get(6)?,
-        uses_left: r.get(7)?,
-        expect: expect.and_then(|s| serde_json::from_str(&s).ok()),
-        allow_reclaim: r.get::<_, i64>(9)? == 1,
-        hosted: r.get(10)?,
-        created_at: r.get(11)?,
-        expires_at: r.get(12)?,
-        revoked_at: r.get(13)?,
-    })
-}
-
-impl TokenRow {
-    /// The record the API returns; never the secret or its hash.
-    pub fn to_json(&self) -> Value {
-        let mut v = json!({
-            "id": self.id, "tenantId": self.tenant_id, "poolId": self.pool_id, "siteId": self.site_id,
-            "role": self.role, "maxUses": self.max_uses, "usesLeft": self.uses_left,
-            "allowReclaim": self.allow_reclaim, "createdAt": rfc3339(self.created_at),
-            "expiresAt": rfc3339(self.expires_at),
-        });
-        if let Some(e) = &self.expect {
-            v["expect"] = json!(e);
-        }
-        if let Some(h) = &self.hosted {
-            v["hosted"] = json!(h);
-        }
-        if let Some(r) = self.revoked_at {
-            v["revokedAt"] = json!(rfc3339(r));
-        }
-        v
-    }
-}
-
-/// A bearer token `bcjt_<id>.<secret>`: 256 random bits, base64url without padding.
-pub struct Bearer {
-    pub id: String,
-    pub secret: zeroize::Zeroizing<[u8; 32]>,
-}
-
-impl Bearer {
-    /// Parses the bearer form strictly. The secret is returned only to be hashed.
-    pub fn parse(s: &str) -> Option<Self> {
-        let rest = s.strip_prefix("bcjt_")?;
-        let (id, secret) = rest.split_once('.')?;
-        if !ids::is_id(id, "jt", 52) || secret.len() != 43 {
-            return None;
-        }
-        let raw = zeroize::Zeroizing::new(crypto::b64url_decode(secret)?);
-        let arr: [u8; 32] = raw.as_slice().try_into().ok()?;
-        // Refuse non-canonical encodings (trailing bits set), so one secret has one spelling.
-        if crypto::b64url(&arr) != secret {
-            return None;
-        }
-        Some(Self {
-            id: id.to_string(),
-            secret: zeroize::Zeroizing::new(arr),
-        })
-    }
-
-    pub fn render(&self) -> zeroize::Zeroizing<String> {
-        zeroize::Zeroizing::new(format!(
-            "bcjt_{}.{}",
-            self.id,
-            crypto::b64url(self.secret.as_ref())
-        ))
-    }
 }
 
 fn join_tokens_create(

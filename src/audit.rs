@@ -96,7 +96,7 @@ pub fn prune(
         )?;
     }
     if p.total() > 0 {
-        crate::api::audit(
+        crate::store::events::audit(
             tx,
             now,
             root_tenant,

@@ -266,36 +266,6 @@ pub fn hardware_key(ids: &Identifiers) -> Option<HardwareKey> {
     })
 }
 
-/// Whether the claims satisfy a token's `expect` binding: every identifier named must be among
-/// the machine's surviving identifiers.
-pub fn expect_matches(e: &crate::api::Expect, ids: &Identifiers) -> bool {
-    if let Some(u) = &e.product_uuid {
-        match (normalize_uuid(u), &ids.product_uuid) {
-            (Some(want), Some(have)) if want == *have => {}
-            _ => return false,
-        }
-    }
-    if let Some(s) = &e.serial {
-        let want = s.trim().to_ascii_uppercase();
-        if !ids.serials.contains(&want) {
-            return false;
-        }
-    }
-    if let Some(m) = &e.mac {
-        match normalize_mac(m) {
-            Some(want) if ids.macs.contains(&want) => {}
-            _ => return false,
-        }
-    }
-    if let Some(g) = &e.gpu_uuid {
-        match normalize_gpu(g) {
-            Some(want) if ids.gpu_uuids.contains(&want) => {}
-            _ => return false,
-        }
-    }
-    true
-}
-
 /// A MAC with any separators and case as `aa:bb:cc:dd:ee:ff` (any address: the boot MAC of a VM
 /// may be locally administered).
 pub fn loose_mac(v: &str) -> Option<String> {
@@ -319,7 +289,6 @@ pub fn loose_mac(v: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::Expect;
 
     fn claims(json: &str) -> Claims {
         serde_json::from_str(json).unwrap()
@@ -400,40 +369,6 @@ mod tests {
         let ids = Identifiers::from_claims(&macs);
         assert!(!ids.has_primary());
         assert!(hardware_key(&ids).unwrap().trusted);
-    }
-
-    #[test]
-    fn expect_rules() {
-        let c = claims(
-            r#"{"productUuid":"4C4C4544-004D-3610-804A-B4C04F564433","serials":{"product":"SN-1","board":"BRD-9","chassis":"CH-3"},
-            "macs":["00-1B-21-3A-4F-5E","02:00:00:00:00:09"],"gpuUuids":["GPU-ABCDEF01-2345"]}"#,
-        );
-        let ids = Identifiers::from_claims(&c);
-        let e = |j: &str| -> Expect { serde_json::from_str(j).unwrap() };
-        assert!(expect_matches(
-            &e(r#"{"productUuid":"4c4c4544004d3610804ab4c04f564433"}"#),
-            &ids
-        ));
-        assert!(expect_matches(&e(r#"{"serial":"brd-9"}"#), &ids));
-        assert!(expect_matches(&e(r#"{"serial":"ch-3"}"#), &ids));
-        assert!(expect_matches(&e(r#"{"mac":"00:1b:21:3a:4f:5e"}"#), &ids));
-        assert!(!expect_matches(&e(r#"{"mac":"02:00:00:00:00:09"}"#), &ids)); // not globally administered
-        assert!(expect_matches(
-            &e(r#"{"gpuUuid":"GPU-abcdef01-2345"}"#),
-            &ids
-        ));
-        assert!(!expect_matches(&e(r#"{"serial":"SN-2"}"#), &ids));
-        assert!(!expect_matches(
-            &e(r#"{"serial":"SN-1","mac":"00:1b:21:3a:4f:5f"}"#),
-            &ids
-        ));
-        let placeholder = Identifiers::from_claims(&claims(
-            r#"{"productUuid":"00000000-0000-0000-0000-000000000000"}"#,
-        ));
-        assert!(!expect_matches(
-            &e(r#"{"productUuid":"00000000-0000-0000-0000-000000000000"}"#),
-            &placeholder
-        ));
     }
 
     #[test]

@@ -18,13 +18,13 @@
 //!   another machine (`discovery:token-reused`).
 
 use crate::admission::Reason;
-use crate::api::{self, Bearer};
 use crate::app::App;
 use crate::claims::loose_mac;
 use crate::crypto;
 use crate::error::ApiResult;
 use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
 use crate::protocol::{JoinDeferral, JoinResponse, Outcome, JOIN_DEFERRAL_PURPOSE};
+use crate::token::Bearer;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
 
@@ -199,7 +199,7 @@ pub(crate) fn held_by(tx: &Transaction<'_>, key: &str) -> ApiResult<Option<HeldB
             })
         })
         .unwrap_or_default();
-    h.pool_allows_discovery = api::pool_by_id(tx, &h.pool_id)?
+    h.pool_allows_discovery = crate::store::tenancy::pool_by_id(tx, &h.pool_id)?
         .is_some_and(|p| p.archived_at.is_none() && p.allows_attestor("discovery"));
     Ok(Some(h))
 }
@@ -321,7 +321,7 @@ pub(crate) fn admit(
     if let Some((id, state, Some(pool_id), csr)) = &current {
         if state == "approved" && *csr == csr_hex {
             // The approved retry: admitted, the request consumed, the token spent.
-            let pool = api::pool_by_id(tx, pool_id)?;
+            let pool = crate::store::tenancy::pool_by_id(tx, pool_id)?;
             let Some(pool) = pool.filter(|p| p.archived_at.is_none() && p.agent == "bcd") else {
                 return refused(Reason::Pool, None);
             };
@@ -388,7 +388,7 @@ pub(crate) fn admit(
                     bearer.id
                 ],
             )?;
-            api::publish(
+            crate::store::events::publish(
                 tx,
                 now,
                 &app.root_tenant,
@@ -475,7 +475,7 @@ fn admit_new(
     signer: &Signer,
     r: &Ready,
     (token_id, t): (&str, &TokenRow),
-    pool: &api::Pool,
+    pool: &crate::pool::Pool,
     by: Vouched<'_>,
     ttl: i64,
     now: i64,
@@ -576,8 +576,8 @@ fn issue(
         "nodeKey": "unattested",
         "role": "ramdisk",
     });
-    api::publish(tx, now, node.tenant_id, "node.joined", data.clone())?;
-    api::audit(
+    crate::store::events::publish(tx, now, node.tenant_id, "node.joined", data.clone())?;
+    crate::store::events::audit(
         tx,
         now,
         node.tenant_id,

@@ -3,9 +3,10 @@
 //! `<state-dir>/downloads/bcd/<version>/linux-<arch>` and records its SHA-256; the HTTP listener
 //! serves it at `GET /api/compute/downloads/bcd/<version>/linux-<arch>`.
 
-use crate::api::{audit, Ctx};
+use crate::api::Ctx;
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
+use crate::store::events::audit;
 use crate::store::Store;
 use rusqlite::{params, OptionalExtension};
 use serde::Deserialize;

@@ -209,7 +209,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
             "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, 'root', 1, ?2)",
             params![root_tenant, now],
         )?;
-        crate::api::audit(
+        crate::store::events::audit(
             tx,
             now,
             &root_tenant,

@@ -6,10 +6,12 @@
 //! approving twice returns the approval; any other decided state, or an archived pool, is
 //! `INVALID_STATE`. `reject` is final, and withdraws an approval not used yet.
 
-use crate::api::{audit, publish, Ctx};
+use crate::api::Ctx;
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
+use crate::store::events::audit;
+use crate::store::events::publish;
 use crate::store::{found, Store};
 use crate::validate;
 use clap::Subcommand;
@@ -174,7 +176,7 @@ fn list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: ListInput) -> ApiResult<Value> {
         )));
     }
     let site = match &i.pool_id {
-        Some(p) => crate::api::pool_load(tx, &i.tenant_id, p)?.site_id,
+        Some(p) => crate::store::tenancy::pool_load(tx, &i.tenant_id, p)?.site_id,
         None => ctx.site_id.to_string(),
     };
     crate::discovery::expire(tx, ctx.now)?;
@@ -206,7 +208,7 @@ fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) ->
     check_reason(&i.reason)?;
     let ttl = i.ttl_seconds.unwrap_or(3600);
     validate::range("ttlSeconds", ttl, 60, 86_400)?;
-    let pool = crate::api::pool_load(tx, &i.tenant_id, &i.pool_id)?;
+    let pool = crate::store::tenancy::pool_load(tx, &i.tenant_id, &i.pool_id)?;
     crate::discovery::expire(tx, ctx.now)?;
     let load = |tx: &Transaction<'_>| {
         found(

@@ -14,7 +14,6 @@
 //!    use) and records `security.join.refused`. Answers are sent only after the commit is durable.
 
 use crate::admission::{self, AdmitInput, Kind, KnownNode, Reason};
-use crate::api::{self, Bearer, TokenRow, TOKEN_COLS};
 use crate::app::App;
 use crate::bundle::KeyBundle;
 use crate::claims::{self, Claims, HardwareKey, Identifiers};
@@ -24,6 +23,9 @@ use crate::pki::{self, CaKind};
 use crate::protocol::{
     Call, JoinRequest, JoinResponse, JoinResponseBody, Outcome, JOIN_RESPONSE_PURPOSE,
 };
+use crate::store::tenancy::TOKEN_COLS;
+use crate::token::Bearer;
+use crate::token::TokenRow;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
@@ -744,7 +746,7 @@ fn refusal(
     };
     if let Some(suppressed) = limits.admit(attestor, reason.as_str(), now) {
         let tenant = tenant.unwrap_or_else(|| app.root_tenant.clone());
-        api::publish(
+        crate::store::events::publish(
             tx,
             now,
             &tenant,
@@ -785,7 +787,7 @@ fn admit_one(
         tx,
         &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
         [&bearer.id],
-        api::token_row,
+        crate::store::tenancy::token_row,
     )
     .optional()?;
     let Some(token) = token else {
@@ -801,7 +803,7 @@ fn admit_one(
         "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?1 AND uses_left > 0",
         [&token.id],
     )?;
-    let pool = api::pool_by_id(tx, &token.pool_id)?;
+    let pool = crate::store::tenancy::pool_by_id(tx, &token.pool_id)?;
     let known = match r.key.as_ref().filter(|k| k.trusted) {
         Some(k) => crate::store::query_row(tx,
                 "SELECT id, tenant_id, site_id, pool_id, role, state, trust, identity_generation FROM nodes
@@ -899,13 +901,13 @@ fn admit_one(
         "nodeKey": "unattested",
         "role": adm.role,
     });
-    api::publish(tx, now, &token.tenant_id, "node.joined", data.clone())?;
+    crate::store::events::publish(tx, now, &token.tenant_id, "node.joined", data.clone())?;
     let action = if reclaim {
         "node.reclaimed"
     } else {
         "node.joined"
     };
-    api::audit(
+    crate::store::events::audit(
         tx,
         now,
         &token.tenant_id,
@@ -932,7 +934,7 @@ pub(crate) fn adopt(
         "UPDATE nodes SET state = 'adopted' WHERE id = ?1 AND state = 'adopting'",
         [node_id],
     )?;
-    api::publish(
+    crate::store::events::publish(
         tx,
         now,
         tenant,
@@ -960,7 +962,7 @@ pub(crate) fn revoke_all(
             "UPDATE node_certs SET revoked_at = ?2, revoke_reason = ?3 WHERE serial = ?1",
             params![serial, now, reason],
         )?;
-        api::publish(
+        crate::store::events::publish(
             tx,
             now,
             tenant,

@@ -1,9 +1,11 @@
 //! Nodes: the admin API's `nodes.*` methods and `bca nodes`.
 
-use crate::api::{audit, parse, publish, Ctx};
+use crate::api::{parse, Ctx};
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
+use crate::store::events::audit;
+use crate::store::events::publish;
 use crate::store::{found, Store};
 use crate::validate;
 use clap::Subcommand;

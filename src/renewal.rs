@@ -8,7 +8,6 @@
 //! of the node's current generation, unrevoked and unexpired. Every refusal answers the same
 //! `ACCESS_DENIED` "Renew refused" and publishes `security.renew.refused`.
 
-use crate::api;
 use crate::app::App;
 use crate::crypto;
 use crate::csr::VerifiedCsr;
@@ -362,7 +361,7 @@ pub(crate) fn process(
         &r.csr,
         now,
     )?;
-    api::publish(
+    crate::store::events::publish(
         tx,
         now,
         &tenant,
@@ -384,7 +383,7 @@ fn refuse(
     tracing::info!(reason = reason.as_str(), node = ?caller.node, "renewal refused");
     crate::metrics::get().refused(reason.as_str());
     if let Some(suppressed) = limits.admit("renew", reason.as_str(), now) {
-        api::publish(
+        crate::store::events::publish(
             tx,
             now,
             caller.owner.as_deref().unwrap_or(&app.root_tenant),

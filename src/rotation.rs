@@ -389,7 +389,7 @@ impl Rotator {
         reconcile(&app.state_dir, &app.config, &keys, now).map_err(ApiError::internal)?;
         let data = json!({"kind": kind.as_str(), "action": action, "schedule": s});
         app.store.write(|tx| {
-            crate::api::audit(
+            crate::store::events::audit(
                 tx,
                 now,
                 &app.root_tenant,

@@ -5,7 +5,6 @@
 //! `node.disconnected`. Revoking a node's identity (or retiring or deleting it) closes its session
 //! at once through the registry.
 
-use crate::api;
 use crate::error::ApiResult;
 use crate::protocol::Outcome;
 use rusqlite::{params, OptionalExtension, Transaction};
@@ -136,7 +135,7 @@ pub fn open(tx: &Transaction<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
         params![node, now],
     )?;
     if !connected {
-        api::publish(tx, now, &tenant, "node.connected", json!({"nodeId": node}))?;
+        crate::store::events::publish(tx, now, &tenant, "node.connected", json!({"nodeId": node}))?;
     }
     Ok(Outcome::SessionOpened { node_id: node })
 }
@@ -178,7 +177,7 @@ pub fn closed(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> 
             "UPDATE nodes SET connected = 0, last_seen = ?2 WHERE id = ?1",
             params![node, now],
         )?;
-        api::publish(tx, now, &t, "node.disconnected", json!({"nodeId": node}))?;
+        crate::store::events::publish(tx, now, &t, "node.disconnected", json!({"nodeId": node}))?;
     }
     Ok(Outcome::Done)
 }

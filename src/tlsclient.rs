@@ -174,21 +174,3 @@ impl rustls::client::ResolvesClientCert for Always {
         true
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn host_ports() {
-        assert_eq!(host_port("https://gw:8443"), Some(("gw".into(), 8443)));
-        assert_eq!(host_port("https://gw"), Some(("gw".into(), 443)));
-        assert_eq!(
-            host_port("https://127.0.0.1:9/x"),
-            Some(("127.0.0.1".into(), 9))
-        );
-        assert_eq!(host_port("https://[::1]:9"), Some(("::1".into(), 9)));
-        assert_eq!(host_port("https://[::1]"), Some(("::1".into(), 443)));
-        assert_eq!(host_port("https://gw:x"), None);
-    }
-}

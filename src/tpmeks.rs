@@ -7,9 +7,10 @@
 //! `tpm` attestor. Allowing it again into the same pool changes nothing; into another pool is a
 //! conflict (remove it first: a machine never moves pools silently). Each change is audited.
 
-use crate::api::{audit, Ctx};
+use crate::api::Ctx;
 use crate::clock::rfc3339;
 use crate::error::{ApiError, ApiResult};
+use crate::store::events::audit;
 use crate::store::Store;
 use crate::validate;
 use rusqlite::{params, OptionalExtension, Transaction};
@@ -99,7 +100,7 @@ fn allow(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: AllowInput) -> ApiResult<Value>
             ));
         }
     }
-    let pool = crate::api::pool_load(tx, &i.tenant_id, &i.pool_id)?;
+    let pool = crate::store::tenancy::pool_load(tx, &i.tenant_id, &i.pool_id)?;
     if pool.archived_at.is_some() {
         return Err(ApiError::invalid_state(format!(
             "pool {} is archived: it admits no machine",
@@ -145,9 +146,9 @@ fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
     match &i.pool_id {
         // An unknown tenant or pool is named, not listed as empty.
         Some(p) => {
-            crate::api::pool_load(tx, &i.tenant_id, p)?;
+            crate::store::tenancy::pool_load(tx, &i.tenant_id, p)?;
         }
-        None => crate::api::tenant_must_exist(tx, &i.tenant_id)?,
+        None => crate::store::tenancy::tenant_must_exist(tx, &i.tenant_id)?,
     }
     let limit = i.limit.unwrap_or(100);
     validate::range("limit", limit, 1, 200)?;

@@ -27,7 +27,6 @@
 //! with a join request).
 
 use crate::admission::Reason;
-use crate::api;
 use crate::app::App;
 use crate::crypto;
 use crate::error::ApiResult;
@@ -356,8 +355,8 @@ pub(crate) fn admit(
         },
     };
     // The allow-list has no foreign key: the pool is checked again here.
-    let Some(pool) =
-        api::pool_by_id(tx, &pool_id)?.filter(|p| p.archived_at.is_none() && p.agent == "bcd")
+    let Some(pool) = crate::store::tenancy::pool_by_id(tx, &pool_id)?
+        .filter(|p| p.archived_at.is_none() && p.agent == "bcd")
     else {
         return refused(Reason::Pool, None);
     };
@@ -462,8 +461,8 @@ pub(crate) fn admit(
         "admittedBy": admitted_by,
         "joinRequestId": request,
     });
-    api::publish(tx, now, &pool.tenant_id, "node.joined", data.clone())?;
-    api::audit(
+    crate::store::events::publish(tx, now, &pool.tenant_id, "node.joined", data.clone())?;
+    crate::store::events::audit(
         tx,
         now,
         &pool.tenant_id,
@@ -554,7 +553,7 @@ fn enroll(
                     ek_certified as i64
                 ],
             )?;
-            api::publish(
+            crate::store::events::publish(
                 tx,
                 now,
                 &app.root_tenant,

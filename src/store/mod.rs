@@ -13,31 +13,34 @@ use rusqlite::{Connection, OpenFlags, Transaction};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
+pub mod events;
+pub mod tenancy;
+
 /// Every migration, in order. A migration is never edited once released: add a new file.
 pub const MIGRATIONS: &[(&str, &str)] = &[
     (
         "0001_initial",
-        include_str!("../migrations/0001_initial.sql"),
+        include_str!("../../migrations/0001_initial.sql"),
     ),
     (
         "0002_sessions_downloads",
-        include_str!("../migrations/0002_sessions_downloads.sql"),
+        include_str!("../../migrations/0002_sessions_downloads.sql"),
     ),
     (
         "0003_discovery",
-        include_str!("../migrations/0003_discovery.sql"),
+        include_str!("../../migrations/0003_discovery.sql"),
     ),
     (
         "0004_tpm_eks",
-        include_str!("../migrations/0004_tpm_eks.sql"),
+        include_str!("../../migrations/0004_tpm_eks.sql"),
     ),
     (
         "0005_tpm_attestor",
-        include_str!("../migrations/0005_tpm_attestor.sql"),
+        include_str!("../../migrations/0005_tpm_attestor.sql"),
     ),
     (
         "0006_discovery_trust",
-        include_str!("../migrations/0006_discovery_trust.sql"),
+        include_str!("../../migrations/0006_discovery_trust.sql"),
     ),
 ];
 
