@@ -34,7 +34,7 @@ pub struct Ctx<'a> {
     pub site_id: &'a str,
     pub root_tenant: &'a str,
     /// The gateway's live sessions, closed when a node's identity is revoked.
-    pub sessions: Option<&'a crate::sessions::Registry>,
+    pub sessions: Option<&'a crate::registry::Registry>,
 }
 
 /// Parses a request body strictly; the error names the field (`expect.mac: invalid type ...`).

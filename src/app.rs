@@ -7,21 +7,18 @@ use crate::pki::PublicPki;
 use crate::protocol::BASE_PATH;
 use crate::protocol::PROTOCOL_MAX;
 use crate::protocol::PROTOCOL_MIN;
+use crate::site::Site;
 use crate::store::Store;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
+/// The serving appliance: the [`Site`] (what the JoinService sees) plus what serving adds. It
+/// dereferences to its site, so `app.config` and `app.store` read as before.
 pub struct App {
-    pub state_dir: PathBuf,
-    pub config: Config,
-    pub store: Arc<Store>,
-    pub root_tenant: String,
-    pub pki: PublicPki,
+    pub site: Arc<Site>,
     /// The document served at `GET /api/compute/.well-known/better-compute`.
     pub well_known: std::sync::RwLock<Value>,
-    /// The gateway's live node sessions.
-    pub sessions: Arc<crate::sessions::Registry>,
     /// The message handle to the JoinService, once it runs (the boot server mints discovery
     /// tokens through it).
     pub join: std::sync::OnceLock<crate::joinservice::JoinHandle>,
@@ -34,6 +31,13 @@ pub struct App {
     /// DHCP sightings, `boot.ipxe` rates and the per-boot archives waiting to be fetched once
     /// (each holds a discovery token: wiped when dropped).
     pub boot_gate: std::sync::Mutex<crate::boot::gate::Gate>,
+}
+
+impl std::ops::Deref for App {
+    type Target = Site;
+    fn deref(&self) -> &Site {
+        &self.site
+    }
 }
 
 impl App {
@@ -60,13 +64,15 @@ impl App {
         let pki = PublicPki::load(&crate::pki::pki_dir(state_dir))?;
         let well_known = well_known(&config, &pki)?;
         Ok(Self {
-            state_dir: state_dir.to_path_buf(),
-            config,
-            store,
-            root_tenant,
-            pki,
+            site: Arc::new(Site {
+                state_dir: state_dir.to_path_buf(),
+                config,
+                store,
+                root_tenant,
+                pki,
+                sessions: Default::default(),
+            }),
             well_known: std::sync::RwLock::new(well_known),
-            sessions: Default::default(),
             join: Default::default(),
             gateway_cert: Default::default(),
             rotator: Default::default(),

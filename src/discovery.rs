@@ -18,12 +18,12 @@
 //!   another machine (`discovery:token-reused`).
 
 use crate::admission::Reason;
-use crate::app::App;
 use crate::claims::loose_mac;
 use crate::crypto;
 use crate::error::ApiResult;
 use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
 use crate::protocol::{JoinDeferral, JoinResponse, Outcome, JOIN_DEFERRAL_PURPOSE};
+use crate::site::Site;
 use crate::token::Bearer;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
@@ -50,7 +50,7 @@ pub(crate) struct Mint {
 /// A new discovery token for the MAC, voiding the MAC's earlier ones (never one whose request an
 /// operator approved); or `LocalBoot` when the MAC belongs to an adopted node not marked for
 /// rediscovery.
-pub(crate) fn mint(tx: &Transaction<'_>, app: &App, m: &Mint, now: i64) -> ApiResult<Outcome> {
+pub(crate) fn mint(tx: &Transaction<'_>, site: &Site, m: &Mint, now: i64) -> ApiResult<Outcome> {
     let Some(mac) = loose_mac(&m.mac) else {
         return Ok(Outcome::Refused);
     };
@@ -85,12 +85,12 @@ pub(crate) fn mint(tx: &Transaction<'_>, app: &App, m: &Mint, now: i64) -> ApiRe
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         params![
             bearer.id,
-            app.config.site_id,
+            site.config.site_id,
             mac,
             crypto::sha256(bearer.secret.as_ref()).to_vec(),
             epoch,
             now,
-            now + app.config.discovery.pending_ttl_seconds as i64,
+            now + site.config.discovery.pending_ttl_seconds as i64,
             m.sighted_ip
         ],
     )?;
@@ -205,7 +205,7 @@ pub(crate) fn held_by(tx: &Transaction<'_>, key: &str) -> ApiResult<Option<HeldB
 }
 
 pub(crate) fn deferral(
-    app: &App,
+    site: &Site,
     signer: &Signer,
     request_id: &str,
     csr_sha256: &[u8; 32],
@@ -213,9 +213,9 @@ pub(crate) fn deferral(
     let body = JoinDeferral {
         request_id: request_id.to_string(),
         state: "pending".into(),
-        retry_after_seconds: app.config.discovery.retry_after_seconds,
+        retry_after_seconds: site.config.discovery.retry_after_seconds,
         csr_sha256: crypto::hex(csr_sha256),
-        site_id: app.config.site_id.clone(),
+        site_id: site.config.site_id.clone(),
     };
     signer.signed(JOIN_DEFERRAL_PURPOSE, &body)
 }
@@ -223,7 +223,7 @@ pub(crate) fn deferral(
 /// Stage 2 of a discovery join, inside its savepoint.
 pub(crate) fn admit(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     r: &Ready,
     now: i64,
@@ -272,7 +272,7 @@ pub(crate) fn admit(
     {
         return refused(Reason::DiscoveryMac, None);
     }
-    let cfg = &app.config;
+    let cfg = &site.config;
     let trusted = r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone());
     let machine_key = trusted
         .clone()
@@ -332,13 +332,13 @@ pub(crate) fn admit(
                 // The operator put it in the pool of the node holding its key: that node again.
                 Some(k) if k.reclaimable_approved(&pool.id) => {
                     let by = Vouched::Approval(id);
-                    reclaim(tx, app, signer, r, token, k, by, ttl, now)
+                    reclaim(tx, site, signer, r, token, k, by, ttl, now)
                 }
                 // A node elsewhere (another tenant's, site's or pool's) is never joined.
                 Some(_) => refused(Reason::Reclaim, None),
                 None => {
                     let by = Vouched::Approval(id);
-                    admit_new(tx, app, signer, r, token, &pool, by, ttl, now)
+                    admit_new(tx, site, signer, r, token, &pool, by, ttl, now)
                 }
             };
         }
@@ -349,7 +349,7 @@ pub(crate) fn admit(
             .filter(|k| k.reclaimable_unapproved(&t.mac, t.sighted))
         {
             let by = Vouched::KnownMachine(current.as_ref().map(|c| c.0.as_str()));
-            return reclaim(tx, app, signer, r, token, k, by, ttl, now);
+            return reclaim(tx, site, signer, r, token, k, by, ttl, now);
         }
     }
     let claims_json = serde_json::to_string(&r.claims).expect("serializes");
@@ -363,7 +363,12 @@ pub(crate) fn admit(
                  token_id = ?9 WHERE id = ?1",
                 params![id, csr_hex, claims_json, r.peer_ip, t.mac, t.boot_lease_epoch, now, pending_until, bearer.id],
             )?;
-            Ok(Decided::Deferred(deferral(app, signer, &id, &r.csr.sha256)))
+            Ok(Decided::Deferred(deferral(
+                site,
+                signer,
+                &id,
+                &r.csr.sha256,
+            )))
         }
         None => {
             let id = crate::ids::new_id("jreq", now * 1000);
@@ -391,11 +396,16 @@ pub(crate) fn admit(
             crate::store::events::publish(
                 tx,
                 now,
-                &app.root_tenant,
+                &site.root_tenant,
                 "join-request.created",
                 json!({"requestId": id, "attestor": "discovery", "mac": t.mac}),
             )?;
-            Ok(Decided::Deferred(deferral(app, signer, &id, &r.csr.sha256)))
+            Ok(Decided::Deferred(deferral(
+                site,
+                signer,
+                &id,
+                &r.csr.sha256,
+            )))
         }
     }
 }
@@ -430,7 +440,7 @@ impl Vouched<'_> {
 #[allow(clippy::too_many_arguments)]
 fn reclaim(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     r: &Ready,
     (token_id, t): (&str, &TokenRow),
@@ -455,7 +465,7 @@ fn reclaim(
         )?;
     }
     crate::joinservice::revoke_all(tx, &k.tenant_id, &k.id, "reclaimed", now)?;
-    app.sessions.close(&k.id);
+    site.sessions.close(&k.id);
     let node = Admitted {
         id: &k.id,
         tenant_id: &k.tenant_id,
@@ -463,7 +473,7 @@ fn reclaim(
         generation,
         reclaim: true,
     };
-    issue(tx, app, signer, r, token_id, &node, &by, ttl, now)
+    issue(tx, site, signer, r, token_id, &node, &by, ttl, now)
 }
 
 /// A new `ramdisk` node in the approved pool. A retired node that still holds the machine's
@@ -471,7 +481,7 @@ fn reclaim(
 #[allow(clippy::too_many_arguments)]
 fn admit_new(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     r: &Ready,
     (token_id, t): (&str, &TokenRow),
@@ -480,7 +490,7 @@ fn admit_new(
     ttl: i64,
     now: i64,
 ) -> ApiResult<Decided> {
-    let cfg = &app.config;
+    let cfg = &site.config;
     let trusted = r.key.as_ref().filter(|k| k.trusted);
     if let Some(k) = trusted {
         crate::store::exec(
@@ -501,7 +511,7 @@ fn admit_new(
             pool.tenant_id,
             cfg.site_id,
             pool.id,
-            if pool.tenant_id == app.root_tenant { "platform" } else { "tenant-owned" },
+            if pool.tenant_id == site.root_tenant { "platform" } else { "tenant-owned" },
             r.key.as_ref().map(|k| k.hex.clone()),
             trusted.is_some() as i64,
             r.claims.hostname,
@@ -517,7 +527,7 @@ fn admit_new(
         generation: 1,
         reclaim: false,
     };
-    issue(tx, app, signer, r, token_id, &admitted, &by, ttl, now)
+    issue(tx, site, signer, r, token_id, &admitted, &by, ttl, now)
 }
 
 /// The node a discovery join is admitted as.
@@ -535,7 +545,7 @@ struct Admitted<'a> {
 #[allow(clippy::too_many_arguments)]
 fn issue(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     r: &Ready,
     token_id: &str,
@@ -546,7 +556,7 @@ fn issue(
 ) -> ApiResult<Decided> {
     let (response, serial) = certify(
         tx,
-        app,
+        site,
         signer,
         &Subject {
             node_id: node.id,

@@ -86,7 +86,7 @@ impl Sources {
 
 pub struct Gateway {
     cfg: crate::config::SessionsConfig,
-    registry: Arc<crate::sessions::Registry>,
+    registry: Arc<crate::registry::Registry>,
     tls: tokio_rustls::TlsAcceptor,
     relay: Relay,
     sources: Sources,
@@ -292,7 +292,7 @@ impl Gateway {
     /// A gateway from its parts: what the network child builds from its init message.
     pub fn with_parts(
         cfg: crate::config::SessionsConfig,
-        registry: Arc<crate::sessions::Registry>,
+        registry: Arc<crate::registry::Registry>,
         tls: rustls::ServerConfig,
         relay: Relay,
     ) -> Self {

@@ -14,7 +14,6 @@
 //!    use) and records `security.join.refused`. Answers are sent only after the commit is durable.
 
 use crate::admission::{self, AdmitInput, Kind, KnownNode, Reason};
-use crate::app::App;
 use crate::bundle::KeyBundle;
 use crate::claims::{self, Claims, HardwareKey, Identifiers};
 use crate::crypto::{self, SigningKey};
@@ -23,6 +22,7 @@ use crate::pki::{self, CaKind};
 use crate::protocol::{
     Call, JoinRequest, JoinResponse, JoinResponseBody, Outcome, JOIN_RESPONSE_PURPOSE,
 };
+use crate::site::Site;
 use crate::store::tenancy::TOKEN_COLS;
 use crate::token::Bearer;
 use crate::token::TokenRow;
@@ -183,7 +183,7 @@ pub struct JoinHandle {
 }
 
 struct Inner {
-    app: Arc<App>,
+    site: Arc<Site>,
     signer: Arc<Signer>,
     jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
     in_flight: Mutex<HashSet<String>>,
@@ -209,20 +209,20 @@ pub struct JoinService {
 }
 
 impl JoinService {
-    pub fn start(app: Arc<App>, keys: KeyBundle) -> Result<Self, String> {
-        let node_ca = pki::issuer(CaKind::Node, &app.config, &keys.node_ca);
+    pub fn start(site: Arc<Site>, keys: KeyBundle) -> Result<Self, String> {
+        let node_ca = pki::issuer(CaKind::Node, &site.config, &keys.node_ca);
         let signer = Arc::new(Signer {
             node_ca,
-            node_ca_pem: crate::x509::pem("CERTIFICATE", &app.pki.node_ca),
-            keys: std::sync::RwLock::new(SignerKeys::new(&app.pki, &keys)?),
+            node_ca_pem: crate::x509::pem("CERTIFICATE", &site.pki.node_ca),
+            keys: std::sync::RwLock::new(SignerKeys::new(&site.pki, &keys)?),
         });
         drop(keys);
-        let ek_cas = match &app.config.tpm_attestor.ek_ca_bundle {
+        let ek_cas = match &site.config.tpm_attestor.ek_ca_bundle {
             Some(p) => crate::tpmjoin::EkCas::load(std::path::Path::new(p))?,
             None => crate::tpmjoin::EkCas::default(),
         };
         // No session outlives a restart of the appliance.
-        app.store
+        site.store
             .write(|tx| {
                 Ok(crate::store::exec(
                     tx,
@@ -236,7 +236,7 @@ impl JoinService {
         let guard = Alive(alive.clone());
         let inner = Arc::new(Inner {
             alive,
-            app: app.clone(),
+            site: site.clone(),
             signer: signer.clone(),
             jobs: Mutex::new(Some(tx)),
             in_flight: Mutex::default(),
@@ -247,7 +247,7 @@ impl JoinService {
             .name("join-writer".into())
             .spawn(move || {
                 let _alive = guard;
-                writer_loop(app, signer, rx)
+                writer_loop(site, signer, rx)
             })
             .map_err(|e| format!("cannot start the join writer: {e}"))?;
         Ok(Self {
@@ -419,7 +419,7 @@ impl JoinHandle {
             &request,
             peer,
             now,
-            self.inner.app.config.join.seal_max_skew_seconds as i64,
+            self.inner.site.config.join.seal_max_skew_seconds as i64,
         );
         let mut guard = InFlight {
             set: &self.inner.in_flight,
@@ -584,7 +584,7 @@ pub(crate) enum Decided {
     Deferred(JoinResponse),
 }
 
-fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
+fn writer_loop(site: Arc<Site>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
     let mut limits = RateLimit::default();
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
@@ -599,10 +599,10 @@ fn writer_loop(app: Arc<App>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
             .fetch_sub(batch.len() as i64, std::sync::atomic::Ordering::Relaxed);
         let now = crate::clock::now();
         let started = std::time::Instant::now();
-        let result = app.store.write(|tx| {
+        let result = site.store.write(|tx| {
             let mut outs = Vec::with_capacity(batch.len());
             for job in &batch {
-                outs.push(process(tx, &app, &signer, job, now, &mut limits)?);
+                outs.push(process(tx, &site, &signer, job, now, &mut limits)?);
             }
             Ok(outs)
         });
@@ -643,7 +643,7 @@ fn count(work: &Work, out: &Outcome) {
 
 fn process(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     job: &Job,
     now: i64,
@@ -653,13 +653,13 @@ fn process(
         Work::Join(p) => p,
         Work::TpmChallenge(Ok(p)) => return crate::tpmjoin::challenge(tx, p, now),
         Work::TpmChallenge(Err(reason)) => {
-            return refusal(tx, app, job, *reason, None, None, None, now, limits)
+            return refusal(tx, site, job, *reason, None, None, None, now, limits)
         }
-        Work::Renew(p) => return crate::renewal::process(tx, app, signer, p, now, limits),
+        Work::Renew(p) => return crate::renewal::process(tx, site, signer, p, now, limits),
         Work::SessionOpen(leaf) => return crate::sessions::open(tx, leaf, now),
         Work::SessionSeen(node) => return crate::sessions::seen(tx, node, now),
         Work::SessionClosed(node) => return crate::sessions::closed(tx, node, now),
-        Work::MintDiscovery(m) => return crate::discovery::mint(tx, app, m, now),
+        Work::MintDiscovery(m) => return crate::discovery::mint(tx, site, m, now),
     };
     let (decided, csr_sha, hk) = match prepared {
         Prepared::Refused {
@@ -685,12 +685,12 @@ fn process(
             let d = match (spent, &r.proof) {
                 (Err(reason), _) => refused(reason, None),
                 (Ok(certified), Proof::Tpm(p)) => {
-                    crate::tpmjoin::admit(tx, app, signer, r, p, certified, now)
+                    crate::tpmjoin::admit(tx, site, signer, r, p, certified, now)
                 }
                 (Ok(_), _) if r.attestor == "discovery" => {
-                    crate::discovery::admit(tx, app, signer, r, now)
+                    crate::discovery::admit(tx, site, signer, r, now)
                 }
-                (Ok(_), _) => admit_one(tx, app, signer, r, now),
+                (Ok(_), _) => admit_one(tx, site, signer, r, now),
             };
             match &d {
                 // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
@@ -717,7 +717,7 @@ fn process(
     match decided {
         Decided::Issued(response) => Ok(Outcome::Issued { response }),
         Decided::Deferred(response) => Ok(Outcome::Deferred { response }),
-        Decided::Refused(r) => refusal(tx, app, job, r.reason, r.tenant, csr_sha, hk, now, limits),
+        Decided::Refused(r) => refusal(tx, site, job, r.reason, r.tenant, csr_sha, hk, now, limits),
     }
 }
 
@@ -726,7 +726,7 @@ fn process(
 #[allow(clippy::too_many_arguments)]
 fn refusal(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     job: &Job,
     reason: Reason,
     tenant: Option<String>,
@@ -745,7 +745,7 @@ fn refusal(
         _ => reason.attestor(),
     };
     if let Some(suppressed) = limits.admit(attestor, reason.as_str(), now) {
-        let tenant = tenant.unwrap_or_else(|| app.root_tenant.clone());
+        let tenant = tenant.unwrap_or_else(|| site.root_tenant.clone());
         crate::store::events::publish(
             tx,
             now,
@@ -774,12 +774,12 @@ pub(crate) fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided
 /// Stage 2 for one join, inside its savepoint.
 fn admit_one(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     r: &Ready,
     now: i64,
 ) -> ApiResult<Decided> {
-    let cfg = &app.config;
+    let cfg = &site.config;
     let Proof::Bearer(bearer) = &r.proof else {
         return refused(Reason::Attestor, None);
     };
@@ -829,7 +829,7 @@ fn admit_one(
         token: &token,
         pool: pool.as_ref(),
         site_id: &cfg.site_id,
-        root_tenant: &app.root_tenant,
+        root_tenant: &site.root_tenant,
         ids: &r.ids,
         key: r.key.as_ref(),
         known: known.as_ref(),
@@ -878,7 +878,7 @@ fn admit_one(
     };
     let (response, serial) = certify(
         tx,
-        app,
+        site,
         signer,
         &Subject {
             node_id: &node_id,
@@ -1002,13 +1002,13 @@ pub(crate) struct Subject<'a> {
 /// response and the certificate's serial.
 pub(crate) fn certify(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     who: &Subject<'_>,
     csr: &crate::csr::VerifiedCsr,
     now: i64,
 ) -> ApiResult<(JoinResponse, String)> {
-    let cfg = &app.config;
+    let cfg = &site.config;
     let spiffe = format!(
         "spiffe://{}/site/{}/node/{}",
         cfg.trust_domain, cfg.site_id, who.node_id

@@ -727,7 +727,7 @@ pub fn child_main() -> Result<(), String> {
     let node_ca = crate::crypto::b64_decode(&init.node_ca).ok_or("privsep: the node CA")?;
     let tickets = Arc::new(crate::tickets::Tickets::from_keys(&init.tickets));
     let tls = crate::gateway::server_config_with(cert.clone(), &node_ca, tickets.clone())?;
-    let registry = Arc::new(crate::sessions::Registry::default());
+    let registry = Arc::new(crate::registry::Registry::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -8,12 +8,12 @@
 //! of the node's current generation, unrevoked and unexpired. Every refusal answers the same
 //! `ACCESS_DENIED` "Renew refused" and publishes `security.renew.refused`.
 
-use crate::app::App;
 use crate::crypto;
 use crate::csr::VerifiedCsr;
 use crate::error::ApiResult;
 use crate::joinservice::{RateLimit, Signer};
 use crate::protocol::{renew_pop_message, Outcome, RenewRequest, RENEW_POP_PURPOSE};
+use crate::site::Site;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
 use std::collections::HashMap;
@@ -260,7 +260,7 @@ struct Stored {
 /// the row's state, then what stage 1 found past the proof.
 pub(crate) fn process(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     p: &Prepared,
     now: i64,
@@ -274,7 +274,7 @@ pub(crate) fn process(
             .err()
             .copied()
             .unwrap_or(RenewReason::Malformed);
-        return refuse(tx, app, p, &caller, reason, now, limits);
+        return refuse(tx, site, p, &caller, reason, now, limits);
     };
     // The row and its node at once: a certificate of a node that no longer exists is unknown.
     let row = crate::store::query_row(
@@ -314,7 +314,7 @@ pub(crate) fn process(
     else {
         return refuse(
             tx,
-            app,
+            site,
             p,
             &caller,
             RenewReason::UnknownCertificate,
@@ -323,7 +323,7 @@ pub(crate) fn process(
         );
     };
     if !p.pop_ok {
-        return refuse(tx, app, p, &caller, RenewReason::Pop, now, limits);
+        return refuse(tx, site, p, &caller, RenewReason::Pop, now, limits);
     }
     caller.node = Some(node_id.clone());
     if !revoked && generation == current_generation {
@@ -341,22 +341,22 @@ pub(crate) fn process(
         None
     };
     if let Some(reason) = reason {
-        return refuse(tx, app, p, &caller, reason, now, limits);
+        return refuse(tx, site, p, &caller, reason, now, limits);
     }
     let r = match &p.result {
         Ok(r) => r,
-        Err(reason) => return refuse(tx, app, p, &caller, *reason, now, limits),
+        Err(reason) => return refuse(tx, site, p, &caller, *reason, now, limits),
     };
     let (response, new_serial) = crate::joinservice::certify(
         tx,
-        app,
+        site,
         signer,
         &crate::joinservice::Subject {
             node_id: &node_id,
             generation,
             role: &role,
             statements: &r.leaf.statements,
-            ttl: crate::joinservice::cert_ttl(&app.config, &role, &attestor),
+            ttl: crate::joinservice::cert_ttl(&site.config, &role, &attestor),
         },
         &r.csr,
         now,
@@ -373,7 +373,7 @@ pub(crate) fn process(
 
 fn refuse(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     p: &Prepared,
     caller: &Caller,
     reason: RenewReason,
@@ -386,7 +386,7 @@ fn refuse(
         crate::store::events::publish(
             tx,
             now,
-            caller.owner.as_deref().unwrap_or(&app.root_tenant),
+            caller.owner.as_deref().unwrap_or(&site.root_tenant),
             "security.renew.refused",
             json!({
                 "reason": reason.as_str(),

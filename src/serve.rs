@@ -225,7 +225,7 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
     // The gateway gets its TLS key and a message handle; the signing keys go to the JoinService.
     let gateway_key = zeroize::Zeroizing::new(keys.gateway.pkcs8().to_vec());
     let tickets = crate::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
-    let join = crate::joinservice::JoinService::start(app.clone(), keys)?;
+    let join = crate::joinservice::JoinService::start(app.site.clone(), keys)?;
     let _ = app.join.set(join.handle());
     let gw = crate::gateway::Gateway::new(
         app.clone(),

@@ -9,76 +9,6 @@ use crate::error::ApiResult;
 use crate::protocol::Outcome;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use tokio::sync::watch;
-
-/// The live sessions of the gateway, by node id.
-#[derive(Default)]
-pub struct Registry {
-    live: Mutex<HashMap<String, (u64, watch::Sender<bool>)>>,
-    next: AtomicU64,
-    /// Where [`Registry::close`] is also sent: the network child holds the live connections when
-    /// the gateway runs there ([`crate::privsep`]).
-    forward: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<String>>,
-}
-
-impl Registry {
-    /// Registers a session; an older session of the same node is told to close.
-    pub fn register(&self, node: &str) -> (u64, watch::Receiver<bool>) {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = watch::channel(false);
-        let old = self
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(node.to_string(), (id, tx));
-        if let Some((_, old)) = old {
-            let _ = old.send(true);
-        }
-        (id, rx)
-    }
-
-    /// Removes the session if it is still the node's current one; true when it was.
-    pub fn unregister(&self, node: &str, id: u64) -> bool {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        if live.get(node).is_some_and(|(i, _)| *i == id) {
-            live.remove(node);
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Sends every later [`Registry::close`] to `tx` as well.
-    pub fn set_forward(&self, tx: tokio::sync::mpsc::UnboundedSender<String>) {
-        let _ = self.forward.set(tx);
-    }
-
-    /// Closes the node's live session, if any.
-    pub fn close(&self, node: &str) {
-        if let Some(tx) = self.forward.get() {
-            let _ = tx.send(node.to_string());
-        }
-        if let Some((_, tx)) = self
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(node)
-        {
-            let _ = tx.send(true);
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.live.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
 
 struct CertRow {
     node: String,
@@ -150,12 +80,12 @@ pub fn seen(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
 }
 
 /// Records the sessions of `nodes` closed in one transaction (the appliance is stopping).
-pub fn closed_all(app: &crate::app::App, nodes: &[String]) -> ApiResult<()> {
+pub fn closed_all(site: &crate::site::Site, nodes: &[String]) -> ApiResult<()> {
     if nodes.is_empty() {
         return Ok(());
     }
     let now = crate::clock::now();
-    app.store.write(|tx| {
+    site.store.write(|tx| {
         for node in nodes {
             closed(tx, node, now)?;
         }

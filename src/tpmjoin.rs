@@ -27,13 +27,13 @@
 //! with a join request).
 
 use crate::admission::Reason;
-use crate::app::App;
 use crate::crypto;
 use crate::error::ApiResult;
 use crate::joinservice::{certify, refused, Decided, Ready, Signer, Subject};
 use crate::protocol::{
     tpm_join_qualifying, Outcome, TpmChallenge, TpmChallengeRequest, TpmEvidence,
 };
+use crate::site::Site;
 use crate::x509::ak_statement;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
@@ -291,14 +291,14 @@ enum Enrollment {
 /// Stage 2 of a `tpm` join, inside its savepoint (the challenge already spent).
 pub(crate) fn admit(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     r: &Ready,
     p: &TpmProof,
     ek_certified: bool,
     now: i64,
 ) -> ApiResult<Decided> {
-    let cfg = &app.config;
+    let cfg = &site.config;
     if r.role != "node" && r.role != "ramdisk" {
         return refused(Reason::TpmRoleMismatch, None);
     }
@@ -346,7 +346,7 @@ pub(crate) fn admit(
         (Some(pool), _, _) => (pool, None, "allow-list"),
         (None, Some(pool), _) => (pool, None, "ek-ca"),
         (None, None, Some(k)) => (k.pool_id.clone(), None, "known-ek"),
-        (None, None, None) => match enroll(tx, app, signer, r, p, ek_certified, now)? {
+        (None, None, None) => match enroll(tx, site, signer, r, p, ek_certified, now)? {
             Enrollment::Approved {
                 pool_id,
                 request_id,
@@ -411,7 +411,7 @@ pub(crate) fn admit(
                     cfg.site_id,
                     pool.id,
                     r.role,
-                    if pool.tenant_id == app.root_tenant { "platform" } else { "tenant-owned" },
+                    if pool.tenant_id == site.root_tenant { "platform" } else { "tenant-owned" },
                     r.key.as_ref().map(|k| k.hex.clone()),
                     // The EK is the machine's key: the claims' hardware key is recorded, never
                     // trusted (no token reclaim or discovery shortcut reaches this node by it).
@@ -428,7 +428,7 @@ pub(crate) fn admit(
     let ttl = crate::joinservice::cert_ttl(cfg, &r.role, "tpm");
     let (response, serial) = certify(
         tx,
-        app,
+        site,
         signer,
         &Subject {
             node_id: &node_id,
@@ -482,14 +482,14 @@ pub(crate) fn admit(
 /// An EK on no allow-list: a join request keyed by the EK's hash, decided by an operator.
 fn enroll(
     tx: &Transaction<'_>,
-    app: &App,
+    site: &Site,
     signer: &Signer,
     r: &Ready,
     p: &TpmProof,
     ek_certified: bool,
     now: i64,
 ) -> ApiResult<Enrollment> {
-    let cfg = &app.config;
+    let cfg = &site.config;
     if !cfg.tpm_attestor.enrollment || p.no_enrollment {
         return refused(Reason::TpmEkUnknown, None).map(Enrollment::Decided);
     }
@@ -556,7 +556,7 @@ fn enroll(
             crate::store::events::publish(
                 tx,
                 now,
-                &app.root_tenant,
+                &site.root_tenant,
                 "join-request.created",
                 json!({"requestId": id, "attestor": "tpm", "ekSha256": p.ek_sha256}),
             )?;
@@ -564,7 +564,7 @@ fn enroll(
         }
     };
     Ok(Enrollment::Decided(Decided::Deferred(
-        crate::discovery::deferral(app, signer, &id, &r.csr.sha256),
+        crate::discovery::deferral(site, signer, &id, &r.csr.sha256),
     )))
 }
 
