@@ -125,7 +125,7 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> ApiRes
             .or_else(|| crate::audit::dispatch(store, ctx, path, body))
             .or_else(|| crate::joinrequests::dispatch(store, ctx, path, body))
             .or_else(|| crate::tpmeks::dispatch(store, ctx, path, body))
-            .or_else(|| crate::boot::dispatch(store, path, body))
+            .or_else(|| crate::boot_leases::dispatch(store, path, body))
             .unwrap_or_else(|| Err(ApiError::not_found(format!("no method {path}")))),
     }
 }

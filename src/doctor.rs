@@ -326,7 +326,7 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
         .root
         .clone()
         .unwrap_or_else(|| state_dir.join("boot"));
-    let out = crate::edge::links_out(&boot_root);
+    let out = crate::fsutil::links_out(&boot_root);
     if out.is_empty() {
         r.line(
             Level::Ok,

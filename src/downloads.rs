@@ -154,7 +154,7 @@ pub fn recorded_sha(store: &Store, version: &str, arch: &str) -> Option<String> 
 /// recorded SHA-256 (read once in chunks to check it: a file changed on disk is not served, and
 /// no download is ever held in memory whole).
 pub fn open_verified(
-    root: &crate::edge::ReadRoot,
+    root: &crate::fsutil::ReadRoot,
     version: &str,
     arch: &str,
     sha: &str,

@@ -1,9 +1,10 @@
-//! Files with the modes secrets need.
+//! Files with the modes secrets need, and a directory read only beneath itself (`ReadRoot`).
 
 use std::fs::{self, OpenOptions};
 use std::io::Write;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 /// Creates `dir` (and parents) with mode 0700, or tightens an existing one to 0700.
 pub fn create_private_dir(dir: &Path) -> Result<(), String> {
@@ -82,4 +83,119 @@ pub fn align_db_sidecars(db: &Path) {
             let _ = std::os::unix::fs::chown(p, Some(m.uid()), Some(m.gid()));
         }
     }
+}
+
+/// A directory files are read beneath, held open: the network child cannot reach it by path.
+#[derive(Debug)]
+pub struct ReadRoot {
+    dir: OwnedFd,
+    path: PathBuf,
+}
+
+impl ReadRoot {
+    /// Opens (creating it when missing) a directory to read beneath.
+    pub fn open(path: &Path) -> Result<Self, String> {
+        if !path.exists() {
+            // Public files, read by the network child's user: 0755 whatever the umask.
+            std::fs::create_dir_all(path)
+                .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))?;
+        }
+        let dir = std::fs::File::open(path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        if !dir.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+            return Err(format!("{} is not a directory", path.display()));
+        }
+        Ok(Self {
+            dir: dir.into(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// A directory passed by the core; `path` is for messages only.
+    pub fn from_fd(dir: OwnedFd, path: PathBuf) -> Self {
+        Self { dir, path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.dir.as_fd()
+    }
+
+    /// Opens `rel` (relative, no `..`) for reading; only a regular file is returned.
+    pub fn open_file(&self, rel: &Path) -> std::io::Result<std::fs::File> {
+        let inside = !rel.as_os_str().is_empty()
+            && rel.components().all(|c| matches!(c, Component::Normal(_)));
+        if !inside {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "names stay beneath the directory",
+            ));
+        }
+        use rustix::fs::{Mode, OFlags, ResolveFlags};
+        // The kernel keeps the lookup beneath the directory, symlinks included: a link in the
+        // boot root to a key file is refused here, and by Landlock again in the network child.
+        let fd = rustix::fs::openat2(
+            &self.dir,
+            rel,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        )?;
+        let f = std::fs::File::from(fd);
+        if !f.metadata()?.is_file() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "not a regular file",
+            ));
+        }
+        Ok(f)
+    }
+
+    pub fn is_file(&self, rel: &str) -> bool {
+        self.open_file(Path::new(rel)).is_ok()
+    }
+}
+
+/// Symlinks in the boot root that lead out of it (or nowhere): the edge refuses them like
+/// missing files, so `serve` and `doctor` name them. `(name, target)`, at the top level and one
+/// level down.
+pub fn links_out(root: &Path) -> Vec<(String, String)> {
+    let Ok(canon) = std::fs::canonicalize(root) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut dirs = vec![(root.to_path_buf(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if m.is_dir() && depth == 0 {
+                dirs.push((p.clone(), 1));
+            }
+            if !m.file_type().is_symlink() {
+                continue;
+            }
+            let target = std::fs::read_link(&p)
+                .map(|t| t.display().to_string())
+                .unwrap_or_default();
+            let inside = std::fs::canonicalize(&p).is_ok_and(|t| t.starts_with(&canon));
+            if !inside {
+                let name = p.strip_prefix(root).unwrap_or(&p).display().to_string();
+                out.push((name, target));
+            }
+        }
+    }
+    out.sort();
+    out
 }

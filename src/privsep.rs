@@ -646,8 +646,8 @@ pub fn child_main() -> Result<(), String> {
     let sockets = Sockets {
         gateway: std::net::TcpListener::from(next("gateway listener")?),
         http: std::net::TcpListener::from(next("HTTP listener")?),
-        boot_root: crate::edge::ReadRoot::from_fd(next("boot root")?, init.roots.0.clone()),
-        downloads: crate::edge::ReadRoot::from_fd(
+        boot_root: crate::fsutil::ReadRoot::from_fd(next("boot root")?, init.roots.0.clone()),
+        downloads: crate::fsutil::ReadRoot::from_fd(
             next("downloads directory")?,
             init.roots.1.clone(),
         ),
@@ -829,8 +829,8 @@ pub fn child_main() -> Result<(), String> {
 pub struct Sockets {
     pub gateway: std::net::TcpListener,
     pub http: std::net::TcpListener,
-    pub boot_root: crate::edge::ReadRoot,
-    pub downloads: crate::edge::ReadRoot,
+    pub boot_root: crate::fsutil::ReadRoot,
+    pub downloads: crate::fsutil::ReadRoot,
     pub boot: Option<crate::boot::server::BootSockets>,
 }
 

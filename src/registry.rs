@@ -13,7 +13,7 @@ pub struct Registry {
     live: Mutex<HashMap<String, (u64, watch::Sender<bool>)>>,
     next: AtomicU64,
     /// Where [`Registry::close`] is also sent: the network child holds the live connections when
-    /// the gateway runs there ([`crate::privsep`]).
+    /// the gateway runs there (`privsep`).
     forward: std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<String>>,
 }
 

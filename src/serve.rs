@@ -165,7 +165,7 @@ async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
                         tracing::warn!(error = %e, "retention: config.toml unreadable; using the settings from the start");
                         app2.config.retention.clone()
                     });
-                crate::audit::apply(
+                crate::retention::apply(
                     &app2.store,
                     &retention,
                     &app2.root_tenant,
@@ -207,15 +207,15 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
     let gw_local = gateway.local_addr().ok();
     let http_local = http.local_addr().ok();
     // The edge reads files beneath these two only (the network child by Landlock's leave).
-    let boot_root = crate::edge::ReadRoot::open(&crate::boot::http::boot_root(&app))?;
-    for (name, target) in crate::edge::links_out(boot_root.path()) {
+    let boot_root = crate::fsutil::ReadRoot::open(&crate::boot::http::boot_root(&app))?;
+    for (name, target) in crate::fsutil::links_out(boot_root.path()) {
         tracing::warn!(
             file = %name,
             %target,
             "boot: a link out of the boot root is not served (files are read beneath it only): copy the file in"
         );
     }
-    let downloads = crate::edge::ReadRoot::open(&app.state_dir.join("downloads"))?;
+    let downloads = crate::fsutil::ReadRoot::open(&app.state_dir.join("downloads"))?;
     let http_base = crate::boot::http::http_url(&app.config.boot, http_local);
     let boot_sockets = crate::boot::server::bind(&app.config.boot, &http_base, boot_root.path())?;
     let admin = bind_admin(&admin_path, app.config.admin_group).await?;

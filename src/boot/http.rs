@@ -15,7 +15,8 @@
 use crate::app::App;
 use crate::boot::cpio::Cpio;
 use crate::boot::templates;
-use crate::edge::{Answer, Ask, Edge, ReadRoot};
+use crate::edge::{Answer, Ask, Edge};
+use crate::fsutil::ReadRoot;
 use crate::protocol::BASE_PATH;
 use crate::protocol::{Call, Outcome};
 use std::net::SocketAddr;
@@ -51,7 +52,7 @@ pub struct FileBody {
 
 impl FileBody {
     /// Opens `name` beneath `root` (a regular file only).
-    pub fn open(root: &crate::edge::ReadRoot, name: &str) -> Option<Self> {
+    pub fn open(root: &crate::fsutil::ReadRoot, name: &str) -> Option<Self> {
         let file = root.open_file(std::path::Path::new(name)).ok()?;
         Self::from_file(file, None)
     }

@@ -4,7 +4,8 @@
 use crate::app::App;
 use crate::boot::dhcp::{self, Files, ReplyCtx};
 use crate::config::BootConfig;
-use crate::edge::{Answer, Ask, Edge, ReadRoot};
+use crate::edge::{Answer, Ask, Edge};
+use crate::fsutil::ReadRoot;
 use dhcproto::{Encodable, Encoder};
 use socket2::{Domain, Protocol, Socket, Type};
 use std::collections::{HashMap, HashSet};
@@ -463,7 +464,7 @@ pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootS
         .transpose()?;
     let tftp = udp(&b.listen_tftp, iface, false)?;
     // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
-    let script = crate::boot::http::chain_script(&crate::edge::ReadRoot::open(root)?, http_base);
+    let script = crate::boot::http::chain_script(&crate::fsutil::ReadRoot::open(root)?, http_base);
     crate::fsutil::write_atomic(&root.join("chain.ipxe"), script.as_bytes(), 0o644)
         .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
     Ok(Some(BootSockets { dhcp, proxy, tftp }))

@@ -8,7 +8,7 @@
 //! itself a rendered output (written at start). A template names its values as `{{name}}`; a
 //! name the script does not supply is left as written, so a typo shows in the script iPXE prints.
 
-use crate::edge::ReadRoot;
+use crate::fsutil::ReadRoot;
 use std::io::Read;
 use std::path::Path;
 

@@ -3,7 +3,7 @@
 //! (RFC 7440). Each transfer gets a new port. Names are confined to the boot root. The packet
 //! codec and the path guard are pure functions; the server streams files block by block.
 
-use crate::edge::ReadRoot;
+use crate::fsutil::ReadRoot;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,6 +4,9 @@
 //! people or, with `--json`, as the API's JSON. Errors print as `CODE: message` on stderr and the
 //! process exits 1 (clap's usage errors exit 2).
 
+mod join_requests;
+mod nodes;
+
 use crate::client::Client;
 use crate::config::KeyProtection;
 use crate::error::{ApiError, ApiResult, Code};
@@ -83,13 +86,13 @@ pub enum Command {
     Events(EventsCmd),
     /// Nodes.
     #[command(subcommand)]
-    Nodes(crate::nodes::NodesCmd),
+    Nodes(nodes::NodesCmd),
     /// Network boot: who booted what, when.
     #[command(subcommand)]
     Boot(BootCmd),
     /// The join-request queue: machines waiting for an operator's approval.
     #[command(subcommand, name = "join-requests")]
-    JoinRequests(crate::joinrequests::JoinRequestsCmd),
+    JoinRequests(join_requests::JoinRequestsCmd),
     /// The appliance's PKI.
     #[command(subcommand)]
     Pki(PkiCmd),
@@ -956,8 +959,8 @@ fn run(cli: Cli) -> ApiResult<()> {
             }
             Ok(())
         }
-        Command::Nodes(cmd) => crate::nodes::run_cli(cmd, conn),
-        Command::JoinRequests(cmd) => crate::joinrequests::run_cli(cmd, conn),
+        Command::Nodes(cmd) => nodes::run(cmd, conn),
+        Command::JoinRequests(cmd) => join_requests::run(cmd, conn),
         Command::Boot(BootCmd::Leases { mac, limit, cursor }) => {
             let v = conn.client().call(
                 "bootLeases/list",

@@ -1,0 +1,199 @@
+//! `bca nodes`: list, get, retire, delete, revoke-identity and rediscover through the admin API.
+
+use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
+use crate::error::{ApiError, ApiResult};
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+#[derive(Subcommand)]
+pub enum NodesCmd {
+    /// List nodes.
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        pool: Option<String>,
+        /// Include retired nodes.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Show a node and its certificates.
+    Get {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Retire a node: it can neither renew nor reclaim.
+    Retire {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Delete a node: its certificates are revoked and its hardware key freed.
+    Delete {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Revoke every certificate of a node.
+    #[command(name = "revoke-identity")]
+    RevokeIdentity {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Send the node back to the discovery ramdisk at its next network boot (`--off` to stop).
+    Rediscover {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        off: bool,
+    },
+}
+
+pub fn run(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
+    let c = conn.client();
+    let out = |v: &Value, table: &dyn Fn(&Value)| {
+        if conn.json {
+            println!("{}", serde_json::to_string_pretty(v).expect("serializes"));
+        } else {
+            table(v);
+        }
+    };
+    let record = |v: &Value| {
+        for k in [
+            "id",
+            "poolId",
+            "role",
+            "state",
+            "trust",
+            "identityGeneration",
+            "hostname",
+            "hardwareKeyTrusted",
+            "createdAt",
+        ] {
+            println!("{k:<20} {}", s(&v[k]));
+        }
+        if let Some(cs) = v["certificates"].as_array() {
+            for c in cs {
+                println!(
+                    "certificate          {} gen {} until {}{}",
+                    s(&c["serial"]),
+                    s(&c["identityGeneration"]),
+                    s(&c["notAfter"]),
+                    c["revokedAt"]
+                        .as_str()
+                        .map(|r| format!(" revoked {r} ({})", s(&c["revokeReason"])))
+                        .unwrap_or_default()
+                );
+            }
+        }
+    };
+    match cmd {
+        NodesCmd::List {
+            tenant,
+            pool,
+            all,
+            limit,
+            cursor,
+        } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call(
+                "nodes/list",
+                &json!({"tenantId": tenant, "poolId": pool, "includeRetired": all, "limit": limit, "cursor": cursor}),
+            )?;
+            out(&v, &|v| {
+                print_table(
+                    &[
+                        "ID",
+                        "POOL",
+                        "STATE",
+                        "ROLE",
+                        "GEN",
+                        "CONNECTED",
+                        "LAST SEEN",
+                        "HOSTNAME",
+                    ],
+                    v["items"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|n| {
+                            vec![
+                                s(&n["id"]),
+                                s(&n["poolId"]),
+                                s(&n["state"]),
+                                s(&n["role"]),
+                                s(&n["identityGeneration"]),
+                                s(&n["connected"]),
+                                s(&n["lastSeen"]),
+                                s(&n["hostname"]),
+                            ]
+                        })
+                        .collect(),
+                );
+                print_cursor(v);
+            });
+        }
+        NodesCmd::Get { id, tenant } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call("nodes/get", &json!({"tenantId": tenant, "nodeId": id}))?,
+                &record,
+            );
+        }
+        NodesCmd::Retire { id, tenant, reason } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call(
+                    "nodes/retire",
+                    &json!({"tenantId": tenant, "nodeId": id, "reason": reason}),
+                )?,
+                &record,
+            );
+        }
+        NodesCmd::Delete { id, tenant, yes } => {
+            if !yes {
+                return Err(ApiError::invalid_input("deleting a node revokes its certificates and frees its hardware key; confirm with --yes"));
+            }
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call("nodes/delete", &json!({"tenantId": tenant, "nodeId": id}))?,
+                &record,
+            );
+        }
+        NodesCmd::Rediscover { id, tenant, off } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call(
+                    "nodes/rediscover",
+                    &json!({"tenantId": tenant, "nodeId": id, "rediscover": !off}),
+                )?,
+                &record,
+            );
+        }
+        NodesCmd::RevokeIdentity { id, tenant, reason } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            out(
+                &c.call(
+                    "nodes/revokeIdentity",
+                    &json!({"tenantId": tenant, "nodeId": id, "reason": reason}),
+                )?,
+                &record,
+            );
+        }
+    }
+    Ok(())
+}
