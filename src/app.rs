@@ -27,7 +27,7 @@ pub struct App {
     /// Key rotation while serving (set by `serve`).
     pub rotator: std::sync::OnceLock<crate::rotation::Rotator>,
     /// Full DHCP mode: the leases and the pending offers, in memory (loaded on first use).
-    pub dhcp: std::sync::Mutex<Option<crate::boot::server::DhcpState>>,
+    pub dhcp: std::sync::Mutex<Option<crate::boot_core::DhcpState>>,
     /// DHCP sightings, `boot.ipxe` rates and the per-boot archives waiting to be fetched once
     /// (each holds a discovery token: wiped when dropped).
     pub boot_gate: std::sync::Mutex<crate::boot::gate::Gate>,

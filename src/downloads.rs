@@ -3,14 +3,6 @@
 //! `<state-dir>/downloads/bcd/<version>/linux-<arch>` and records its SHA-256; the HTTP listener
 //! serves it at `GET /api/compute/downloads/bcd/<version>/linux-<arch>`.
 
-use crate::api::Ctx;
-use crate::clock::rfc3339;
-use crate::error::{ApiError, ApiResult};
-use crate::store::events::audit;
-use crate::store::Store;
-use rusqlite::{params, OptionalExtension};
-use serde::Deserialize;
-use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
 pub const ARCHES: &[&str] = &["amd64", "arm64"];
@@ -35,145 +27,9 @@ pub fn file_path(state_dir: &Path, version: &str, arch: &str) -> PathBuf {
         .join(format!("linux-{arch}"))
 }
 
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct AddInput {
-    path: String,
-    version: String,
-    arch: String,
-}
-
-pub fn dispatch(
-    store: &Store,
-    state_dir: &Path,
-    ctx: &Ctx<'_>,
-    path: &str,
-    body: &[u8],
-) -> Option<ApiResult<Value>> {
-    Some(match path {
-        "downloads/add" => crate::api::parse::<AddInput>(body).and_then(|i| add(store, state_dir, ctx, i)),
-        "downloads/list" => store.read(|tx| {
-            let mut st = tx.prepare("SELECT product, version, arch, sha256, size, added_at FROM downloads ORDER BY product, version, arch")?;
-            let items = st
-                .query_map([], |r| {
-                    Ok(json!({"product": r.get::<_, String>(0)?, "version": r.get::<_, String>(1)?, "arch": r.get::<_, String>(2)?,
-                        "sha256": r.get::<_, String>(3)?, "size": r.get::<_, i64>(4)?, "addedAt": rfc3339(r.get(5)?)}))
-                })?
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(json!({"items": items, "cursor": null}))
-        }),
-        _ => return None,
-    })
-}
-
-fn add(store: &Store, state_dir: &Path, ctx: &Ctx<'_>, i: AddInput) -> ApiResult<Value> {
-    if !valid_version(&i.version) {
-        return Err(ApiError::invalid_input(
-            "version must match ^[0-9A-Za-z][0-9A-Za-z.+-]{0,63}$",
-        ));
-    }
-    if !ARCHES.contains(&i.arch.as_str()) {
-        return Err(ApiError::invalid_input(format!(
-            "arch must be one of {}",
-            ARCHES.join(", ")
-        )));
-    }
-    let src = Path::new(&i.path);
-    if !src.is_absolute() {
-        return Err(ApiError::invalid_input("path must be absolute"));
-    }
-    let meta = std::fs::metadata(src)
-        .map_err(|e| ApiError::invalid_input(format!("path {}: {e}", src.display())))?;
-    if !meta.is_file() || meta.len() == 0 || meta.len() > MAX_SIZE {
-        return Err(ApiError::invalid_input(format!(
-            "path {} must be a regular file of 1 byte to 256 MiB",
-            src.display()
-        )));
-    }
-    let bytes = std::fs::read(src)
-        .map_err(|e| ApiError::invalid_input(format!("cannot read {}: {e}", src.display())))?;
-    let sha = crate::crypto::hex(&crate::crypto::sha256(&bytes));
-    let existing: Option<String> = store.read(|tx| {
-        Ok(tx
-            .query_row(
-                "SELECT sha256 FROM downloads WHERE product = 'bcd' AND version = ?1 AND arch = ?2",
-                [&i.version, &i.arch],
-                |r| r.get(0),
-            )
-            .optional()?)
-    })?;
-    match existing {
-        Some(s) if s == sha => {}
-        Some(s) => {
-            return Err(ApiError::conflict(format!(
-                "bcd {} for {} is already present with SHA-256 {s}; a version's file never changes",
-                i.version, i.arch
-            )))
-        }
-        None => {
-            let dest = file_path(state_dir, &i.version, &i.arch);
-            std::fs::create_dir_all(dest.parent().expect("has a parent"))
-                .map_err(ApiError::internal)?;
-            crate::fsutil::write_atomic(&dest, &bytes, 0o644).map_err(ApiError::internal)?;
-            store.write(|tx| {
-                tx.execute(
-                    "INSERT INTO downloads (product, version, arch, sha256, size, added_at, added_by) VALUES ('bcd', ?1, ?2, ?3, ?4, ?5, ?6)",
-                    params![i.version, i.arch, sha, bytes.len() as i64, ctx.now, ctx.caller],
-                )?;
-                audit(tx, ctx.now, ctx.root_tenant, "downloads.add", ctx.caller, &format!("bcd/{}/linux-{}", i.version, i.arch), json!({"sha256": sha}))
-            })?;
-        }
-    }
-    Ok(
-        json!({"product": "bcd", "version": i.version, "arch": i.arch, "sha256": sha, "size": bytes.len()}),
-    )
-}
-
 /// `<version>/linux-<arch>` of `GET /api/compute/downloads/bcd/…`, when well-formed.
 pub fn parse_rest(rest: &str) -> Option<(String, String)> {
     let (version, file) = rest.split_once('/')?;
     let arch = file.strip_prefix("linux-")?;
     (valid_version(version) && ARCHES.contains(&arch)).then(|| (version.into(), arch.into()))
-}
-
-/// The SHA-256 recorded when the file was added.
-pub fn recorded_sha(store: &Store, version: &str, arch: &str) -> Option<String> {
-    if !valid_version(version) || !ARCHES.contains(&arch) {
-        return None;
-    }
-    store
-        .read(|tx| {
-            Ok(tx
-                .query_row("SELECT sha256 FROM downloads WHERE product = 'bcd' AND version = ?1 AND arch = ?2", [version, arch], |r| r.get(0))
-                .optional()?)
-        })
-        .ok()?
-}
-
-/// The file, opened beneath `<state-dir>/downloads` and rewound, when its content still has the
-/// recorded SHA-256 (read once in chunks to check it: a file changed on disk is not served, and
-/// no download is ever held in memory whole).
-pub fn open_verified(
-    root: &crate::fsutil::ReadRoot,
-    version: &str,
-    arch: &str,
-    sha: &str,
-) -> Option<std::fs::File> {
-    use std::io::{Read, Seek};
-    let rel = Path::new("bcd").join(version).join(format!("linux-{arch}"));
-    let mut f = root.open_file(&rel).ok()?;
-    if f.metadata().ok()?.len() > MAX_SIZE {
-        return None;
-    }
-    let mut h = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = f.read(&mut buf).ok()?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    f.rewind().ok()?;
-    (crate::crypto::hex(h.finish().as_ref()) == sha).then_some(f)
 }

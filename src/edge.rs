@@ -1,6 +1,6 @@
 //! The network edge besides the gateway: the public HTTP listener (boot scripts and files, the
 //! well-known document, `/healthz`, `/metrics`, agent downloads), DHCP and TFTP. With privilege
-//! separation on, all of it runs in the network child ([`crate::privsep`]), which parses every
+//! separation on, all of it runs in the network child (`privsep`), which parses every
 //! byte those sockets receive; what needs the database or a key is asked of the core as one of a
 //! few structured questions ([`Ask`]), answered by [`answer`] in the key-holding process.
 //!
@@ -10,7 +10,6 @@
 //! `..` the path guard missed) is refused by the kernel. Boot files are therefore copied into the
 //! boot root, not linked from elsewhere.
 
-use crate::app::App;
 use crate::config::BootConfig;
 use crate::fsutil::ReadRoot;
 use serde::{Deserialize, Serialize};
@@ -75,7 +74,7 @@ pub enum Ask {
 }
 
 impl Ask {
-    fn name(&self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             Ask::DhcpAddress { .. } => "dhcpAddress",
             Ask::BootLease { .. } => "bootLease",
@@ -130,121 +129,21 @@ pub enum Answer {
     },
 }
 
-/// Who answers the edge's questions: the core itself, or the core across the socketpair.
-#[derive(Clone)]
-pub enum Core {
-    Local(Arc<App>),
-    Parent(Arc<crate::privsep::Link>),
-}
-
-impl Core {
-    pub async fn ask(&self, a: Ask) -> Answer {
-        match self {
-            Core::Local(app) => answer(app, a).await,
-            Core::Parent(link) => {
-                let what = a.name();
-                let bytes = link.ask(serde_json::to_vec(&a).expect("serializes")).await;
-                serde_json::from_slice(&bytes).unwrap_or_else(|_| Answer::Unavailable {
-                    message: format!("the core did not answer ({what})"),
-                })
-            }
-        }
+/// Who answers the edge's questions: the core in this process, or the core across the
+/// socketpair (the network child's link). The edge reaches the core through nothing else.
+pub trait EdgeCore: Send + Sync {
+    fn ask(&self, a: Ask) -> crate::protocol::Pending<'_, Answer>;
+    /// True when the core is another process (the edge then reports its own counters).
+    fn remote(&self) -> bool {
+        false
     }
 }
 
 /// What the edge needs to run: who answers it, the `[boot]` settings and the two directories.
 pub struct Edge {
-    pub core: Core,
+    pub core: Arc<dyn EdgeCore>,
     pub boot: BootConfig,
     pub metrics_public: bool,
     pub boot_root: Arc<ReadRoot>,
     pub downloads: ReadRoot,
-}
-
-/// The core's side: answers one question. Blocking work runs off the runtime's workers.
-pub async fn answer(app: &Arc<App>, a: Ask) -> Answer {
-    let app2 = app.clone();
-    match a {
-        Ask::BootScript { mac, peer, base } => {
-            use crate::boot::http::ScriptRefused;
-            match crate::boot::http::script(app, &mac, &peer, &base).await {
-                Ok(text) => Answer::Text { text },
-                Err(ScriptRefused::NotSighted(message)) => Answer::Forbidden { message },
-                Err(ScriptRefused::Rate(message)) => Answer::TooMany { message },
-                Err(ScriptRefused::Unavailable(message)) => Answer::Unavailable { message },
-            }
-        }
-        Ask::WellKnown => Answer::Json {
-            value: app
-                .well_known
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-        },
-        Ask::BootArchive { nonce, peer } => Answer::Bytes {
-            b64: crate::boot::http::take_archive(app, &nonce, &peer)
-                .map(|a| crate::crypto::b64(&a)),
-        },
-        a => tokio::task::spawn_blocking(move || answer_blocking(&app2, a))
-            .await
-            .unwrap_or_else(|e| Answer::Unavailable {
-                message: format!("the core failed: {e}"),
-            }),
-    }
-}
-
-fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
-    match a {
-        Ask::DhcpAddress { mac, discover } => Answer::Address {
-            ip: crate::claims::loose_mac(&mac).and_then(|mac| {
-                crate::boot::server::address(app, &mac, discover, crate::clock::now())
-            }),
-        },
-        Ask::BootLease {
-            mac,
-            ip,
-            arch,
-            stage,
-            file,
-        } => {
-            let known = ["dhcp", "dhcp-ipxe"].contains(&stage.as_str());
-            let ip = ip.filter(|i| i.parse::<std::net::IpAddr>().is_ok());
-            let file = file.filter(|f| f.len() <= 255 && !f.contains(['\0', '\n']));
-            if let (Some(mac), true) = (crate::claims::loose_mac(&mac), known) {
-                crate::boot::http::lease(app, &mac, ip, arch, &stage, file.as_deref());
-            }
-            Answer::Done
-        }
-        Ask::Health { trusted } => match crate::health::report(app) {
-            Ok(v) => {
-                // Load balancers and probes read the status code: 503 while failing.
-                let status = if v["status"] == "failing" { 503 } else { 200 };
-                let v = if trusted {
-                    v
-                } else {
-                    serde_json::json!({"status": v["status"]})
-                };
-                let mut b = serde_json::to_string_pretty(&v).expect("serializes");
-                b.push('\n');
-                Answer::Page { status, body: b }
-            }
-            Err(e) => Answer::Unavailable { message: e.message },
-        },
-        Ask::Metrics { edge } => Answer::Page {
-            status: 200,
-            body: crate::metrics::get().render(app.sessions.len(), edge.as_ref()),
-        },
-        Ask::Sighting { mac, ip } => {
-            if let Some(mac) = crate::claims::loose_mac(&mac) {
-                crate::boot::server::sighted(app, &mac, ip, crate::clock::now());
-            }
-            Answer::Done
-        }
-        Ask::DownloadSha { version, arch } => Answer::Sha {
-            sha256: crate::downloads::recorded_sha(&app.store, &version, &arch),
-        },
-        Ask::BootScript { .. } | Ask::WellKnown | Ask::BootArchive { .. } => {
-            unreachable!("answered on the runtime")
-        }
-    }
 }

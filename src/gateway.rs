@@ -13,9 +13,8 @@
 //! wait in the kernel's accept queue, so an overload is served in arrival order); frames are at most
 //! [`protocol::MAX_FRAME`] bytes; a session silent for three heartbeats is closed.
 
-use crate::app::App;
-use crate::joinservice::JoinHandle;
 use crate::net::provider;
+use crate::protocol::CallSink;
 use crate::protocol::PROTOCOL_MAX;
 use crate::protocol::PROTOCOL_MIN;
 use crate::protocol::{self, Call, Clock, Outcome, Reply, Request, Welcome};
@@ -88,16 +87,9 @@ pub struct Gateway {
     cfg: crate::config::SessionsConfig,
     registry: Arc<crate::registry::Registry>,
     tls: tokio_rustls::TlsAcceptor,
-    relay: Relay,
+    /// Where joins and renewals go (`None`: no JoinService; every join answers `INVALID_CONFIG`).
+    relay: Option<Arc<dyn CallSink>>,
     sources: Sources,
-}
-
-/// Where the gateway sends its [`Call`]s: the JoinService in this process, or the key-holding
-/// parent across the privilege-separation boundary ([`crate::privsep`]).
-pub enum Relay {
-    None,
-    Local(JoinHandle),
-    Parent(Arc<crate::privsep::Link>),
 }
 
 /// The gateway's certificate and key, swapped by a rotation while serving: new handshakes get the
@@ -266,35 +258,12 @@ enum Next {
 }
 
 impl Gateway {
-    /// `join` is `None` when no JoinService is configured: every join then answers `INVALID_CONFIG`.
-    pub fn new(
-        app: Arc<App>,
-        gateway_key_pkcs8: &[u8],
-        tickets: crate::tickets::TicketRoot,
-        join: Option<JoinHandle>,
-    ) -> Result<Self, String> {
-        let cert = Arc::new(GatewayCert::new(
-            &app.pki.gateway,
-            &app.pki.serving_ca,
-            gateway_key_pkcs8,
-        )?);
-        let _ = app.gateway_cert.set(cert.clone());
-        let tickets = Arc::new(crate::tickets::Tickets::from_root(tickets));
-        let cfg = server_config_with(cert, &app.pki.node_ca, tickets)?;
-        Ok(Self::with_parts(
-            app.config.sessions.clone(),
-            app.sessions.clone(),
-            cfg,
-            join.map_or(Relay::None, Relay::Local),
-        ))
-    }
-
     /// A gateway from its parts: what the network child builds from its init message.
     pub fn with_parts(
         cfg: crate::config::SessionsConfig,
         registry: Arc<crate::registry::Registry>,
         tls: rustls::ServerConfig,
-        relay: Relay,
+        relay: Option<Arc<dyn CallSink>>,
     ) -> Self {
         Self {
             cfg,
@@ -420,11 +389,7 @@ impl Gateway {
 
     async fn call(&self, call: Call) -> Option<Outcome> {
         let msg = serde_json::to_vec(&call).expect("serializes");
-        let out = match &self.relay {
-            Relay::None => return None,
-            Relay::Local(handle) => handle.call(&msg).await,
-            Relay::Parent(link) => link.call(msg).await,
-        };
+        let out = self.relay.as_ref()?.call(msg).await;
         Some(serde_json::from_slice(&out).unwrap_or(Outcome::Busy))
     }
 
@@ -574,7 +539,7 @@ impl Gateway {
                     break;
                 }
                 _ = stop.changed() => {
-                    if matches!(self.relay, Relay::Parent(_)) {
+                    if self.relay.as_ref().is_some_and(|r| r.remote()) {
                         // In the network child: the session stays open, answering nothing,
                         // until the parent has recorded every session closed at once and ends
                         // the child. Its node then notices with all the others, just before

@@ -1,13 +1,11 @@
 //! HTTP on hyper: the public listener (the well-known document) and the admin API on the Unix
 //! socket, whose callers are identified by `SO_PEERCRED` and recorded in audit rows.
 
-use crate::api::{self, Ctx};
-use crate::app::App;
-use crate::edge::{Answer, Ask, Core, Edge};
+use crate::edge::{Answer, Ask, Edge};
 use crate::error::ApiError;
 use crate::protocol::BASE_PATH;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -15,20 +13,17 @@ use serde_json::Value;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 /// Every answer's body: in memory, or a boot file streamed from disk.
 pub type Body = http_body_util::Either<Full<Bytes>, crate::boot::http::FileBody>;
 
-fn full(b: Bytes) -> Body {
+pub(crate) fn full(b: Bytes) -> Body {
     http_body_util::Either::Left(Full::new(b))
 }
 
-/// The largest request body the admin socket reads (a bulk intake of a thousand machines fits).
-pub const MAX_BODY: usize = 1024 * 1024;
-
-fn respond(status: u16, v: &Value) -> Response<Body> {
+pub(crate) fn respond(status: u16, v: &Value) -> Response<Body> {
     let mut body = serde_json::to_vec_pretty(v).expect("serializes");
     body.push(b'\n');
     Response::builder()
@@ -39,11 +34,11 @@ fn respond(status: u16, v: &Value) -> Response<Body> {
         .expect("a valid response")
 }
 
-fn error(e: &ApiError) -> Response<Body> {
+pub(crate) fn error(e: &ApiError) -> Response<Body> {
     respond(e.code.http_status(), &crate::error::error_body(e))
 }
 
-fn well_known_path() -> String {
+pub(crate) fn well_known_path() -> String {
     format!("{BASE_PATH}/.well-known/better-compute")
 }
 
@@ -122,8 +117,10 @@ async fn public(
         }
         let ask = if metrics {
             // The edge's own counters, when it is a process apart from the core.
-            let own =
-                matches!(edge.core, Core::Parent(_)).then(|| crate::metrics::get().edge_counts());
+            let own = edge
+                .core
+                .remote()
+                .then(|| crate::metrics::get().edge_counts());
             Ask::Metrics { edge: own }
         } else {
             Ask::Health { trusted }
@@ -198,7 +195,7 @@ async fn public(
         };
         let edge2 = edge.clone();
         let found = tokio::task::spawn_blocking(move || {
-            crate::downloads::open_verified(&edge2.downloads, &version, &arch, &sha)
+            crate::http::open_verified(&edge2.downloads, &version, &arch, &sha)
         })
         .await
         .ok()
@@ -237,117 +234,7 @@ pub fn metrics_allowed(public: bool, peer: std::net::IpAddr) -> bool {
     public || peer.is_loopback() || v4_mapped_loopback
 }
 
-/// Who is on the other end of the admin socket.
-#[derive(Clone, Copy, Debug)]
-pub struct Peer {
-    pub uid: u32,
-    pub gid: u32,
-}
-
-/// Root, the service's own uid, or a member (primary group) of the configured admin group.
-pub fn admin_allowed(peer: Peer, own_uid: u32, admin_group: Option<u32>) -> bool {
-    peer.uid == 0 || peer.uid == own_uid || admin_group.is_some_and(|g| g == peer.gid)
-}
-
-async fn admin(
-    app: Arc<App>,
-    peer: Peer,
-    req: Request<Incoming>,
-) -> Result<Response<Body>, Infallible> {
-    if !admin_allowed(peer, crate::fsutil::own_uid(), app.config.admin_group) {
-        tracing::warn!(
-            uid = peer.uid,
-            gid = peer.gid,
-            "admin socket: caller refused"
-        );
-        return Ok(error(&ApiError::access_denied(format!(
-            "uid {} may not use the admin socket",
-            peer.uid
-        ))));
-    }
-    let path = req.uri().path().to_string();
-    if path == well_known_path() {
-        if req.method() != Method::GET && req.method() != Method::HEAD {
-            return Ok(error(&ApiError::invalid_input(
-                "use GET for the well-known document",
-            )));
-        }
-        let doc = app
-            .well_known
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        return Ok(respond(200, &doc));
-    }
-    let Some(method) = path
-        .strip_prefix(&format!("{BASE_PATH}/"))
-        .map(str::to_string)
-    else {
-        return Ok(error(&ApiError::not_found(format!(
-            "no resource at {path}"
-        ))));
-    };
-    if req.method() != Method::POST {
-        return Ok(error(&ApiError::invalid_input(
-            "admin methods are called with POST",
-        )));
-    }
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => {
-            return Ok(error(&ApiError::invalid_input(format!(
-                "the request body is larger than {MAX_BODY} bytes"
-            ))))
-        }
-    };
-    let caller = format!("uid:{}", peer.uid);
-    let res = tokio::task::spawn_blocking(move || {
-        let ctx = Ctx {
-            caller: &caller,
-            now: crate::clock::now(),
-            site_id: &app.config.site_id,
-            root_tenant: &app.root_tenant,
-            sessions: Some(app.sessions.as_ref()),
-        };
-        match method.as_str() {
-            "health/get" => return crate::health::report(&app),
-            "pki/status" => return crate::rotation::status(&app.state_dir),
-            "pki/rotate" => {
-                #[derive(serde::Deserialize)]
-                #[serde(rename_all = "camelCase", deny_unknown_fields)]
-                struct Rotate {
-                    kind: String,
-                    action: Option<String>,
-                    overlap_seconds: Option<i64>,
-                }
-                let i: Rotate = api::parse(&body)?;
-                let kind = crate::rotation::Kind::parse(&i.kind)?;
-                let r = app.rotator.get().ok_or_else(|| {
-                    ApiError::new(crate::error::Code::Unavailable, "rotation is not ready")
-                })?;
-                return r.rotate(
-                    &app,
-                    kind,
-                    i.action.as_deref(),
-                    i.overlap_seconds,
-                    ctx.caller,
-                    ctx.now,
-                );
-            }
-            _ => {}
-        }
-        crate::downloads::dispatch(&app.store, &app.state_dir, &ctx, &method, &body)
-            .unwrap_or_else(|| api::dispatch(&app.store, &ctx, &method, &body))
-    })
-    .await;
-    Ok(match res {
-        Ok(Ok(v)) => respond(200, &v),
-        Ok(Err(e)) => error(&e),
-        Err(join) => error(&ApiError::internal(join)),
-    })
-}
-
-fn builder() -> hyper::server::conn::http1::Builder {
+pub(crate) fn builder() -> hyper::server::conn::http1::Builder {
     let mut b = hyper::server::conn::http1::Builder::new();
     b.timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(10))
@@ -372,22 +259,34 @@ pub async fn serve_public(listener: TcpListener, edge: Arc<Edge>, mut stop: watc
     }
 }
 
-pub async fn serve_admin(listener: UnixListener, app: Arc<App>, mut stop: watch::Receiver<bool>) {
-    loop {
-        tokio::select! {
-            _ = stop.changed() => return,
-            acc = listener.accept() => {
-                let Ok((stream, _)) = acc else { continue };
-                let Ok(cred) = stream.peer_cred() else { continue };
-                let peer = Peer { uid: cred.uid(), gid: cred.gid() };
-                let app = app.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| admin(app.clone(), peer, req));
-                    let _ = builder().serve_connection(TokioIo::new(stream), svc).await;
-                });
-            }
-        }
+/// The file, opened beneath `<state-dir>/downloads` and rewound, when its content still has the
+/// recorded SHA-256 (read once in chunks to check it: a file changed on disk is not served, and
+/// no download is ever held in memory whole).
+pub fn open_verified(
+    root: &crate::fsutil::ReadRoot,
+    version: &str,
+    arch: &str,
+    sha: &str,
+) -> Option<std::fs::File> {
+    use std::io::{Read, Seek};
+    let rel = std::path::Path::new("bcd")
+        .join(version)
+        .join(format!("linux-{arch}"));
+    let mut f = root.open_file(&rel).ok()?;
+    if f.metadata().ok()?.len() > crate::downloads::MAX_SIZE {
+        return None;
     }
+    let mut h = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = f.read(&mut buf).ok()?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    f.rewind().ok()?;
+    (crate::crypto::hex(h.finish().as_ref()) == sha).then_some(f)
 }
 
 #[cfg(test)]
@@ -403,15 +302,5 @@ mod tests {
         assert!(!metrics_allowed(false, ip("10.0.0.7")));
         assert!(!metrics_allowed(false, ip("fe80::1")));
         assert!(metrics_allowed(true, ip("10.0.0.7")));
-    }
-
-    #[test]
-    fn who_may_administer() {
-        let p = |uid, gid| Peer { uid, gid };
-        assert!(admin_allowed(p(0, 0), 1000, None));
-        assert!(admin_allowed(p(1000, 1000), 1000, None));
-        assert!(!admin_allowed(p(1001, 1001), 1000, None));
-        assert!(admin_allowed(p(1001, 50), 1000, Some(50)));
-        assert!(!admin_allowed(p(1001, 51), 1000, Some(50)));
     }
 }

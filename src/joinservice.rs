@@ -1053,6 +1053,12 @@ pub(crate) fn certify(
     Ok((signer.respond(&body), serial))
 }
 
+impl crate::protocol::CallSink for JoinHandle {
+    fn call(&self, msg: Vec<u8>) -> crate::protocol::Pending<'_, Vec<u8>> {
+        Box::pin(async move { JoinHandle::call(self, &msg).await })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

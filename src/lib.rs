@@ -2,16 +2,19 @@
 //! a short-lived X.509 identity. See `ARCHITECTURE.md` for the parts and their invariants.
 #![forbid(unsafe_code)]
 
+pub mod admin_http;
 pub mod admission;
 pub mod agent;
 pub mod agent_config;
 pub mod agent_files;
 pub mod agent_run;
+pub mod answer;
 pub mod api;
 pub mod app;
 pub mod audit;
 pub mod backup;
 pub mod boot;
+pub mod boot_core;
 pub mod boot_leases;
 pub mod bundle;
 pub mod claims;
@@ -26,6 +29,7 @@ pub mod devsim;
 pub mod discovery;
 pub mod doctor;
 pub mod downloads;
+pub mod downloads_admin;
 pub mod edge;
 pub mod error;
 pub mod fsutil;

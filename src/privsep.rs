@@ -62,7 +62,7 @@
 
 use crate::app::App;
 use crate::config::SessionsConfig;
-use crate::gateway::{Gateway, GatewayCert, Relay};
+use crate::gateway::{Gateway, GatewayCert};
 use crate::joinservice::JoinHandle;
 use crate::protocol::{Call, Outcome};
 use rustls::sign::{CertifiedKey, Signer, SigningKey};
@@ -799,7 +799,7 @@ pub fn child_main() -> Result<(), String> {
             .map_err(|e| format!("privsep: the HTTP listener: {e}"))?;
         let http_base = crate::boot::http::http_url(&init.boot, http.local_addr().ok());
         let edge = Arc::new(crate::edge::Edge {
-            core: crate::edge::Core::Parent(link.clone()),
+            core: link.clone(),
             boot: init.boot,
             metrics_public: init.metrics_public,
             boot_root: Arc::new(boot_root),
@@ -809,7 +809,7 @@ pub fn child_main() -> Result<(), String> {
             crate::boot::server::run(edge.clone(), s, http_base, stop_rx.clone())?;
         }
         let public = tokio::spawn(crate::http::serve_public(http, edge, stop_rx.clone()));
-        let gw = Gateway::with_parts(init.sessions, registry.clone(), tls, Relay::Parent(link));
+        let gw = Gateway::with_parts(init.sessions, registry.clone(), tls, Some(link));
         gw.serve(listener, stop_rx).await;
         let _ = public.await;
         // Stopped: the sessions stay open, answering nothing, until the parent has recorded them
@@ -1291,7 +1291,7 @@ async fn broker(
                             // Waits its turn: the child's questions never hold more than a few
                             // of the parent's blocking threads (the admin API needs them too).
                             let Ok(_running) = asks.acquire().await else { return };
-                            let a = crate::edge::answer(&app, ask).await;
+                            let a = crate::answer::answer(&app, ask).await;
                             let _ = out.try_send(answer_frame(id, &a));
                         });
                     }
@@ -1474,6 +1474,30 @@ fn sign(cert: &GatewayCert, p: &[u8]) -> Result<Vec<u8>, String> {
         return Err("not a TLS 1.3 server CertificateVerify".into());
     }
     cert.sign(leaf, scheme, msg)
+}
+
+impl crate::protocol::CallSink for Link {
+    fn call(&self, msg: Vec<u8>) -> crate::protocol::Pending<'_, Vec<u8>> {
+        Box::pin(Link::call(self, msg))
+    }
+    fn remote(&self) -> bool {
+        true
+    }
+}
+
+impl crate::edge::EdgeCore for Link {
+    fn ask(&self, a: crate::edge::Ask) -> crate::protocol::Pending<'_, crate::edge::Answer> {
+        Box::pin(async move {
+            let what = a.name();
+            let bytes = Link::ask(self, serde_json::to_vec(&a).expect("serializes")).await;
+            serde_json::from_slice(&bytes).unwrap_or_else(|_| crate::edge::Answer::Unavailable {
+                message: format!("the core did not answer ({what})"),
+            })
+        })
+    }
+    fn remote(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -457,3 +457,18 @@ pub const BASE_PATH: &str = "/api/compute";
 pub const PROTOCOL_MIN: u32 = 1;
 
 pub const PROTOCOL_MAX: u32 = 1;
+
+/// A boxed future, what the boundaries' traits return (a `dyn` trait has no `async fn`).
+pub type Pending<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// Where the gateway sends a [`Call`]: the JoinService's message interface, bytes in and bytes
+/// out. The JoinService's handle implements it in one process; the network child's link to the
+/// key-holding parent implements it under privilege separation.
+pub trait CallSink: Send + Sync {
+    /// The JoinService's answer to one message (empty bytes, read as busy, when it is gone).
+    fn call(&self, msg: Vec<u8>) -> Pending<'_, Vec<u8>>;
+    /// True when the JoinService is in another process (the network child's link).
+    fn remote(&self) -> bool {
+        false
+    }
+}

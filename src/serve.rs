@@ -207,7 +207,7 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
     let gw_local = gateway.local_addr().ok();
     let http_local = http.local_addr().ok();
     // The edge reads files beneath these two only (the network child by Landlock's leave).
-    let boot_root = crate::fsutil::ReadRoot::open(&crate::boot::http::boot_root(&app))?;
+    let boot_root = crate::fsutil::ReadRoot::open(&crate::boot_core::boot_root(&app))?;
     for (name, target) in crate::fsutil::links_out(boot_root.path()) {
         tracing::warn!(
             file = %name,
@@ -227,12 +227,7 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
     let tickets = crate::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
     let join = crate::joinservice::JoinService::start(app.site.clone(), keys)?;
     let _ = app.join.set(join.handle());
-    let gw = crate::gateway::Gateway::new(
-        app.clone(),
-        &gateway_key,
-        tickets.clone(),
-        Some(join.handle()),
-    )?;
+    let gw = self::gateway(&app, &gateway_key, tickets.clone(), Some(join.handle()))?;
     drop(gateway_key);
     let mut tasks = tokio::task::JoinSet::new();
     // The network edge (gateway, HTTP, DHCP, TFTP) runs in a confined child unless privilege
@@ -269,7 +264,7 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
         }
     } else {
         let edge = Arc::new(crate::edge::Edge {
-            core: crate::edge::Core::Local(app.clone()),
+            core: Arc::new(crate::answer::LocalCore(app.clone())),
             boot: app.config.boot.clone(),
             metrics_public: app.config.health.metrics_public,
             boot_root: Arc::new(boot_root),
@@ -299,7 +294,7 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
         announce(&ready);
     }
 
-    tasks.spawn(crate::http::serve_admin(
+    tasks.spawn(crate::admin_http::serve_admin(
         admin,
         app.clone(),
         stop_rx.clone(),
@@ -333,4 +328,30 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
     drop(stopped);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The gateway of this process: its certificate (kept in the App for rotation), its tickets,
+/// and its relay to the JoinService (`None`: every join answers `INVALID_CONFIG`).
+pub fn gateway(
+    app: &Arc<App>,
+    gateway_key_pkcs8: &[u8],
+    tickets: crate::tickets::TicketRoot,
+    join: Option<crate::joinservice::JoinHandle>,
+) -> Result<crate::gateway::Gateway, String> {
+    use crate::gateway::{server_config_with, Gateway, GatewayCert};
+    let cert = Arc::new(GatewayCert::new(
+        &app.pki.gateway,
+        &app.pki.serving_ca,
+        gateway_key_pkcs8,
+    )?);
+    let _ = app.gateway_cert.set(cert.clone());
+    let tickets = Arc::new(crate::tickets::Tickets::from_root(tickets));
+    let cfg = server_config_with(cert, &app.pki.node_ca, tickets)?;
+    let relay = join.map(|j| Arc::new(j) as Arc<dyn crate::protocol::CallSink>);
+    Ok(Gateway::with_parts(
+        app.config.sessions.clone(),
+        app.sessions.clone(),
+        cfg,
+        relay,
+    ))
 }

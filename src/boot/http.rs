@@ -12,16 +12,11 @@
 //!
 //! The discovery token never appears in a URL, a log line or a boot lease row.
 
-use crate::app::App;
-use crate::boot::cpio::Cpio;
 use crate::boot::templates;
 use crate::edge::{Answer, Ask, Edge};
 use crate::fsutil::ReadRoot;
 use crate::protocol::BASE_PATH;
-use crate::protocol::{Call, Outcome};
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::Arc;
 
 pub enum BootAnswer {
     Text(String),
@@ -131,19 +126,6 @@ impl hyper::body::Body for FileBody {
     }
 }
 
-pub fn boot_root(app: &App) -> PathBuf {
-    app.config
-        .boot
-        .root
-        .clone()
-        .unwrap_or_else(|| app.state_dir.join("boot"))
-}
-
-/// The boot root, opened to read a template override beneath it.
-fn script_root(app: &App) -> Result<ReadRoot, ScriptRefused> {
-    ReadRoot::open(&boot_root(app)).map_err(ScriptRefused::Unavailable)
-}
-
 /// The URL iPXE reaches the HTTP listener at.
 pub fn http_url(boot: &crate::config::BootConfig, local: Option<SocketAddr>) -> String {
     if let Some(u) = &boot.http_url {
@@ -177,27 +159,6 @@ fn valid_file_name(n: &str) -> bool {
         && !n.starts_with('.')
         && n.bytes()
             .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
-}
-
-/// Records a boot lease row: who booted what, when. Returns its epoch.
-pub fn lease(
-    app: &App,
-    mac: &str,
-    ip: Option<String>,
-    arch: Option<u16>,
-    stage: &str,
-    file: Option<&str>,
-) -> Option<i64> {
-    let now = crate::clock::now();
-    app.store
-        .write(|tx| {
-            tx.execute(
-                "INSERT INTO boot_leases (mac, ip, arch, stage, file, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                rusqlite::params![mac, ip, arch, stage, file, now],
-            )?;
-            Ok(tx.last_insert_rowid())
-        })
-        .ok()
 }
 
 /// The network side of the boot HTTP paths: parses the request, reads files beneath the boot
@@ -287,179 +248,4 @@ pub async fn handle(
         };
     }
     BootAnswer::NotFound
-}
-
-/// A per-boot archive, once, and only to the address it was made for.
-pub fn take_archive(app: &App, nonce: &str, peer: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
-    let peer = peer.parse::<std::net::IpAddr>().ok()?;
-    app.boot_gate
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take(nonce, peer, crate::clock::now())
-}
-
-/// Why the core did not give a boot script.
-pub enum ScriptRefused {
-    /// 403: the network did not see this MAC at this address (nothing was written).
-    NotSighted(String),
-    /// 429: over a per-minute rate.
-    Rate(String),
-    /// 503: the core cannot answer now.
-    Unavailable(String),
-}
-
-/// The core's side of `boot.ipxe`. A discovery token is minted, and the boot recorded, only for
-/// a MAC the boot server's DHCP saw at `peer` (the address the edge saw the request come from)
-/// within `[boot] sighting_seconds`; the local-disk answer needs no sighting. A refused request
-/// writes nothing: no lease row, no token voided, no archive taken.
-pub async fn script(
-    app: &Arc<App>,
-    mac: &str,
-    peer: &str,
-    base: &str,
-) -> Result<String, ScriptRefused> {
-    let bad = |m: &str| ScriptRefused::Unavailable(m.to_string());
-    let mac = crate::claims::loose_mac(mac).ok_or_else(|| bad("not a MAC address"))?;
-    let mac = mac.as_str();
-    let peer_ip = peer
-        .parse::<std::net::IpAddr>()
-        .map_err(|_| bad("not an IP address"))?;
-    let Some(join) = app.join.get() else {
-        return Err(bad("the JoinService is not running"));
-    };
-    let b = &app.config.boot;
-    let limits = crate::boot::gate::Limits::from(b);
-    let now = crate::clock::now();
-    let sighted = {
-        let mut gate = app.boot_gate.lock().unwrap_or_else(|p| p.into_inner());
-        gate.admit_script(mac, peer_ip, now, &limits)
-            .map_err(|crate::boot::gate::Refused::Rate(m)| ScriptRefused::Rate(m))?;
-        gate.sighted(mac, peer_ip, now, &limits)
-    };
-    let may_mint = sighted || !b.require_sighting;
-    let ask = |epoch: Option<i64>, mint: bool| {
-        let call = Call::MintDiscovery {
-            mac: mac.to_string(),
-            boot_lease_epoch: epoch,
-            sighted_ip: (sighted && mint).then(|| peer_ip.to_string()),
-            mint,
-        };
-        async move {
-            let out = join
-                .call(&serde_json::to_vec(&call).expect("serializes"))
-                .await;
-            serde_json::from_slice::<Outcome>(&out).ok()
-        }
-    };
-    let record = |stage: &'static str| {
-        let (app2, mac2, ip) = (app.clone(), mac.to_string(), peer_ip.to_string());
-        async move {
-            tokio::task::spawn_blocking(move || lease(&app2, &mac2, Some(ip), None, stage, None))
-                .await
-                .ok()
-                .flatten()
-        }
-    };
-    if !may_mint {
-        // Only the local-disk answer may be given: asked without minting, nothing is written.
-        return match ask(None, false).await {
-            Some(Outcome::LocalBoot) => {
-                record("script").await;
-                tracing::info!(%mac, "boot: adopted node; local disk");
-                Ok(templates::render(
-                    &script_root(app)?,
-                    templates::LOCAL_DISK,
-                    &[],
-                ))
-            }
-            Some(_) => {
-                tracing::info!(%mac, %peer, "boot: no DHCP sighting of this MAC at this address; refused");
-                Err(ScriptRefused::NotSighted(format!(
-                    "bca: the boot server's DHCP did not see {mac} at {peer_ip} in the last {} s; \
-                     boot through the provisioning network's DHCP (docs/boot.md)",
-                    b.sighting_seconds
-                )))
-            }
-            None => Err(bad("the JoinService gave no answer")),
-        };
-    }
-    let epoch = record("script").await;
-    match ask(epoch, true).await {
-        Some(Outcome::LocalBoot) => {
-            tracing::info!(%mac, "boot: adopted node; local disk");
-            Ok(templates::render(
-                &script_root(app)?,
-                templates::LOCAL_DISK,
-                &[],
-            ))
-        }
-        Some(Outcome::DiscoveryToken { token }) => {
-            let token = zeroize::Zeroizing::new(token);
-            let archive = zeroize::Zeroizing::new(
-                per_boot_archive(app, mac, epoch, &token).map_err(ScriptRefused::Unavailable)?,
-            );
-            let mut n = [0u8; 16];
-            crate::crypto::fill_random(&mut n);
-            let nonce = crate::crypto::hex(&n);
-            let evicted = app
-                .boot_gate
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .keep(nonce.clone(), archive, mac, peer_ip, now, &limits);
-            if evicted > 0 {
-                tracing::warn!(%mac, %peer, evicted, "boot: waiting per-boot archives gave way (a source at its cap, or all places taken)");
-            }
-            tracing::info!(%mac, "boot: discovery ramdisk");
-            Ok(templates::render(
-                &script_root(app)?,
-                templates::DISCOVERY,
-                &[
-                    ("mac", mac),
-                    ("base", base),
-                    ("base_path", BASE_PATH),
-                    ("kernel_args", &app.config.boot.kernel_args),
-                    ("nonce", &nonce),
-                ],
-            ))
-        }
-        _ => Err(bad("no discovery token could be minted")),
-    }
-}
-
-/// The second initrd: the agent's configuration and pins, the discovery token (0600) and the
-/// boot facts, under `/etc/bca-agent`.
-fn per_boot_archive(
-    app: &App,
-    mac: &str,
-    epoch: Option<i64>,
-    token: &str,
-) -> Result<Vec<u8>, String> {
-    let gateway = app
-        .config
-        .gateway_url
-        .clone()
-        .ok_or("the appliance has no gateway_url: the ramdisk would not know where to join")?;
-    let (cfg, jwk) =
-        crate::agent_files::agent_config_for(&app.state_dir, &gateway).map_err(|e| e.message)?;
-    let boot = serde_json::json!({"mac": mac, "bootLeaseEpoch": epoch});
-    let mut c = Cpio::new();
-    c.dir("etc", 0o755)
-        .dir("etc/bca-agent", 0o700)
-        .file(
-            "etc/bca-agent/config.toml",
-            0o600,
-            toml::to_string(&cfg).expect("serializes").as_bytes(),
-        )
-        .file("etc/bca-agent/join-encryption.jwk", 0o644, jwk.as_bytes())
-        .file(
-            "etc/bca-agent/discovery-token",
-            0o600,
-            format!("{token}\n").as_bytes(),
-        )
-        .file(
-            "etc/bca-agent/boot.json",
-            0o644,
-            boot.to_string().as_bytes(),
-        );
-    Ok(c.finish())
 }

@@ -1,14 +1,12 @@
 //! The boot server's sockets: DHCP on 67 (and 4011 in proxy mode) and TFTP on 69, bound to the
 //! provisioning interface when one is configured. What to answer is decided in `dhcp` and `tftp`.
 
-use crate::app::App;
 use crate::boot::dhcp::{self, Files, ReplyCtx};
 use crate::config::BootConfig;
 use crate::edge::{Answer, Ask, Edge};
 use crate::fsutil::ReadRoot;
 use dhcproto::{Encodable, Encoder};
 use socket2::{Domain, Protocol, Socket, Type};
-use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::Path;
 use std::sync::Arc;
@@ -50,184 +48,6 @@ fn files(root: &ReadRoot) -> Files {
         snponly: root.is_file("snponly.efi"),
         arm64: root.is_file("ipxe-arm64.efi"),
     }
-}
-
-/// The address leased to `mac` (extended), or the first free one of the range.
-/// How long an offered address stays reserved for its MAC without a REQUEST.
-const OFFER_SECONDS: i64 = 60;
-
-/// Full DHCP mode's view of the leases, in memory: the durable leases (loaded from SQLite once,
-/// kept in step by every commit, which only [`allocate`] makes) and the offers not yet requested.
-/// A DISCOVER is answered from here without touching the database.
-#[derive(Default)]
-pub struct DhcpState {
-    leases: HashMap<String, (Ipv4Addr, i64)>,
-    offers: HashMap<String, (Ipv4Addr, i64)>,
-}
-
-impl DhcpState {
-    fn load(app: &App) -> Result<Self, String> {
-        let leases = app
-            .store
-            .read(|tx| {
-                Ok(tx
-                    .prepare("SELECT mac, ip, expires_at FROM dhcp_leases")?
-                    .query_map([], |r| {
-                        Ok((
-                            r.get::<_, String>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, i64>(2)?,
-                        ))
-                    })?
-                    .collect::<Result<Vec<_>, _>>()?)
-            })
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .filter_map(|(m, ip, t)| Some((m, (ip.parse().ok()?, t))))
-            .collect();
-        Ok(Self {
-            leases,
-            offers: HashMap::new(),
-        })
-    }
-
-    /// The MAC's address: its lease's, else a free one (the one offered to it first).
-    fn address_for(&self, b: &crate::config::BootConfig, mac: &str, now: i64) -> Option<Ipv4Addr> {
-        if let Some((ip, _)) = self.leases.get(mac) {
-            return Some(*ip);
-        }
-        let prefer = self.offers.get(mac).map(|(ip, _)| *ip);
-        let ip = self.free(b, mac, prefer, now);
-        if ip.is_none() {
-            tracing::warn!(%mac, "dhcp: the range is exhausted");
-        }
-        ip
-    }
-
-    /// A free address: in the range, not the server's, not leased (unexpired) or offered to
-    /// another MAC; `prefer` first.
-    fn free(
-        &self,
-        b: &crate::config::BootConfig,
-        mac: &str,
-        prefer: Option<Ipv4Addr>,
-        now: i64,
-    ) -> Option<Ipv4Addr> {
-        let (start, end) = (u32::from(b.range_start?), u32::from(b.range_end?));
-        let used: HashSet<Ipv4Addr> = self
-            .leases
-            .iter()
-            .filter(|(m, (_, t))| *m != mac && *t > now)
-            .map(|(_, (ip, _))| *ip)
-            .chain(
-                self.offers
-                    .iter()
-                    .filter(|(m, _)| *m != mac)
-                    .map(|(_, (ip, _))| *ip),
-            )
-            .collect();
-        prefer
-            .into_iter()
-            .chain((start..=end).map(Ipv4Addr::from))
-            .find(|ip| {
-                (start..=end).contains(&u32::from(*ip))
-                    && Some(*ip) != b.server_ip
-                    && !used.contains(ip)
-            })
-    }
-}
-
-fn dhcp_state(app: &App) -> std::sync::MutexGuard<'_, Option<DhcpState>> {
-    let mut g = app.dhcp.lock().unwrap_or_else(|p| p.into_inner());
-    if g.is_none() {
-        match DhcpState::load(app) {
-            Ok(s) => *g = Some(s),
-            Err(e) => tracing::error!(error = %e, "dhcp: cannot load the leases"),
-        }
-    }
-    g
-}
-
-/// An OFFER: the MAC's lease if it has one, else a free address reserved in memory for
-/// [`OFFER_SECONDS`]. Nothing is written: a rack's DISCOVER burst is answered at memory speed, and
-/// a machine that never asks again costs no disk write. The REQUEST makes it durable.
-fn offer(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
-    let b = &app.config.boot;
-    let mut g = dhcp_state(app);
-    let st = g.as_mut()?;
-    st.offers.retain(|_, (_, t)| now - *t <= OFFER_SECONDS);
-    let ip = st.address_for(b, mac, now)?;
-    if !st.leases.contains_key(mac) {
-        st.offers.insert(mac.to_string(), (ip, now));
-    }
-    Some(ip)
-}
-
-/// Full DHCP mode's address for a MAC: an OFFER's (`discover`) or a REQUEST's durable lease.
-/// `None` in proxy mode, where the site's DHCP server gives addresses.
-pub fn address(app: &App, mac: &str, discover: bool, now: i64) -> Option<Ipv4Addr> {
-    if app.config.boot.mode != "dhcp" {
-        return None;
-    }
-    if discover {
-        offer(app, mac, now)
-    } else {
-        allocate(app, mac, now)
-    }
-}
-
-/// A REQUEST: the durable lease, committed before the ACK goes out, on the address offered to
-/// this MAC when it is still free.
-fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
-    let b = &app.config.boot;
-    let until = now + b.lease_seconds as i64;
-    // The state's lock is held across the commit: two REQUESTs never take one address.
-    let mut g = dhcp_state(app);
-    let st = g.as_mut()?;
-    let ip = st.address_for(b, mac, now)?;
-    let committed = app.store.write(|tx| {
-        // An expired lease of another MAC on this address gives way.
-        tx.execute(
-            "DELETE FROM dhcp_leases WHERE ip = ?1 AND mac != ?2",
-            rusqlite::params![ip.to_string(), mac],
-        )?;
-        tx.execute(
-            "INSERT INTO dhcp_leases (mac, ip, expires_at) VALUES (?1, ?2, ?3)
-             ON CONFLICT (mac) DO UPDATE SET ip = excluded.ip, expires_at = excluded.expires_at",
-            rusqlite::params![mac, ip.to_string(), until],
-        )?;
-        Ok(())
-    });
-    if let Err(e) = committed {
-        tracing::error!(%mac, error = %e, "dhcp: the lease could not be committed; no ACK");
-        return None;
-    }
-    st.leases.retain(|m, (l, _)| m == mac || *l != ip);
-    st.leases.insert(mac.to_string(), (ip, until));
-    st.offers.remove(mac);
-    Some(ip)
-}
-
-/// The core records a sighting: `mac` seen at `ip` by the boot server's DHCP. In full DHCP mode
-/// the address must be the MAC's own lease (the edge cannot name another).
-pub fn sighted(app: &App, mac: &str, ip: Ipv4Addr, now: i64) {
-    if app.config.boot.mode == "dhcp" {
-        let leased = dhcp_state(app)
-            .as_ref()
-            .and_then(|st| st.leases.get(mac).map(|(l, t)| (*l, *t)));
-        if !leased.is_some_and(|(l, until)| l == ip && until > now) {
-            tracing::debug!(%mac, %ip, "dhcp: a sighting that is not the MAC's lease; ignored");
-            return;
-        }
-    }
-    let limits = crate::boot::gate::Limits::from(&app.config.boot);
-    app.boot_gate
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .sight(mac, std::net::IpAddr::V4(ip), now, &limits);
-    crate::metrics::get()
-        .boot_sightings
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// How a DHCP packet reached the boot server: its source and the destination in its IP header

@@ -13,6 +13,7 @@ use rusqlite::{Connection, OpenFlags, Transaction};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
+pub mod downloads;
 pub mod events;
 pub mod tenancy;
 

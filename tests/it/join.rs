@@ -694,7 +694,7 @@ fn a_gateway_without_a_joinservice_answers_invalid_config() {
     let (app, keys) = bca::serve::prepare(&state).unwrap();
     let app = std::sync::Arc::new(app);
     let tickets = bca::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
-    let gw = bca::gateway::Gateway::new(app.clone(), keys.gateway.pkcs8(), tickets, None).unwrap();
+    let gw = bca::serve::gateway(&app, keys.gateway.pkcs8(), tickets, None).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
