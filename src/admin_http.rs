@@ -6,6 +6,7 @@ use crate::app::App;
 use crate::error::ApiError;
 use crate::http::{builder, error, respond, well_known_path, Body};
 use crate::protocol::BASE_PATH;
+use crate::rotation::Rotator;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response};
@@ -29,6 +30,7 @@ pub fn admin_allowed(peer: Peer, own_uid: u32, admin_group: Option<u32>) -> bool
 
 async fn admin(
     app: Arc<App>,
+    rotator: Arc<Rotator>,
     peer: Peer,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
@@ -100,10 +102,7 @@ async fn admin(
                 }
                 let i: Rotate = api::parse(&body)?;
                 let kind = crate::rotation::Kind::parse(&i.kind)?;
-                let r = app.rotator.get().ok_or_else(|| {
-                    ApiError::new(crate::error::Code::Unavailable, "rotation is not ready")
-                })?;
-                return r.rotate(
+                return rotator.rotate(
                     &app,
                     kind,
                     i.action.as_deref(),
@@ -125,7 +124,12 @@ async fn admin(
     })
 }
 
-pub async fn serve_admin(listener: UnixListener, app: Arc<App>, mut stop: watch::Receiver<bool>) {
+pub async fn serve_admin(
+    listener: UnixListener,
+    app: Arc<App>,
+    rotator: Arc<Rotator>,
+    mut stop: watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             _ = stop.changed() => return,
@@ -133,9 +137,9 @@ pub async fn serve_admin(listener: UnixListener, app: Arc<App>, mut stop: watch:
                 let Ok((stream, _)) = acc else { continue };
                 let Ok(cred) = stream.peer_cred() else { continue };
                 let peer = Peer { uid: cred.uid(), gid: cred.gid() };
-                let app = app.clone();
+                let (app, rotator) = (app.clone(), rotator.clone());
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| admin(app.clone(), peer, req));
+                    let svc = hyper::service::service_fn(move |req| admin(app.clone(), rotator.clone(), peer, req));
                     let _ = builder().serve_connection(TokioIo::new(stream), svc).await;
                 });
             }

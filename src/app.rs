@@ -1,6 +1,6 @@
 //! The running appliance: what `serve` loads once and every listener shares.
 
-use crate::bundle::check_keys_against;
+use crate::pki::check_keys_against;
 use crate::bundle::KeyBundle;
 use crate::config::Config;
 use crate::pki::PublicPki;
@@ -24,10 +24,8 @@ pub struct App {
     pub join: std::sync::OnceLock<crate::joinservice::JoinHandle>,
     /// The gateway's swappable certificate (set when the gateway starts).
     pub gateway_cert: std::sync::OnceLock<Arc<crate::gateway::GatewayCert>>,
-    /// Key rotation while serving (set by `serve`).
-    pub rotator: std::sync::OnceLock<crate::rotation::Rotator>,
     /// Full DHCP mode: the leases and the pending offers, in memory (loaded on first use).
-    pub dhcp: std::sync::Mutex<Option<crate::boot_core::DhcpState>>,
+    pub dhcp: std::sync::Mutex<Option<crate::leases::DhcpState>>,
     /// DHCP sightings, `boot.ipxe` rates and the per-boot archives waiting to be fetched once
     /// (each holds a discovery token: wiped when dropped).
     pub boot_gate: std::sync::Mutex<crate::boot::gate::Gate>,
@@ -75,7 +73,6 @@ impl App {
             well_known: std::sync::RwLock::new(well_known),
             join: Default::default(),
             gateway_cert: Default::default(),
-            rotator: Default::default(),
             dhcp: Default::default(),
             boot_gate: Default::default(),
         })

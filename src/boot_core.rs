@@ -9,10 +9,10 @@ use crate::boot::templates;
 use crate::fsutil::ReadRoot;
 use crate::protocol::BASE_PATH;
 use crate::protocol::{Call, Outcome};
-use std::collections::{HashMap, HashSet};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use crate::leases::DhcpState;
 
 pub fn boot_root(app: &App) -> PathBuf {
     app.config
@@ -223,91 +223,10 @@ fn per_boot_archive(
     Ok(c.finish())
 }
 
-/// Full DHCP mode's view of the leases, in memory: the durable leases (loaded from SQLite once,
-/// kept in step by every commit, which only [`allocate`] makes) and the offers not yet requested.
-/// A DISCOVER is answered from here without touching the database.
-#[derive(Default)]
-pub struct DhcpState {
-    leases: HashMap<String, (Ipv4Addr, i64)>,
-    offers: HashMap<String, (Ipv4Addr, i64)>,
-}
-
-impl DhcpState {
-    fn load(app: &App) -> Result<Self, String> {
-        let leases = app
-            .store
-            .read(|tx| {
-                Ok(tx
-                    .prepare("SELECT mac, ip, expires_at FROM dhcp_leases")?
-                    .query_map([], |r| {
-                        Ok((
-                            r.get::<_, String>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, i64>(2)?,
-                        ))
-                    })?
-                    .collect::<Result<Vec<_>, _>>()?)
-            })
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .filter_map(|(m, ip, t)| Some((m, (ip.parse().ok()?, t))))
-            .collect();
-        Ok(Self {
-            leases,
-            offers: HashMap::new(),
-        })
-    }
-
-    /// The MAC's address: its lease's, else a free one (the one offered to it first).
-    fn address_for(&self, b: &crate::config::BootConfig, mac: &str, now: i64) -> Option<Ipv4Addr> {
-        if let Some((ip, _)) = self.leases.get(mac) {
-            return Some(*ip);
-        }
-        let prefer = self.offers.get(mac).map(|(ip, _)| *ip);
-        let ip = self.free(b, mac, prefer, now);
-        if ip.is_none() {
-            tracing::warn!(%mac, "dhcp: the range is exhausted");
-        }
-        ip
-    }
-
-    /// A free address: in the range, not the server's, not leased (unexpired) or offered to
-    /// another MAC; `prefer` first.
-    fn free(
-        &self,
-        b: &crate::config::BootConfig,
-        mac: &str,
-        prefer: Option<Ipv4Addr>,
-        now: i64,
-    ) -> Option<Ipv4Addr> {
-        let (start, end) = (u32::from(b.range_start?), u32::from(b.range_end?));
-        let used: HashSet<Ipv4Addr> = self
-            .leases
-            .iter()
-            .filter(|(m, (_, t))| *m != mac && *t > now)
-            .map(|(_, (ip, _))| *ip)
-            .chain(
-                self.offers
-                    .iter()
-                    .filter(|(m, _)| *m != mac)
-                    .map(|(_, (ip, _))| *ip),
-            )
-            .collect();
-        prefer
-            .into_iter()
-            .chain((start..=end).map(Ipv4Addr::from))
-            .find(|ip| {
-                (start..=end).contains(&u32::from(*ip))
-                    && Some(*ip) != b.server_ip
-                    && !used.contains(ip)
-            })
-    }
-}
-
 fn dhcp_state(app: &App) -> std::sync::MutexGuard<'_, Option<DhcpState>> {
     let mut g = app.dhcp.lock().unwrap_or_else(|p| p.into_inner());
     if g.is_none() {
-        match DhcpState::load(app) {
+        match DhcpState::load(&app.store) {
             Ok(s) => *g = Some(s),
             Err(e) => tracing::error!(error = %e, "dhcp: cannot load the leases"),
         }

@@ -167,7 +167,7 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
         )
         .and_then(|k| {
             let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
-            crate::bundle::check_keys_against(&pki, &k)?;
+            crate::pki::check_keys_against(&pki, &k)?;
             Ok(pki)
         });
         match checked {

@@ -377,7 +377,7 @@ fn open_escrow(
     })?;
     let (bundle, _) = Kek::open_passphrase(&f, passphrase, escrow)?;
     let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
-    crate::bundle::check_keys_against(&pki, &bundle).map_err(|e| {
+    crate::pki::check_keys_against(&pki, &bundle).map_err(|e| {
         format!(
             "{} holds other keys than this appliance's now ({e}): another appliance's copy, or one \
              made before a key rotation (make a new one after each: bca tpm escrow)",

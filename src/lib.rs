@@ -43,6 +43,7 @@ pub mod install_script;
 pub mod intake;
 pub mod joinrequests;
 pub mod joinservice;
+pub mod leases;
 pub mod jwe;
 pub mod keys;
 pub mod limits;

@@ -346,6 +346,25 @@ impl PublicPki {
     }
 }
 
+/// Checks that the unsealed keys are the ones the certificates and the JWK name.
+pub fn check_keys_against(pki: &PublicPki, keys: &KeyBundle) -> Result<(), String> {
+    let pairs = [
+        ("node CA", &pki.node_ca, &keys.node_ca),
+        ("serving CA", &pki.serving_ca, &keys.serving_ca),
+        ("gateway", &pki.gateway, &keys.gateway),
+        ("join-signing", &pki.join_signing, &keys.join_signing),
+    ];
+    for (name, cert, key) in pairs {
+        if crate::x509::cert_spki(cert)? != key.spki_der() {
+            return Err(format!("the {name} key does not match its certificate"));
+        }
+    }
+    if pki.join_encryption.point().as_deref() != Some(keys.join_encryption.public_point()) {
+        return Err("the join-encryption key does not match join-encryption.jwk".into());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

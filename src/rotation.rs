@@ -435,7 +435,7 @@ impl Rotator {
     /// well-known document.
     fn go_live(&self, app: &App, keys: &KeyBundle) -> ApiResult<()> {
         let public = PublicPki::load(&pki::pki_dir(&app.state_dir)).map_err(ApiError::internal)?;
-        crate::bundle::check_keys_against(&public, keys).map_err(ApiError::internal)?;
+        crate::pki::check_keys_against(&public, keys).map_err(ApiError::internal)?;
         if let Some(j) = app.join.get() {
             j.replace_keys(
                 crate::joinservice::SignerKeys::new(&public, keys).map_err(ApiError::internal)?,

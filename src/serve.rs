@@ -70,12 +70,12 @@ pub fn prepare_vault(
 
 pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
     let (app, keys, vault) = prepare_vault(state_dir, opts.tpm.as_deref())?;
-    let _ = app.rotator.set(crate::rotation::Rotator::new(vault));
+    let rotator = Arc::new(crate::rotation::Rotator::new(vault));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
-    rt.block_on(serve(app, keys, opts))
+    rt.block_on(serve(app, keys, opts, rotator))
 }
 
 /// Binds a TCP listener, retrying for two seconds while the address is in use: the network child
@@ -140,7 +140,11 @@ async fn bind_admin(path: &Path, group: Option<u32>) -> Result<tokio::net::UnixL
 }
 
 /// Retention at start and hourly; the clock checks at start and every ten minutes.
-async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
+async fn housekeeping(
+    app: Arc<App>,
+    rotator: Arc<crate::rotation::Rotator>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
     let mut minutes: u64 = 0;
     loop {
@@ -148,16 +152,14 @@ async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
             _ = stop.changed() => return,
             _ = tick.tick() => {}
         }
-        let app2 = app.clone();
+        let (app2, rotator) = (app.clone(), rotator.clone());
         let m = minutes;
         let _ = tokio::task::spawn_blocking(move || {
             if m % 10 == 0 {
                 crate::health::log_clock(&app2);
             }
             if m % 60 == 0 {
-                if let Some(r) = app2.rotator.get() {
-                    r.tick(&app2, crate::clock::now());
-                }
+                rotator.tick(&app2, crate::clock::now());
                 // Re-read: an operator sets `hold` during an investigation without a restart.
                 let retention = crate::config::Config::load(&app2.state_dir)
                     .map(|c| c.retention)
@@ -178,7 +180,12 @@ async fn housekeeping(app: Arc<App>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> Result<(), String> {
+async fn serve(
+    app: App,
+    keys: crate::bundle::KeyBundle,
+    opts: ServeOptions,
+    rotator: Arc<crate::rotation::Rotator>,
+) -> Result<(), String> {
     let http_addr = opts
         .listen_http
         .clone()
@@ -297,9 +304,10 @@ async fn serve(app: App, keys: crate::bundle::KeyBundle, opts: ServeOptions) -> 
     tasks.spawn(crate::admin_http::serve_admin(
         admin,
         app.clone(),
+        rotator.clone(),
         stop_rx.clone(),
     ));
-    tasks.spawn(housekeeping(app.clone(), stop_rx.clone()));
+    tasks.spawn(housekeeping(app.clone(), rotator, stop_rx.clone()));
 
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),

@@ -1,0 +1,590 @@
+//! The command line's shape: every command, its arguments and their defaults (clap).
+
+use super::conn::*;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/bca";
+
+#[derive(Parser)]
+#[command(
+    name = "bca",
+    version,
+    about = "The rack-local appliance that admits bare-metal machines into compute pools"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Initialise a state directory: database, root tenant, site, PKI and keys.
+    Init(InitArgs),
+    /// Serve: the admin socket, the HTTP listener and the gateway.
+    Serve(ServeArgs),
+    /// The gateway's confined child process, started by `serve` only (privilege separation).
+    #[command(name = "net-child", hide = true)]
+    NetChild,
+    /// Development: initialise ./.bca when needed (file keys) and serve on loopback ports.
+    Dev(DevArgs),
+    /// Tenants.
+    #[command(subcommand)]
+    Tenants(TenantsCmd),
+    /// Pools.
+    #[command(subcommand)]
+    Pools(PoolsCmd),
+    /// Join tokens.
+    #[command(subcommand, name = "join-tokens")]
+    JoinTokens(JoinTokensCmd),
+    /// Events.
+    #[command(subcommand)]
+    Events(EventsCmd),
+    /// Nodes.
+    #[command(subcommand)]
+    Nodes(super::nodes::NodesCmd),
+    /// Network boot: who booted what, when.
+    #[command(subcommand)]
+    Boot(BootCmd),
+    /// The join-request queue: machines waiting for an operator's approval.
+    #[command(subcommand, name = "join-requests")]
+    JoinRequests(super::join_requests::JoinRequestsCmd),
+    /// The appliance's PKI.
+    #[command(subcommand)]
+    Pki(PkiCmd),
+    /// The TPM: which one, its endorsement keys and their certificates.
+    #[command(subcommand)]
+    Tpm(TpmCmd),
+    /// The machine side: join this machine.
+    #[command(subcommand)]
+    Agent(AgentCmd),
+    /// What agents need from this appliance.
+    #[command(subcommand)]
+    Daemon(DaemonCmd),
+    /// Agent binaries served to install scripts.
+    #[command(subcommand)]
+    Downloads(DownloadsCmd),
+    /// A consistent backup of the state directory, taken while serving (keys stay sealed).
+    Backup {
+        /// The new backup file (0600; never written over).
+        file: PathBuf,
+    },
+    /// Restore a backup into a new or empty state directory (--state-dir).
+    Restore { file: PathBuf },
+    /// The audit trail: who did what, when.
+    #[command(subcommand)]
+    Audit(AuditCmd),
+    /// Check the appliance: state directory, modes, keys, database, server, ports, TPM, clock.
+    Doctor,
+    /// The running server's health (the admin socket's health/get).
+    Health,
+    /// Shell completions on stdout.
+    Completions { shell: clap_complete::Shell },
+    /// The man page (roff) on stdout.
+    Man,
+}
+
+#[derive(Args)]
+pub struct InitArgs {
+    /// The SPIFFE trust domain (a lower-case DNS name).
+    #[arg(long)]
+    pub trust_domain: String,
+    /// The site's name.
+    #[arg(long)]
+    pub site: String,
+    /// A name (DNS or IP) for the gateway certificate; repeat for more (default: hostname, localhost, 127.0.0.1).
+    #[arg(long = "gateway-san")]
+    pub gateway_san: Vec<String>,
+    /// The gateway URL agents dial (https://host[:port]).
+    #[arg(long)]
+    pub gateway_url: Option<String>,
+    /// passphrase (default), file (development only) or tpm (sealed to the box's TPM).
+    #[arg(long, default_value = "passphrase")]
+    pub key_protection: String,
+    /// With --key-protection tpm: the TPM to seal to (device:/dev/tpmrm0, the default, or
+    /// swtpm:host=…,port=…); recorded in config.toml.
+    #[arg(long)]
+    pub tpm: Option<String>,
+    /// With --key-protection tpm: also write the keys sealed under a passphrase (BCA_SECRET or a
+    /// prompt) to this new file, the copy `bca tpm recover` takes when the TPM is gone. Keep it
+    /// off the box.
+    #[arg(long)]
+    pub escrow: Option<PathBuf>,
+    /// With --key-protection tpm: also bind the keys to these PCRs' values now (SHA-256 bank,
+    /// e.g. 7 for Secure Boot's state, or 0,2,7); a firmware change that moves them needs
+    /// `bca tpm reseal --escrow FILE`.
+    #[arg(long, value_name = "LIST")]
+    pub tpm_pcrs: Option<String>,
+}
+
+#[derive(Args, Default)]
+pub struct ServeArgs {
+    /// The TPM the keys are sealed to, instead of the one `config.toml` names (key protection
+    /// `tpm`): device:/dev/tpmrm0 or swtpm:host=…,port=….
+    #[arg(long)]
+    pub tpm: Option<String>,
+    #[arg(long)]
+    pub listen_http: Option<String>,
+    #[arg(long)]
+    pub admin_socket: Option<PathBuf>,
+    #[arg(long)]
+    pub listen_gateway: Option<String>,
+}
+
+#[derive(Args)]
+pub struct DevArgs {
+    /// Run a throwaway appliance in a temporary directory with N simulated machines that join,
+    /// hold sessions and renew.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=500))]
+    pub sim: Option<u16>,
+    /// The simulated machines' certificate lifetime, in seconds.
+    #[arg(long, default_value = "60", value_parser = clap::value_parser!(u32).range(10..=86400))]
+    pub sim_cert_ttl: u32,
+    /// Keep the simulation's temporary directory.
+    #[arg(long)]
+    pub sim_keep: bool,
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen_http: String,
+    #[arg(long, default_value = "127.0.0.1:8443")]
+    pub listen_gateway: String,
+}
+
+#[derive(Subcommand)]
+pub enum TenantsCmd {
+    /// Create a tenant.
+    Create {
+        #[arg(long)]
+        name: String,
+    },
+    /// List tenants.
+    List {},
+}
+
+#[derive(Subcommand)]
+pub enum PoolsCmd {
+    /// Create a pool.
+    Create {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// bcd (default) or none.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Comma-separated attestors allowed to admit machines (default: all).
+        #[arg(long, value_delimiter = ',')]
+        join_attestors: Option<Vec<String>>,
+        /// policy.kubernetes.platformOperated.
+        #[arg(long)]
+        k8s_platform_operated: bool,
+    },
+    /// List pools.
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Include archived pools.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show a pool.
+    Get {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Change a pool's name, agent or policy.
+    Update {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        agent: Option<String>,
+        #[arg(long, value_delimiter = ',')]
+        join_attestors: Option<Vec<String>>,
+        #[arg(long)]
+        k8s_platform_operated: Option<bool>,
+    },
+    /// Archive a pool: it admits no join and mints no token.
+    Archive {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process
+pub enum JoinTokensCmd {
+    /// Mint a join token for a pool; shown once.
+    Create {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Lifetime, 1m to 24h (e.g. 90m, 1h, 3600s, 1h30m).
+        #[arg(long)]
+        ttl: String,
+        #[arg(long)]
+        max_uses: Option<i64>,
+        #[arg(long)]
+        allow_reclaim: bool,
+        #[arg(long)]
+        expect_product_uuid: Option<String>,
+        #[arg(long)]
+        expect_serial: Option<String>,
+        #[arg(long)]
+        expect_mac: Option<String>,
+        #[arg(long)]
+        expect_gpu_uuid: Option<String>,
+        /// kubernetes
+        #[arg(long)]
+        hosted: Option<String>,
+        /// The idempotency key.
+        #[arg(long)]
+        key: String,
+        /// Write the token to this new 0600 file instead of printing it (with --from-csv: one
+        /// CSV of name,tokenId,token).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Bulk intake: one token per machine of this CSV (header: name,serial,mac,productUuid,
+        /// gpuUuid; each row names at least one identifier). --key is the prefix of each token's key.
+        #[arg(long, conflicts_with_all = ["expect_product_uuid", "expect_serial", "expect_mac", "expect_gpu_uuid", "hosted"])]
+        from_csv: Option<PathBuf>,
+        /// With --from-csv: write one 0600 file per machine, <name>.token, into this directory.
+        #[arg(long, requires = "from_csv", conflicts_with = "out")]
+        out_dir: Option<PathBuf>,
+    },
+    /// List a pool's tokens (never their secrets).
+    List {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Include revoked, expired and used-up tokens.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Revoke a token by its id (jt_…).
+    Revoke {
+        id: String,
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum EventsCmd {
+    /// List events, newest first.
+    List {
+        /// Only events whose type starts with this.
+        #[arg(long = "type")]
+        type_prefix: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Every tenant's events.
+        #[arg(long, conflicts_with = "tenant")]
+        all_tenants: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum AuditCmd {
+    /// List audit rows, newest first.
+    List {
+        /// Only rows at or after this time: RFC 3339 (2026-12-03T10:00:00Z) or an age (24h, 7d).
+        #[arg(long)]
+        since: Option<String>,
+        /// Only actions starting with this (joinTokens., nodes.retire, retention.pruned).
+        #[arg(long)]
+        action: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Every tenant's rows.
+        #[arg(long, conflicts_with = "tenant")]
+        all_tenants: bool,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+// Parsed once per run: the size of a variant costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+pub enum AgentCmd {
+    /// Join this machine with a join token read from standard input or BCD_JOIN_TOKEN.
+    Join {
+        #[arg(long, default_value = crate::agent::DEFAULT_CONFIG)]
+        config: PathBuf,
+        #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        /// Claims from a JSON file instead of this machine (simulated machines, tests).
+        #[arg(long)]
+        claims: Option<PathBuf>,
+        /// node (default) or ramdisk.
+        #[arg(long, default_value = "node")]
+        role: String,
+        /// Move the current identity aside (renamed <name>.reset-<UTC time>) and join again.
+        #[arg(long)]
+        reset: bool,
+        #[arg(long)]
+        yes: bool,
+        /// The appliance's HTTP URL: its well-known document supplies the join-encryption key
+        /// when join-encryption.jwk is absent (only if it matches the pin), and the whole
+        /// configuration, with the three pins below, when config.toml is absent.
+        #[arg(long)]
+        server: Option<String>,
+        #[arg(long, requires_all = ["server", "join_signing_pin", "join_encryption_pin"])]
+        serving_ca_pin: Option<String>,
+        #[arg(long, requires = "serving_ca_pin")]
+        join_signing_pin: Option<String>,
+        #[arg(long, requires = "serving_ca_pin")]
+        join_encryption_pin: Option<String>,
+        /// Read the token from this file (owner-only, at most 4 KiB); it is deleted after the join.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+        /// join-token (default), discovery (a PXE-booted ramdisk, with role ramdisk), or tpm (no
+        /// token: the machine's TPM proves it, and holds the node key).
+        #[arg(long, default_value = "join-token", value_parser = ["join-token", "discovery", "tpm"])]
+        attestor: String,
+        /// With --attestor tpm: the machine's TPM, device:/dev/tpmrm0 (the default) or
+        /// swtpm:host=…,port=….
+        #[arg(long)]
+        tpm: Option<String>,
+        /// With --attestor tpm: when the TPM's EK is on no allow-list, fail instead of waiting
+        /// for an operator (the discovery ramdisk then uses its discovery token).
+        #[arg(long)]
+        no_enroll: bool,
+        /// How long to keep retrying while the join waits for an operator's approval.
+        #[arg(long, default_value = "86400")]
+        wait_seconds: u32,
+        /// Retry a waiting join after this many seconds instead of what the appliance says.
+        #[arg(long, hide = true)]
+        retry_seconds: Option<u32>,
+    },
+    /// Keep the node's session, renew its certificate, reconnect with backoff (until SIGTERM).
+    Run {
+        #[arg(long, default_value = crate::agent::DEFAULT_CONFIG)]
+        config: PathBuf,
+        #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        /// The first reconnect waits up to this long; each further attempt doubles it.
+        #[arg(long, default_value = "1000", hide = true)]
+        backoff_base_ms: u64,
+        /// Reconnects never wait longer than this.
+        #[arg(long, default_value = "60000", hide = true)]
+        backoff_cap_ms: u64,
+    },
+    /// Check the config, pins, identity, the gateway, the clock and the TPM; exit 1 when a
+    /// check fails.
+    Doctor {
+        #[arg(long, default_value = crate::agent::DEFAULT_CONFIG)]
+        config: PathBuf,
+        #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+        /// The machine's TPM: device:/dev/tpmrm0 (the default) or swtpm:host=…,port=….
+        #[arg(long)]
+        tpm: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum BootCmd {
+    /// List boot leases, newest first.
+    Leases {
+        #[arg(long)]
+        mac: Option<String>,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum DownloadsCmd {
+    /// Copy an agent binary into the appliance's store (the agent is bca itself).
+    Add {
+        file: PathBuf,
+        #[arg(long)]
+        version: String,
+        /// amd64 or arm64.
+        #[arg(long)]
+        arch: String,
+    },
+    /// List the agent binaries the appliance serves.
+    List,
+}
+
+#[derive(Subcommand)]
+pub enum DaemonCmd {
+    /// Print a POSIX sh install script for a brownfield server (it holds no secret).
+    #[command(name = "install-script")]
+    InstallScript {
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The gateway URL agents dial.
+        #[arg(long)]
+        gateway_url: String,
+        /// Where the script downloads the agent: this appliance's HTTP URL.
+        #[arg(long)]
+        base_url: String,
+        /// The agent version to download (as added with `bca downloads add`).
+        #[arg(long)]
+        bcd_version: String,
+        /// amd64=<hex>[,arm64=<hex>]: the SHA-256 of each binary.
+        #[arg(long)]
+        sha256: String,
+    },
+    /// Write an agent's config.toml (0600) and join-encryption.jwk (0644) into a new folder.
+    #[command(name = "agent-config")]
+    AgentConfig {
+        #[arg(long)]
+        gateway_url: String,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TpmCmd {
+    /// Write a new escrow copy of the TPM-sealed keys, sealed under a passphrase (BCA_SECRET or a
+    /// prompt): after `bca init --escrow`, and again after every key rotation.
+    Escrow {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// When the TPM the keys were sealed to is gone (a replaced board, a cleared TPM): take the
+    /// keys from the escrow copy `bca init --escrow` wrote; from then on they are protected by its
+    /// passphrase. Run it with the server stopped.
+    Recover {
+        #[arg(long)]
+        escrow: PathBuf,
+    },
+    /// After a firmware or boot change moved the PCRs the keys are bound to: seal them to the
+    /// TPM again, to the PCRs' values now, from the escrow copy (its passphrase from BCA_SECRET or
+    /// a prompt). Run it with the server stopped.
+    Reseal {
+        #[arg(long)]
+        escrow: PathBuf,
+        /// The PCRs to bind to from now on (e.g. 7 or 0,2,7; none: no binding); default: the
+        /// ones the keys were bound to.
+        #[arg(long, value_name = "LIST")]
+        tpm_pcrs: Option<String>,
+        /// The TPM, instead of the one config.toml names.
+        #[arg(long)]
+        tpm: Option<String>,
+    },
+    /// Allow a machine's TPM to join by the `tpm` attestor into a pool: its EK named by the
+    /// SHA-256 of its public key (`publicKeySha256` in `bca tpm status` on that machine).
+    AllowEk {
+        /// 64 hex digits (or sha256:<hex>).
+        hash: String,
+        #[arg(long)]
+        pool: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// What the machine is (at most 256 characters).
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// Take an EK off the allow-list.
+    RemoveEk {
+        hash: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// The EKs allowed to join, by pool.
+    List {
+        #[arg(long)]
+        pool: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long)]
+        limit: Option<i64>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Which TPM, its manufacturer and firmware, its endorsement keys (names as tpm2-tools
+    /// prints them, public-key hashes) and whether their certificates certify them.
+    Status {
+        /// The TPM: device:/dev/tpmrm0 (the default) or swtpm:host=…,port=….
+        #[arg(long)]
+        tpm: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum PkiCmd {
+    /// Print the pins (and a rotation's next pins) and a summary of each certificate.
+    Show,
+    /// Rotate a key while serving: join-encryption or join-signing (stage the next key with an
+    /// overlap, then promote), or gateway (renew the TLS leaf now).
+    Rotate {
+        /// join-encryption, join-signing or gateway.
+        kind: String,
+        /// How long the next key is published before it becomes current (e.g. 7d, 24h; default 7d).
+        #[arg(long, conflicts_with_all = ["promote", "retire_previous"])]
+        overlap: Option<String>,
+        /// Make the staged next key current now.
+        #[arg(long, conflicts_with = "retire_previous")]
+        promote: bool,
+        /// join-encryption: stop accepting the key the last promotion replaced, now.
+        #[arg(long)]
+        retire_previous: bool,
+    },
+}
+
+/// Parses `1m` .. `24h` style durations (`h`, `m`, `s` parts, e.g. `1h30m`) to whole seconds.
+pub fn parse_duration(s: &str) -> Result<i64, String> {
+    let bad = || format!("--ttl {s:?} is not a duration such as 30m, 1h or 1h30m");
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total: i64 = 0;
+    let mut num = String::new();
+    let mut units = 0;
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            num.push(c);
+            if num.len() > 6 {
+                return Err(bad());
+            }
+        } else {
+            let mult = match c {
+                'h' => 3600,
+                'm' => 60,
+                's' => 1,
+                _ => return Err(bad()),
+            };
+            let n: i64 = num.parse().map_err(|_| bad())?;
+            total += n * mult;
+            num.clear();
+            units += 1;
+        }
+    }
+    if !num.is_empty() || units == 0 {
+        return Err(bad());
+    }
+    if !(60..=86_400).contains(&total) {
+        return Err(format!("--ttl {s} is {total} s; it must be from 1m to 24h"));
+    }
+    Ok(total)
+}
