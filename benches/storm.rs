@@ -28,9 +28,9 @@
 mod floor;
 mod support;
 use bca::agent::{self};
-use bca::agent_config::AgentConfig;
-use bca::crypto::{self, SigningKey};
-use bca::protocol::{self, Hello, JoinRequest, RenewRequest, Reply, Request};
+use bca::base::crypto::{self, SigningKey};
+use bca::proto::agent_config::AgentConfig;
+use bca::proto::protocol::{self, Hello, JoinRequest, RenewRequest, Reply, Request};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -159,7 +159,9 @@ fn appliance(name: &str, privsep: bool) -> Appliance {
 }
 
 fn api(a: &Appliance, m: &str, body: Value) -> Value {
-    bca::client::Client::new(&a.socket).call(m, &body).unwrap()
+    bca::cli::client::Client::new(&a.socket)
+        .call(m, &body)
+        .unwrap()
 }
 
 /// The process and its live children (`serve`'s network child).
@@ -241,9 +243,9 @@ struct Machine {
 
 fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
     let key = SigningKey::generate();
-    let csr = bca::csr::create(&key);
-    let sealed = bca::jwe::seal(token, enc, &csr, bca::clock::now()).unwrap();
-    let claims = bca::devsim::sim_claims(i);
+    let csr = bca::proto::csr::create(&key);
+    let sealed = bca::proto::jwe::seal(token, enc, &csr, bca::base::clock::now()).unwrap();
+    let claims = bca::cli::devsim::sim_claims(i);
     let req = Request {
         v: 1,
         join: Some(JoinRequest {
@@ -264,8 +266,8 @@ fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
 }
 
 /// An appliance's keys and configuration for the ceilings' tight loops.
-fn ceiling_setup() -> (bca::bundle::KeyBundle, bca::config::Config) {
-    let keys = bca::bundle::KeyBundle::generate();
+fn ceiling_setup() -> (bca::pki::bundle::KeyBundle, bca::config::Config) {
+    let keys = bca::pki::bundle::KeyBundle::generate();
     let cfg: bca::config::Config = toml::from_str(
         "trust_domain = \"b.example\"\nsite_id = \"site_x\"\nsite_name = \"x\"\nkey_protection = \"file\"\n",
     )
@@ -276,7 +278,7 @@ fn ceiling_setup() -> (bca::bundle::KeyBundle, bca::config::Config) {
 /// Signs a node certificate for `public_point` and the response over it, as the JoinService
 /// does for a join and for a renewal.
 fn ceiling_issue(
-    keys: &bca::bundle::KeyBundle,
+    keys: &bca::pki::bundle::KeyBundle,
     node_ca: &(rcgen::Certificate, rcgen::KeyPair),
     public_point: &[u8],
 ) -> Vec<u8> {
@@ -306,7 +308,7 @@ fn renewal_ceiling(n: usize) -> f64 {
     let inputs: Vec<Renewal> = (0..n)
         .map(|_| {
             let (old, new) = (SigningKey::generate(), SigningKey::generate());
-            let csr = bca::csr::create(&new);
+            let csr = bca::proto::csr::create(&new);
             let msg = protocol::renew_pop_message(&crypto::sha256(&csr), "node_x", 0);
             let sig = old.sign(protocol::RENEW_POP_PURPOSE, &msg);
             (csr, msg, sig, old.public_point().to_vec())
@@ -314,7 +316,7 @@ fn renewal_ceiling(n: usize) -> f64 {
         .collect();
     let t = Instant::now();
     for (csr, msg, sig, old) in &inputs {
-        let v = bca::csr::verify(csr).unwrap();
+        let v = bca::proto::csr::verify(csr).unwrap();
         assert!(crypto::verify(old, protocol::RENEW_POP_PURPOSE, msg, sig));
         let _ = ceiling_issue(&keys, &node_ca, &v.public_point);
     }
@@ -327,32 +329,33 @@ fn renewal_ceiling(n: usize) -> f64 {
 /// server side, opening the seal, verifying the CSR, signing the certificate and the response.
 fn ceiling(n: usize) -> f64 {
     let (keys, cfg) = ceiling_setup();
-    let issued = bca::pki::create(&cfg, &keys, &["localhost".into()], bca::clock::now()).unwrap();
+    let issued =
+        bca::pki::create(&cfg, &keys, &["localhost".into()], bca::base::clock::now()).unwrap();
     let server_cfg = Arc::new(
-        bca::gateway::server_config(
+        bca::edge::gateway::server_config(
             &issued.gateway,
             &issued.serving_ca,
             keys.gateway.pkcs8(),
             &issued.node_ca,
-            Arc::new(bca::tickets::Tickets::from_root(
-                bca::tickets::TicketRoot::derive(keys.node_ca.pkcs8()),
+            Arc::new(bca::edge::tickets::Tickets::from_root(
+                bca::edge::tickets::TicketRoot::derive(keys.node_ca.pkcs8()),
             )),
         )
         .unwrap(),
     );
     let pin = crypto::spki_pin(&keys.serving_ca.spki_der());
-    let client_cfg = Arc::new(bca::tlsclient::client_config(&pin).unwrap());
-    let dec = bca::jwe::decryption_key(keys.join_encryption.pkcs8()).unwrap();
+    let client_cfg = Arc::new(bca::agent::tlsclient::client_config(&pin).unwrap());
+    let dec = bca::proto::jwe::decryption_key(keys.join_encryption.pkcs8()).unwrap();
     let node_ca = bca::pki::issuer(bca::pki::CaKind::Node, &cfg, &keys.node_ca);
     let inputs: Vec<(Vec<u8>, String)> = (0..n)
         .map(|_| {
             let k = SigningKey::generate();
-            let csr = bca::csr::create(&k);
-            let s = bca::jwe::seal(
+            let csr = bca::proto::csr::create(&k);
+            let s = bca::proto::jwe::seal(
                 "bcjt_jt_0123456789abcdefghjkmnpqrs.x",
                 keys.join_encryption.public_point(),
                 &csr,
-                bca::clock::now(),
+                bca::base::clock::now(),
             )
             .unwrap();
             (csr, s)
@@ -393,8 +396,9 @@ fn ceiling(n: usize) -> f64 {
             }
         }
         let t = Instant::now();
-        let v = bca::csr::verify(csr).unwrap();
-        let _ = bca::jwe::open(sealed, &dec, &v.sha256, bca::clock::now(), 300).unwrap();
+        let v = bca::proto::csr::verify(csr).unwrap();
+        let _ =
+            bca::proto::jwe::open(sealed, &dec, &v.sha256, bca::base::clock::now(), 300).unwrap();
         let _ = ceiling_issue(&keys, &node_ca, &v.public_point);
         rest += t.elapsed();
     }
@@ -462,7 +466,8 @@ struct Live {
 /// A node's TLS configuration: its chain and key, the pinned serving CA, a ticket cache.
 fn identity_tls(cfg: &AgentConfig, chain: Vec<Vec<u8>>, key: &[u8]) -> Arc<rustls::ClientConfig> {
     Arc::new(
-        bca::tlsclient::client_config_with(&cfg.serving_ca_spki_pin, Some((chain, key))).unwrap(),
+        bca::agent::tlsclient::client_config_with(&cfg.serving_ca_spki_pin, Some((chain, key)))
+            .unwrap(),
     )
 }
 
@@ -510,7 +515,7 @@ fn reconnect_storm(
                 let tls = tls.unwrap_or_else(|| identity_tls(&cfg, chain.clone(), &key));
                 let t = Instant::now();
                 for attempt in 0u32.. {
-                    tokio::time::sleep(bca::agent_run::backoff(
+                    tokio::time::sleep(bca::agent::run::backoff(
                         attempt,
                         Duration::from_millis(BACKOFF_BASE_MS),
                         Duration::from_millis(BACKOFF_CAP_MS),
@@ -628,7 +633,7 @@ fn reconnect_storm(
 
 fn chain_der(pems: &[String]) -> Vec<Vec<u8>> {
     pems.iter()
-        .map(|p| bca::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .map(|p| bca::proto::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
         .collect()
 }
 
@@ -664,7 +669,7 @@ async fn connect_from(
     tls: Arc<rustls::ClientConfig>,
     src: std::net::IpAddr,
 ) -> Result<agent::GatewayStream, String> {
-    let (host, port) = bca::net::host_port(&cfg.gateway_url).ok_or("gateway_url")?;
+    let (host, port) = bca::base::net::host_port(&cfg.gateway_url).ok_or("gateway_url")?;
     let dst = std::net::SocketAddr::new(host.parse().map_err(|_| "not an address")?, port);
     let stream = tcp_from(src, dst).await?;
     let name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone().unwrap_or(host))
@@ -851,7 +856,7 @@ fn prepare_machines_in(
         })
         .collect();
     let adir = a.dir.join(format!("agent-{pool_name}"));
-    bca::agent_files::write_agent_config(
+    bca::appliance::agent_files::write_agent_config(
         &a.dir.join("state"),
         &format!("https://{}", a.gateway),
         &adir,
@@ -1109,12 +1114,12 @@ fn main() {
     // Renewal storm: every session renews at once; the sessions stay open with the new identity.
     // Each machine's new key, CSR and proof are made before the clock starts (a real machine
     // computes them on its own hardware); every answer is still read and checked on the clock.
-    let now = bca::clock::now();
+    let now = bca::base::clock::now();
     let prepared: Vec<(SigningKey, Vec<u8>, Vec<u8>)> = nodes
         .iter()
         .map(|(m, body)| {
             let key = SigningKey::generate();
-            let csr = bca::csr::create(&key);
+            let csr = bca::proto::csr::create(&key);
             let msg = protocol::renew_pop_message(&crypto::sha256(&csr), &body.node_id, now);
             let req = Request {
                 v: 1,
@@ -1258,7 +1263,7 @@ fn main() {
     // With passphrase protection, start also pays the key derivation (Argon2id, 64 MiB, 3
     // passes), printed apart: it is the price of the protection, not of the start.
     let kdf_dir = a.dir.join("kdf");
-    let bundle = bca::bundle::KeyBundle::generate();
+    let bundle = bca::pki::bundle::KeyBundle::generate();
     bca::keys::seal(
         &kdf_dir,
         &bundle,

@@ -22,20 +22,20 @@ pub const TARGETS: &[(&str, Target)] = &[
 
 /// A DHCP packet: decoded, then every decision the boot server makes on it (both modes).
 pub fn dhcp(data: &[u8]) {
-    let Some(m) = crate::boot::dhcp::decode(data) else {
+    let Some(m) = crate::edge::boot::dhcp::decode(data) else {
         return;
     };
-    if crate::boot::dhcp::mac_of(&m).is_none() {
+    if crate::edge::boot::dhcp::mac_of(&m).is_none() {
         return;
     }
-    let _ = crate::boot::dhcp::classify(&m);
-    let files = crate::boot::dhcp::Files {
+    let _ = crate::edge::boot::dhcp::classify(&m);
+    let files = crate::edge::boot::dhcp::Files {
         undionly: true,
         ipxe_efi: true,
         snponly: true,
         arm64: true,
     };
-    let ctx = crate::boot::dhcp::ReplyCtx {
+    let ctx = crate::edge::boot::dhcp::ReplyCtx {
         server_ip: std::net::Ipv4Addr::new(10, 0, 0, 1),
         http_base: "http://10.0.0.1",
         files: &files,
@@ -46,7 +46,7 @@ pub fn dhcp(data: &[u8]) {
         lease_seconds: 3600,
     };
     for (proxy, port_4011) in [(true, false), (true, true), (false, false)] {
-        if let Some(reply) = crate::boot::dhcp::reply(&m, proxy, port_4011, &ctx) {
+        if let Some(reply) = crate::edge::boot::dhcp::reply(&m, proxy, port_4011, &ctx) {
             use dhcproto::Encodable;
             let mut out = Vec::new();
             let _ = reply.encode(&mut dhcproto::Encoder::new(&mut out));
@@ -56,8 +56,8 @@ pub fn dhcp(data: &[u8]) {
 
 /// A TFTP packet and, for a read request, the path guard.
 pub fn tftp(data: &[u8]) {
-    if let Ok(crate::boot::tftp::Packet::Rrq(r)) = crate::boot::tftp::parse(data) {
-        let _ = crate::boot::tftp::confine(&r.filename);
+    if let Ok(crate::edge::boot::tftp::Packet::Rrq(r)) = crate::edge::boot::tftp::parse(data) {
+        let _ = crate::edge::boot::tftp::confine(&r.filename);
     }
 }
 
@@ -65,42 +65,44 @@ pub fn tftp(data: &[u8]) {
 pub fn frame(data: &[u8]) {
     let rt = runtime();
     let mut cursor = std::io::Cursor::new(data.to_vec());
-    let Ok(body) = rt.block_on(crate::protocol::read_frame(&mut cursor)) else {
+    let Ok(body) = rt.block_on(crate::proto::protocol::read_frame(&mut cursor)) else {
         return;
     };
-    if let Ok(req) = serde_json::from_slice::<crate::protocol::Request>(&body) {
+    if let Ok(req) = serde_json::from_slice::<crate::proto::protocol::Request>(&body) {
         let _ = req.operations();
     }
 }
 
 /// A sealed join token (compact JWE) opened with the appliance's key.
 pub fn jwe(data: &[u8]) {
-    static KEY: OnceLock<(crate::crypto::SigningKey, aws_lc_rs::agreement::PrivateKey)> =
-        OnceLock::new();
+    static KEY: OnceLock<(
+        crate::base::crypto::SigningKey,
+        aws_lc_rs::agreement::PrivateKey,
+    )> = OnceLock::new();
     let (_, dec) = KEY.get_or_init(|| {
-        let k = crate::crypto::SigningKey::generate();
-        let d = crate::jwe::decryption_key(k.pkcs8()).expect("a fresh key");
+        let k = crate::base::crypto::SigningKey::generate();
+        let d = crate::proto::jwe::decryption_key(k.pkcs8()).expect("a fresh key");
         (k, d)
     });
     let Ok(s) = std::str::from_utf8(data) else {
         return;
     };
-    let _ = crate::jwe::open(s, dec, &[7u8; 32], 1_800_000_000, 300);
+    let _ = crate::proto::jwe::open(s, dec, &[7u8; 32], 1_800_000_000, 300);
 }
 
 /// A CSR (DER), verified as the JoinService does.
 pub fn csr(data: &[u8]) {
-    let _ = crate::csr::verify(data);
+    let _ = crate::proto::csr::verify(data);
 }
 
 /// A machine's claims (JSON): normalised, filtered, the hardware key derived.
 pub fn claims(data: &[u8]) {
-    let Ok(c) = serde_json::from_slice::<crate::claims::Claims>(data) else {
+    let Ok(c) = serde_json::from_slice::<crate::proto::claims::Claims>(data) else {
         return;
     };
     let _ = c.within_limits();
-    let ids = crate::claims::Identifiers::from_claims(&c);
-    let _ = crate::claims::hardware_key(&ids);
+    let ids = crate::proto::claims::Identifiers::from_claims(&c);
+    let _ = crate::proto::claims::hardware_key(&ids);
 }
 
 /// An admin API body, sent to each method against a scratch database.
@@ -113,7 +115,7 @@ pub fn api(data: &[u8]) {
         let root = "tn_00000000000000000000000000".to_string();
         (dir, store, root)
     });
-    let ctx = crate::api::Ctx {
+    let ctx = crate::admin::Ctx {
         caller: "uid:0",
         now: 1_800_000_000,
         site_id: "site_00000000000000000000000000",
@@ -136,7 +138,7 @@ pub fn api(data: &[u8]) {
         "tpmEks/list",
         "tpmEks/remove",
     ] {
-        let _ = crate::api::dispatch(store, &ctx, method, data);
+        let _ = crate::admin::dispatch(store, &ctx, method, data);
     }
 }
 
@@ -155,7 +157,7 @@ fn runtime() -> &'static tokio::runtime::Runtime {
 pub fn tpm(data: &[u8]) {
     crate::tpm::parse_any(data);
     let _ = crate::tpm::public_key_of(data);
-    let _ = crate::tpmjoin::EkCas::default().certifies(data);
+    let _ = crate::join::tpm::EkCas::default().certifies(data);
     let mut parts = Vec::new();
     let mut rest = data;
     for _ in 0..3 {
@@ -167,13 +169,13 @@ pub fn tpm(data: &[u8]) {
         rest = &tail[n..];
     }
     let _ = crate::tpm::attest::verify_certify(parts[0], parts[1], parts[2], &[0u8; 32], rest);
-    let b64 = crate::crypto::b64;
-    let _ = crate::tpmjoin::prepare_challenge(
-        &crate::protocol::TpmChallengeRequest {
+    let b64 = crate::base::crypto::b64;
+    let _ = crate::join::tpm::prepare_challenge(
+        &crate::proto::protocol::TpmChallengeRequest {
             ek_public: b64(parts[0]),
             ek_certificate: Some(b64(parts[1])),
             ak_public: b64(rest),
         },
-        &crate::tpmjoin::EkCas::default(),
+        &crate::join::tpm::EkCas::default(),
     );
 }

@@ -1,75 +1,25 @@
 //! bca: the rack-local appliance that admits bare-metal machines into compute pools and gives each
 //! a short-lived X.509 identity. See `ARCHITECTURE.md` for the parts and their invariants.
+//!
+//! The modules are layers, top to bottom; each imports only from the layers its rule names
+//! (`tests/it/layers.rs` reads every `crate::` path and fails on any other):
+//! `cli` > `daemon` > `appliance` > `admin` > `join` > `store` | `edge` | `agent` > `keys` >
+//! `pki` > `domain` | `tpm` | `config` > `proto` > `base`.
 #![forbid(unsafe_code)]
 
-pub mod admin_http;
-pub mod admission;
+pub mod admin;
 pub mod agent;
-pub mod agent_config;
-pub mod agent_files;
-pub mod agent_run;
-pub mod answer;
-pub mod api;
-pub mod app;
-pub mod audit;
-pub mod backup;
-pub mod boot;
-pub mod boot_core;
-pub mod boot_leases;
-pub mod bundle;
-pub mod claims;
+pub mod appliance;
+pub mod base;
 pub mod cli;
-pub mod client;
-pub mod clock;
 pub mod config;
-pub mod confine;
-pub mod crypto;
-pub mod csr;
-pub mod devsim;
-pub mod discovery;
-pub mod doctor;
-pub mod downloads;
-pub mod downloads_admin;
+pub mod daemon;
+pub mod domain;
 pub mod edge;
-pub mod error;
-pub mod fsutil;
 pub mod fuzzing;
-pub mod gateway;
-pub mod health;
-pub mod http;
-pub mod ids;
-pub mod init;
-pub mod install_script;
-pub mod intake;
-pub mod joinrequests;
-pub mod joinservice;
-pub mod leases;
-pub mod jwe;
+pub mod join;
 pub mod keys;
-pub mod limits;
-pub mod metrics;
-pub mod net;
-pub mod nodekey;
-pub mod nodes;
 pub mod pki;
-pub mod pool;
-pub mod privsep;
-pub mod progress;
-pub mod protocol;
-pub mod registry;
-pub mod renewal;
-pub mod retention;
-pub mod rotation;
-pub mod serve;
-pub mod sessions;
-pub mod site;
+pub mod proto;
 pub mod store;
-pub mod text;
-pub mod tickets;
-pub mod tlsclient;
-pub mod token;
 pub mod tpm;
-pub mod tpmeks;
-pub mod tpmjoin;
-pub mod validate;
-pub mod x509;

@@ -25,6 +25,8 @@ mod hygiene;
 mod install;
 #[path = "it/join.rs"]
 mod join;
+#[path = "it/layers.rs"]
+mod layers;
 #[path = "it/operate.rs"]
 mod operate;
 #[path = "it/privsep.rs"]

@@ -3,7 +3,7 @@
 use super::args::*;
 use super::conn::*;
 use super::output::*;
-use crate::error::{ApiError, ApiResult};
+use crate::base::error::{ApiError, ApiResult};
 use serde_json::{json, Value};
 
 pub(crate) fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
@@ -101,8 +101,8 @@ pub(crate) fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> 
             let ttl = parse_duration(&ttl).map_err(ApiError::invalid_input)?;
             if let Some(csv) = from_csv {
                 let output = match (out_dir, out) {
-                    (Some(d), _) => crate::intake::Output::Dir(d),
-                    (None, Some(f)) => crate::intake::Output::Csv(f),
+                    (Some(d), _) => crate::cli::intake::Output::Dir(d),
+                    (None, Some(f)) => crate::cli::intake::Output::Csv(f),
                     (None, None) => {
                         return Err(ApiError::invalid_input(
                             "--from-csv needs --out-dir DIR or --out FILE: bulk secrets are never printed",
@@ -115,7 +115,7 @@ pub(crate) fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> 
                 if let Some(m) = max_uses {
                     base["maxUses"] = json!(m);
                 }
-                let v = crate::intake::create_from_csv(&c, &csv, output, base, &key)?;
+                let v = crate::cli::intake::create_from_csv(&c, &csv, output, base, &key)?;
                 print(conn, &v, |v| {
                     print_table(
                         &["NAME", "ID", "EXPECT", "EXPIRES"],
@@ -178,13 +178,16 @@ pub(crate) fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> 
                         s(&v["id"])
                     )));
                 };
-                crate::fsutil::write_new_private(o, format!("{}\n", token.as_str()).as_bytes())
-                    .map_err(|e| {
-                        ApiError::already_exists(format!(
-                            "{e}; the token {} was minted: revoke it",
-                            s(&v["id"])
-                        ))
-                    })?;
+                crate::base::fsutil::write_new_private(
+                    o,
+                    format!("{}\n", token.as_str()).as_bytes(),
+                )
+                .map_err(|e| {
+                    ApiError::already_exists(format!(
+                        "{e}; the token {} was minted: revoke it",
+                        s(&v["id"])
+                    ))
+                })?;
                 if let Some(o) = v.as_object_mut() {
                     o.remove("token");
                 }
@@ -281,7 +284,6 @@ pub fn downloads(cmd: DownloadsCmd, conn: &Conn) -> ApiResult<()> {
     }
 }
 
-
 /// `bca daemon …`: files for agents (install script, agent config).
 pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
     match cmd {
@@ -293,9 +295,9 @@ pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
             bcd_version,
             sha256,
         } => {
-            let (amd, arm) =
-                crate::install_script::parse_sha256(&sha256).map_err(ApiError::invalid_input)?;
-            if !crate::downloads::valid_version(&bcd_version) {
+            let (amd, arm) = crate::cli::install_script::parse_sha256(&sha256)
+                .map_err(ApiError::invalid_input)?;
+            if !crate::domain::downloads::valid_version(&bcd_version) {
                 return Err(ApiError::invalid_input(
                     "--bcd-version must match ^[0-9A-Za-z][0-9A-Za-z.+-]{0,63}$",
                 ));
@@ -322,10 +324,11 @@ pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
                     "pool {pool} admits no agent (agent none, or archived)"
                 )));
             }
-            let (cfg, jwk) = crate::agent_files::agent_config_for(&conn.state_dir(), &gateway_url)?;
+            let (cfg, jwk) =
+                crate::appliance::agent_files::agent_config_for(&conn.state_dir(), &gateway_url)?;
             print!(
                 "{}",
-                crate::install_script::render(&crate::install_script::ScriptInput {
+                crate::cli::install_script::render(&crate::cli::install_script::ScriptInput {
                     pool: &pool,
                     config: &cfg,
                     jwk_json: &jwk,
@@ -338,15 +341,17 @@ pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
             Ok(())
         }
         DaemonCmd::AgentConfig { gateway_url, out } => {
-            crate::agent_files::write_agent_config(&conn.state_dir(), &gateway_url, &out)?;
+            crate::appliance::agent_files::write_agent_config(
+                &conn.state_dir(),
+                &gateway_url,
+                &out,
+            )?;
             println!(
                 "wrote {}/config.toml (0600) and {}/join-encryption.jwk (0644)",
                 out.display(),
                 out.display()
             );
             Ok(())
-        }
-        // Rendered into memory, then written: a closed pipe (`| head`) ends quietly.
+        } // Rendered into memory, then written: a closed pipe (`| head`) ends quietly.
     }
 }
-

@@ -2,7 +2,7 @@
 
 use super::args::*;
 use super::conn::*;
-use crate::error::{ApiError, ApiResult};
+use crate::base::error::{ApiError, ApiResult};
 
 /// `bca agent …`: the machine side (join, run, doctor).
 pub fn agent(cmd: AgentCmd, _conn: &Conn) -> ApiResult<()> {
@@ -64,7 +64,7 @@ pub fn agent(cmd: AgentCmd, _conn: &Conn) -> ApiResult<()> {
             data_dir,
             backoff_base_ms,
             backoff_cap_ms,
-        } => crate::agent_run::run(crate::agent_run::RunOptions {
+        } => crate::agent::run::run(crate::agent::run::RunOptions {
             config,
             data_dir,
             backoff_base: std::time::Duration::from_millis(backoff_base_ms),
@@ -80,7 +80,7 @@ pub fn agent(cmd: AgentCmd, _conn: &Conn) -> ApiResult<()> {
                 .map(str::parse)
                 .transpose()
                 .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))?;
-            if crate::agent_run::doctor(&config, &data_dir, tcti.as_ref()) {
+            if crate::agent::run::doctor(&config, &data_dir, tcti.as_ref()) {
                 Ok(())
             } else {
                 Err(ApiError::invalid_state("a check failed; see above"))
@@ -88,4 +88,3 @@ pub fn agent(cmd: AgentCmd, _conn: &Conn) -> ApiResult<()> {
         }
     }
 }
-

@@ -4,8 +4,6 @@ use super::conn::*;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/bca";
-
 #[derive(Parser)]
 #[command(
     name = "bca",

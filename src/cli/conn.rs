@@ -1,8 +1,7 @@
 //! Where the appliance is (`--state-dir`, `--socket`) and the tenant a command acts in.
 
-use super::args::*;
-use crate::client::Client;
-use crate::error::{ApiError, ApiResult, Code};
+use crate::base::error::{ApiError, ApiResult, Code};
+use crate::cli::client::Client;
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
@@ -57,9 +56,15 @@ pub fn tenant_or_root(client: &Client, t: Option<String>) -> ApiResult<String> {
 }
 
 /// The tenant a list is scoped to: every tenant (`--all-tenants`), the one named, else the root.
-pub(crate) fn tenant_scope(client: &Client, t: Option<String>, all: bool) -> ApiResult<Option<String>> {
+pub(crate) fn tenant_scope(
+    client: &Client,
+    t: Option<String>,
+    all: bool,
+) -> ApiResult<Option<String>> {
     if all {
         return Ok(None);
     }
     tenant_or_root(client, t).map(Some)
 }
+
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/bca";

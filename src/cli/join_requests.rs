@@ -1,7 +1,7 @@
 //! `bca join-requests`: list, approve and reject through the admin API.
 
+use crate::base::error::{ApiError, ApiResult};
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
-use crate::error::{ApiError, ApiResult};
 use clap::Subcommand;
 use serde_json::{json, Value};
 
@@ -173,7 +173,7 @@ pub fn run(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
                 return Err(ApiError::invalid_input("a prefix must not be empty"));
             }
             let tenant = tenant_or_root(&c, tenant)?;
-            let found = crate::intake::matching_requests(
+            let found = crate::cli::intake::matching_requests(
                 &c,
                 &tenant,
                 serial_prefix.as_deref(),
@@ -186,7 +186,8 @@ pub fn run(cmd: JoinRequestsCmd, conn: &Conn) -> ApiResult<()> {
                 out(&json!({"items": found}));
                 return Ok(());
             }
-            let mut progress = crate::progress::Progress::new("approving", found.len() as u64);
+            let mut progress =
+                crate::base::progress::Progress::new("approving", found.len() as u64);
             let mut approved = Vec::new();
             let mut failed = Vec::new();
             for r in &found {

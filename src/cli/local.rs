@@ -3,8 +3,8 @@
 use super::args::*;
 use super::conn::*;
 use super::output::*;
+use crate::base::error::{ApiError, ApiResult};
 use crate::config::KeyProtection;
-use crate::error::{ApiError, ApiResult};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -17,24 +17,27 @@ pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
         ))
     })?;
     let passphrase = match kp {
-        KeyProtection::Passphrase if !crate::init::is_initialised(&state_dir) => Some(
+        KeyProtection::Passphrase if !crate::appliance::init::is_initialised(&state_dir) => Some(
             crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?,
         ),
         _ => None,
     };
     let escrow = match (&a.escrow, kp) {
-        (Some(path), KeyProtection::Tpm) if !crate::init::is_initialised(&state_dir) => Some((
-            path.clone(),
-            crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?,
-        )),
+        (Some(path), KeyProtection::Tpm) if !crate::appliance::init::is_initialised(&state_dir) => {
+            Some((
+                path.clone(),
+                crate::keys::passphrase_from_env_or_prompt(true)
+                    .map_err(ApiError::invalid_input)?,
+            ))
+        }
         (Some(_), KeyProtection::Tpm) => None,
         (Some(_), _) => return Err(ApiError::invalid_input(
             "--escrow is the recovery copy of TPM-sealed keys: it goes with --key-protection tpm",
         )),
         (None, _) => None,
     };
-    let out = crate::init::init(
-        crate::init::InitOptions {
+    let out = crate::appliance::init::init(
+        crate::appliance::init::InitOptions {
             state_dir: state_dir.clone(),
             trust_domain: a.trust_domain,
             site: a.site,
@@ -48,13 +51,13 @@ pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
             listen_http: None,
             listen_gateway: None,
         },
-        crate::clock::now(),
+        crate::base::clock::now(),
     )?;
     print_init(&state_dir, &out, conn.json);
     Ok(())
 }
 
-pub(crate) fn print_init(dir: &Path, out: &crate::init::Initialised, as_json: bool) {
+pub(crate) fn print_init(dir: &Path, out: &crate::appliance::init::Initialised, as_json: bool) {
     if as_json {
         let v = json!({"stateDir": dir, "siteId": out.site_id, "rootTenantId": out.root_tenant, "pins": out.pins});
         println!("{}", serde_json::to_string_pretty(&v).expect("serializes"));
@@ -74,15 +77,15 @@ pub(crate) fn print_init(dir: &Path, out: &crate::init::Initialised, as_json: bo
 
 pub(crate) fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
     if let Some(n) = a.sim {
-        return crate::devsim::run(crate::devsim::SimOptions {
+        return crate::cli::devsim::run(crate::cli::devsim::SimOptions {
             machines: n as usize,
             cert_ttl_seconds: a.sim_cert_ttl,
             keep: a.sim_keep,
         });
     }
-    if !crate::init::is_initialised(&state_dir) {
-        let out = crate::init::init(
-            crate::init::InitOptions {
+    if !crate::appliance::init::is_initialised(&state_dir) {
+        let out = crate::appliance::init::init(
+            crate::appliance::init::InitOptions {
                 state_dir: state_dir.clone(),
                 trust_domain: "dev.bca.internal".into(),
                 site: "dev".into(),
@@ -96,17 +99,17 @@ pub(crate) fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
                 listen_http: Some(a.listen_http.clone()),
                 listen_gateway: Some(a.listen_gateway.clone()),
             },
-            crate::clock::now(),
+            crate::base::clock::now(),
         )?;
         print_init(&state_dir, &out, false);
     }
     let try_dir = dev_try_dir(&state_dir)?;
-    let announce: crate::serve::Announce = std::sync::Arc::new(move |ready: &Value| {
+    let announce: crate::daemon::serve::Announce = std::sync::Arc::new(move |ready: &Value| {
         println!("{}", dev_try_lines(&try_dir, ready));
     });
-    crate::serve::run(
+    crate::daemon::serve::run(
         &state_dir,
-        crate::serve::ServeOptions {
+        crate::daemon::serve::ServeOptions {
             tpm: None,
             listen_http: Some(a.listen_http),
             listen_gateway: Some(a.listen_gateway),
@@ -126,13 +129,13 @@ pub(crate) fn dev_try_dir(state_dir: &Path) -> ApiResult<PathBuf> {
         ApiError::invalid_state(format!("cannot resolve {}: {e}", state_dir.display()))
     })?;
     let dir = abs.join("try");
-    crate::fsutil::create_private_dir(&dir)
+    crate::base::fsutil::create_private_dir(&dir)
         .map_err(|e| ApiError::invalid_state(format!("{}: {e}", dir.display())))?;
     let claims = dir.join("claims.json");
     if !claims.exists() {
         let mut b = [0u8; 16];
-        crate::crypto::fill_random(&mut b);
-        let h = crate::crypto::hex(&b);
+        crate::base::crypto::fill_random(&mut b);
+        let h = crate::base::crypto::hex(&b);
         let example = json!({
             "productUuid": format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]),
             "serials": {"product": format!("DEV-{}", &h[0..8].to_uppercase())},
@@ -140,7 +143,7 @@ pub(crate) fn dev_try_dir(state_dir: &Path) -> ApiResult<PathBuf> {
             "hostname": format!("dev-{}", &h[0..6]),
         });
         let text = serde_json::to_string_pretty(&example).expect("serializes");
-        crate::fsutil::write_new(&claims, text.as_bytes(), 0o600)
+        crate::base::fsutil::write_new(&claims, text.as_bytes(), 0o600)
             .map_err(ApiError::invalid_state)?;
     }
     Ok(dir)
@@ -198,13 +201,13 @@ pub(crate) fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
                 "subject": c.subject().to_string(),
                 "issuer": c.issuer().to_string(),
                 "serial": c.raw_serial_as_string(),
-                "notBefore": crate::clock::rfc3339(c.validity().not_before.timestamp()),
-                "notAfter": crate::clock::rfc3339(c.validity().not_after.timestamp()),
+                "notBefore": crate::base::clock::rfc3339(c.validity().not_before.timestamp()),
+                "notAfter": crate::base::clock::rfc3339(c.validity().not_after.timestamp()),
             }),
             Err(e) => json!({"error": e.to_string()}),
         }
     };
-    let rotation = crate::rotation::status(state_dir)?["rotation"].clone();
+    let rotation = crate::appliance::rotation::status(state_dir)?["rotation"].clone();
     let v = json!({
         "pins": pins,
         "rotation": rotation,
@@ -277,7 +280,7 @@ pub fn pki(cmd: PkiCmd, conn: &Conn) -> ApiResult<()> {
         } => {
             let overlap = overlap
                 .map(|o| {
-                    crate::audit::parse_age(&o).ok_or_else(|| {
+                    crate::admin::audit::parse_age(&o).ok_or_else(|| {
                         ApiError::invalid_input(format!(
                             "--overlap {o:?} is not a duration such as 24h or 7d"
                         ))
@@ -314,4 +317,3 @@ pub fn pki(cmd: PkiCmd, conn: &Conn) -> ApiResult<()> {
         }
     }
 }
-

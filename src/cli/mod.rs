@@ -4,6 +4,12 @@
 //! people or, with `--json`, as the API's JSON. Errors print as `CODE: message` on stderr and the
 //! process exits 1 (clap's usage errors exit 2).
 
+pub mod client;
+pub mod devsim;
+pub mod doctor;
+pub mod install_script;
+pub mod intake;
+
 mod admin;
 mod agent;
 mod args;
@@ -14,22 +20,20 @@ mod nodes;
 mod output;
 mod tpm;
 
-pub use args::*;
-pub use conn::{root_tenant, tenant_or_root, Conn};
-pub use output::{print_cursor, print_list, print_table, s};
 use admin::*;
 use agent::agent;
+pub use args::*;
+use conn::tenant_scope;
+pub use conn::{root_tenant, tenant_or_root, Conn};
 use local::*;
 use output::*;
+pub use output::{print_cursor, print_list, print_table, s};
 use tpm::tpm;
-use conn::tenant_scope;
 
-use crate::error::{ApiError, ApiResult, Code};
+use crate::base::error::{ApiError, ApiResult, Code};
 use clap::{CommandFactory, Parser};
 use serde_json::json;
 use std::path::PathBuf;
-
-
 
 /// The process's exit: prints the error as `CODE: message`.
 pub fn main() -> i32 {
@@ -66,16 +70,16 @@ fn run(cli: Cli) -> ApiResult<()> {
     match cli.command {
         Command::Init(a) => cmd_init(a, conn),
         Command::Serve(a) => {
-            let opts = crate::serve::ServeOptions {
+            let opts = crate::daemon::serve::ServeOptions {
                 tpm: a.tpm,
                 listen_http: a.listen_http,
                 listen_gateway: a.listen_gateway,
                 admin_socket: a.admin_socket,
                 announce: None,
             };
-            crate::serve::run(&conn.state_dir(), opts).map_err(ApiError::invalid_config)
+            crate::daemon::serve::run(&conn.state_dir(), opts).map_err(ApiError::invalid_config)
         }
-        Command::NetChild => crate::privsep::child_main().map_err(ApiError::invalid_config),
+        Command::NetChild => crate::daemon::privsep::child_main().map_err(ApiError::invalid_config),
         Command::Dev(a) => cmd_dev(
             a,
             conn.state_dir
@@ -147,8 +151,8 @@ fn run(cli: Cli) -> ApiResult<()> {
             let c = conn.client();
             let tenant = tenant_scope(&c, tenant, all_tenants)?;
             // An age is turned into a time here; a time is passed on for the server to check.
-            let since = since.map(|s| match crate::audit::parse_age(&s) {
-                Some(age) => crate::clock::rfc3339(crate::clock::now() - age),
+            let since = since.map(|s| match crate::admin::audit::parse_age(&s) {
+                Some(age) => crate::base::clock::rfc3339(crate::base::clock::now() - age),
                 None => s,
             });
             let v = c.call(
@@ -176,7 +180,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Backup { file } => {
-            let m = crate::backup::backup(&conn.state_dir(), &file)?;
+            let m = crate::appliance::backup::backup(&conn.state_dir(), &file)?;
             eprintln!(
                 "backup of site {} ({}) written to {} (keys {}; {} files)",
                 m.site_name,
@@ -197,7 +201,7 @@ fn run(cli: Cli) -> ApiResult<()> {
         }
         Command::Restore { file } => {
             let dir = conn.state_dir();
-            let m = crate::backup::restore(&file, &dir)?;
+            let m = crate::appliance::backup::restore(&file, &dir)?;
             eprintln!(
                 "restored site {} ({}) from {} into {}; check config.toml (listeners, gateway_url) for this box, then run bca serve",
                 m.site_name,
@@ -213,7 +217,7 @@ fn run(cli: Cli) -> ApiResult<()> {
             Ok(())
         }
         Command::Doctor => {
-            if crate::doctor::run(&conn.state_dir(), conn.socket.as_deref()) {
+            if crate::cli::doctor::run(&conn.state_dir(), conn.socket.as_deref()) {
                 Ok(())
             } else {
                 Err(ApiError::new(

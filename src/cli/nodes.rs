@@ -1,7 +1,7 @@
 //! `bca nodes`: list, get, retire, delete, revoke-identity and rediscover through the admin API.
 
+use crate::base::error::{ApiError, ApiResult};
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
-use crate::error::{ApiError, ApiResult};
 use clap::Subcommand;
 use serde_json::{json, Value};
 

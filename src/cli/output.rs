@@ -18,7 +18,7 @@ pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
         .into_iter()
         .map(|r| {
             r.into_iter()
-                .map(|c| crate::text::escape(&c).into_owned())
+                .map(|c| crate::base::text::escape(&c).into_owned())
                 .collect()
         })
         .collect();
@@ -62,7 +62,7 @@ pub fn print_list(conn: &Conn, v: &Value, columns: &[(&str, &str)]) {
 pub fn s(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
-        Value::String(s) => crate::text::escape(s).into_owned(),
+        Value::String(s) => crate::base::text::escape(s).into_owned(),
         other => other.to_string(),
     }
 }

@@ -4,8 +4,8 @@ use super::args::*;
 use super::conn::*;
 use super::local::not_serving;
 use super::output::*;
+use crate::base::error::{ApiError, ApiResult, Code};
 use crate::config::KeyProtection;
-use crate::error::{ApiError, ApiResult, Code};
 use serde_json::json;
 
 pub(crate) fn cmd_tpm_status(conn: &Conn, tpm: Option<String>) -> ApiResult<()> {
@@ -234,4 +234,3 @@ pub fn tpm(cmd: TpmCmd, conn: &Conn) -> ApiResult<()> {
         }
     }
 }
-

@@ -1,6 +1,6 @@
 //! `config.toml` in the state directory: every key documented here and in `docs/config.md`.
 
-use crate::net::url_host;
+use crate::base::net::url_host;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 

@@ -1,6 +1,6 @@
 //! The agent downloads' recorded hashes.
 
-use crate::downloads::{valid_version, ARCHES};
+use crate::domain::downloads::{valid_version, ARCHES};
 use crate::store::Store;
 use rusqlite::OptionalExtension;
 

@@ -1,7 +1,7 @@
 //! The event stream and the audit trail: one row each, written inside the caller's transaction.
 
-use crate::error::ApiResult;
-use crate::ids;
+use crate::base::error::ApiResult;
+use crate::base::ids;
 use rusqlite::{params, Transaction};
 use serde_json::Value;
 

@@ -8,7 +8,7 @@
 //! - Crypto does not run while the write lock is held, except signing a certificate whose
 //!   contents are decided inside the transaction (see `joinservice`).
 
-use crate::error::{ApiError, ApiResult};
+use crate::base::error::{ApiError, ApiResult};
 use rusqlite::{Connection, OpenFlags, Transaction};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
@@ -58,7 +58,7 @@ impl Store {
             // Create the file 0600 first: SQLite would make it 0644, and its -wal and -shm files
             // copy the database's mode.
             if !path.exists() {
-                crate::fsutil::write_new_private(path, b"")?;
+                crate::base::fsutil::write_new_private(path, b"")?;
             }
         }
         let mut conn = Connection::open_with_flags(path, flags)

@@ -1,10 +1,10 @@
 //! Tenancy rows: tenants, pools and join tokens as the JoinService and the admin API read them.
 
-use crate::error::{ApiError, ApiResult};
-use crate::pool::{KubernetesPolicy, Policy, Pool};
+use crate::base::error::{ApiError, ApiResult};
+use crate::domain::pool::{KubernetesPolicy, Policy, Pool};
+use crate::domain::token::TokenRow;
+use crate::domain::validate;
 use crate::store::found;
-use crate::token::TokenRow;
-use crate::validate;
 use rusqlite::{params, OptionalExtension, Transaction};
 
 pub const POOL_COLS: &str =

@@ -112,7 +112,7 @@ pub fn verify_certify(
     let ak = parse_public(ak_public).map_err(|e| format!("the AK's public area: {e}"))?;
     check_ak(&ak)?;
     let ak_key = PublicKey::of(&ak)?;
-    let point = crate::crypto::p256_point_from_spki(&ak_key.spki).ok_or("the AK's point")?;
+    let point = crate::base::crypto::p256_point_from_spki(&ak_key.spki).ok_or("the AK's point")?;
     let der_sig = ecdsa_der(signature)?;
     aws_lc_rs::signature::UnparsedPublicKey::new(
         &aws_lc_rs::signature::ECDSA_P256_SHA256_ASN1,
@@ -128,7 +128,7 @@ pub fn verify_certify(
     if a.attest_type != TpmSt::AttestCertify {
         return Err("the attestation is not a certification of a key".into());
     }
-    if !crate::crypto::ct_eq(&a.extra_data, qualifying) {
+    if !crate::base::crypto::ct_eq(&a.extra_data, qualifying) {
         return Err("the attestation's qualifying data is not the nonce it was asked for".into());
     }
     let TpmuAttest::Certify(info) = &a.attested else {

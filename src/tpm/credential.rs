@@ -65,7 +65,7 @@ pub fn kdfe(z: &[u8], label: &str, party_u: &[u8], party_v: &[u8], bits: u32) ->
         m.push(0);
         m.extend_from_slice(party_u);
         m.extend_from_slice(party_v);
-        out.extend_from_slice(&crate::crypto::sha256(&m));
+        out.extend_from_slice(&crate::base::crypto::sha256(&m));
         i += 1;
     }
     out.truncate(want);
@@ -197,7 +197,7 @@ pub fn make_credential(
                     OaepPublicEncryptingKey::new(k).map_err(|_| "the EK's RSA key".to_string())
                 })?;
             let mut seed = zeroize::Zeroizing::new(vec![0u8; 32]);
-            crate::crypto::fill_random(&mut seed);
+            crate::base::crypto::fill_random(&mut seed);
             let mut out = vec![0u8; key.ciphertext_size()];
             let n = key
                 .encrypt(

@@ -17,7 +17,7 @@ pub mod attest;
 pub mod credential;
 pub mod nodekey;
 
-use crate::error::{ApiError, ApiResult, Code};
+use crate::base::error::{ApiError, ApiResult, Code};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -95,13 +95,13 @@ fn decrypt_unseal_response(
     let expected = credential::hmac_sha256(
         session_key,
         &[
-            &crate::crypto::sha256(&rp),
+            &crate::base::crypto::sha256(&rp),
             nonce_tpm,
             nonce_caller,
             &[attrs],
         ],
     );
-    if !crate::crypto::ct_eq(&expected, hmac) {
+    if !crate::base::crypto::ct_eq(&expected, hmac) {
         return Err(fail(
             "the TPM's answer does not carry the session's HMAC: it was changed on its way",
         ));
@@ -350,7 +350,7 @@ fn password() -> TpmsAuthCommand {
 /// policies), the session ending with the command.
 fn policy_auth(session: u32) -> TpmsAuthCommand {
     let mut nonce = [0u8; 32];
-    crate::crypto::fill_random(&mut nonce);
+    crate::base::crypto::fill_random(&mut nonce);
     TpmsAuthCommand {
         session_handle: TpmHandle::new(session),
         nonce: Tpm2bNonce::try_from(&nonce[..]).expect("32 bytes fit a nonce"),
@@ -384,7 +384,7 @@ fn marshal(v: &impl TpmMarshal, what: &str) -> Result<Vec<u8>, String> {
 fn name_of(tpmt_public: &[u8]) -> Vec<u8> {
     [
         &TpmAlgId::Sha256.value().to_be_bytes()[..],
-        &crate::crypto::sha256(tpmt_public),
+        &crate::base::crypto::sha256(tpmt_public),
     ]
     .concat()
 }
@@ -671,7 +671,7 @@ fn command_code_policy(prev: &[u8; 32], code: u32) -> [u8; 32] {
     let mut m = prev.to_vec();
     m.extend_from_slice(&TPM_CC_POLICY_COMMAND_CODE.to_be_bytes());
     m.extend_from_slice(&code.to_be_bytes());
-    crate::crypto::sha256(&m)
+    crate::base::crypto::sha256(&m)
 }
 
 /// The largest PCR index, and how many PCRs a binding may name (one `TPML_DIGEST` of answers).
@@ -722,12 +722,12 @@ fn pcr_selection(pcrs: &[u32]) -> Result<(TpmlPcrSelection, Vec<u8>), String> {
 /// `H(0^32 || TPM_CC_PolicyPCR || pcrs || H(the selected PCRs' values, in order))`.
 fn pcr_policy(selection: &[u8], values: &[Vec<u8>]) -> [u8; 32] {
     const TPM_CC_POLICY_PCR: u32 = 0x0000_017F;
-    let pcr_digest = crate::crypto::sha256(&values.concat());
+    let pcr_digest = crate::base::crypto::sha256(&values.concat());
     let mut m = vec![0u8; 32];
     m.extend_from_slice(&TPM_CC_POLICY_PCR.to_be_bytes());
     m.extend_from_slice(selection);
     m.extend_from_slice(&pcr_digest);
-    crate::crypto::sha256(&m)
+    crate::base::crypto::sha256(&m)
 }
 
 /// A public key as a TPM holds it, with what bca derives from it.
@@ -754,7 +754,7 @@ impl PublicKey {
                 let mut point = vec![4u8];
                 point.extend_from_slice(&left_pad(&pt.x, 32)?);
                 point.extend_from_slice(&left_pad(&pt.y, 32)?);
-                crate::crypto::p256_spki_from_point(&point)
+                crate::base::crypto::p256_spki_from_point(&point)
             }
             (TpmuPublicParms::Rsa(p), TpmuPublicId::Rsa(n)) => {
                 let e = match p.exponent.value() {
@@ -1198,7 +1198,7 @@ impl Tpm {
         f: impl FnOnce(&mut Self, &PolicySession) -> Result<T, TpmFailure>,
     ) -> Result<T, TpmFailure> {
         let mut nonce_caller = [0u8; 32];
-        crate::crypto::fill_random(&mut nonce_caller);
+        crate::base::crypto::fill_random(&mut nonce_caller);
         let null = TpmHandle::new(TpmRh::Null.value());
         let start = TpmStartAuthSessionCommand {
             handles: [salt.map_or(null, |(key, _)| TpmHandle::new(key)), null],
@@ -1399,7 +1399,7 @@ impl Tpm {
                     tpm.run("TPM2_PolicyCommandCode", &code, &[])?;
             }
             let mut nonce = [0u8; 32];
-            crate::crypto::fill_random(&mut nonce);
+            crate::base::crypto::fill_random(&mut nonce);
             // A salted session's command carries an HMAC (Part 1, 19.6.13): keyed by the
             // session key (no PolicyAuthValue: no auth value appended), over
             // cpHash = H(TPM_CC_Unseal || the object's Name), nonceCaller, the session's last
@@ -1410,7 +1410,12 @@ impl Tpm {
             let attrs = TpmaSession::ENCRYPT;
             let hmac = credential::hmac_sha256(
                 &session_key,
-                &[&crate::crypto::sha256(&cp), &nonce, &s.nonce_tpm, &[0x40]],
+                &[
+                    &crate::base::crypto::sha256(&cp),
+                    &nonce,
+                    &s.nonce_tpm,
+                    &[0x40],
+                ],
             );
             let auth = TpmsAuthCommand {
                 session_handle: TpmHandle::new(session),
@@ -1479,7 +1484,7 @@ pub fn status(tcti: &Tcti) -> ApiResult<serde_json::Value> {
                     .map(|(_, c)| c.tbs_certificate.subject_pki.raw.to_vec());
                 serde_json::json!({
                     "nvIndex": format!("0x{:08x}", alg.cert_index()),
-                    "sha256": hex(&crate::crypto::sha256(der)),
+                    "sha256": hex(&crate::base::crypto::sha256(der)),
                     "bytes": der.len(),
                     "parses": spki.is_some(),
                     "certifiesThisEk": spki.as_deref() == Some(&key.spki[..]),
@@ -1490,7 +1495,7 @@ pub fn status(tcti: &Tcti) -> ApiResult<serde_json::Value> {
             alg.as_str().into(),
             serde_json::json!({
                 "name": hex(&key.name),
-                "publicKeySha256": hex(&crate::crypto::sha256(&key.spki)),
+                "publicKeySha256": hex(&crate::base::crypto::sha256(&key.spki)),
                 "certificate": cert_json,
             }),
         );
@@ -1506,7 +1511,7 @@ pub fn status(tcti: &Tcti) -> ApiResult<serde_json::Value> {
     }))
 }
 
-use crate::crypto::hex;
+use crate::base::crypto::hex;
 
 #[cfg(test)]
 mod tests {
@@ -1556,7 +1561,7 @@ mod tests {
         let hmac = {
             use aws_lc_rs::hmac;
             let mut ctx = hmac::Context::with_key(&hmac::Key::new(hmac::HMAC_SHA256, key));
-            ctx.update(&crate::crypto::sha256(&rp));
+            ctx.update(&crate::base::crypto::sha256(&rp));
             ctx.update(&nonce_tpm);
             ctx.update(nonce_caller);
             ctx.update(&[0x40]);

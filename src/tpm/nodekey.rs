@@ -16,7 +16,7 @@ pub struct TpmKey {
 impl std::fmt::Debug for TpmKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TpmKey")
-            .field("point", &crate::crypto::hex(&self.point))
+            .field("point", &crate::base::crypto::hex(&self.point))
             .finish_non_exhaustive()
     }
 }
@@ -32,7 +32,7 @@ impl TpmKey {
     pub fn at(tcti: Tcti, blob: KeyBlob) -> Result<Self, String> {
         let public = super::parse_public(&blob.public)?;
         let key = PublicKey::of(&public)?;
-        let point = crate::crypto::p256_point_from_spki(&key.spki)
+        let point = crate::base::crypto::p256_point_from_spki(&key.spki)
             .ok_or("the TPM key is not a P-256 key")?
             .to_vec();
         Ok(Self { tcti, blob, point })
@@ -63,7 +63,7 @@ impl TpmKey {
 
     /// An ECDSA P-256 signature (DER) over SHA-256 of `msg`, made by the TPM.
     pub fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, TpmFailure> {
-        let digest = crate::crypto::sha256(msg);
+        let digest = crate::base::crypto::sha256(msg);
         self.with_tpm(|t| t.sign(&self.blob, &digest))
     }
 

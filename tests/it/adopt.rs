@@ -14,7 +14,7 @@ fn mode(p: &Path) -> u32 {
 }
 
 fn sha256_of(p: &Path) -> String {
-    bca::crypto::hex(&bca::crypto::sha256(&std::fs::read(p).unwrap()))
+    bca::base::crypto::hex(&bca::base::crypto::sha256(&std::fs::read(p).unwrap()))
 }
 
 #[test]
@@ -265,10 +265,10 @@ fn the_well_known_fallback_and_token_files() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // A key file present but not matching the pin fails, --server or not.
     let dir2 = a.agent_dir();
-    let other = bca::crypto::SigningKey::generate();
+    let other = bca::base::crypto::SigningKey::generate();
     std::fs::write(
         dir2.join("join-encryption.jwk"),
-        serde_json::to_string(&bca::jwe::jwk(other.public_point())).unwrap(),
+        serde_json::to_string(&bca::proto::jwe::jwk(other.public_point())).unwrap(),
     )
     .unwrap();
     let o = agent_join(
@@ -367,7 +367,8 @@ fn the_well_known_fallback_and_token_files() {
     let o = run(&b_pins, &tf);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!tf.exists(), "the token file was not deleted");
-    let written = bca::agent_config::AgentConfig::load(&bare.join("etc/config.toml")).unwrap();
+    let written =
+        bca::proto::agent_config::AgentConfig::load(&bare.join("etc/config.toml")).unwrap();
     assert_eq!(written.gateway_url, format!("https://{}", b.gateway));
     assert!(written.site.starts_with("site_"));
     assert_eq!(mode(&bare.join("etc/config.toml")), 0o600);

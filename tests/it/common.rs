@@ -2,11 +2,11 @@
 
 #![allow(dead_code)]
 
-use bca::agent_config::AgentConfig;
-use bca::client::Client;
-use bca::crypto::{self, SigningKey};
-use bca::error::ApiError;
-use bca::protocol::{JoinRequest, JoinResponseBody, Reply, Request};
+use bca::base::crypto::{self, SigningKey};
+use bca::base::error::ApiError;
+use bca::cli::client::Client;
+use bca::proto::agent_config::AgentConfig;
+use bca::proto::protocol::{JoinRequest, JoinResponseBody, Reply, Request};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -318,8 +318,8 @@ impl Drop for Appliance {
 
 pub fn rand_hex(n: usize) -> String {
     let mut b = vec![0u8; n];
-    bca::crypto::fill_random(&mut b);
-    bca::crypto::hex(&b)
+    bca::base::crypto::fill_random(&mut b);
+    bca::base::crypto::hex(&b)
 }
 
 /// Claims of a distinct, well-identified machine.
@@ -345,8 +345,9 @@ pub fn sha256_file_tree(dir: &Path) -> Vec<(PathBuf, String, u32)> {
                 stack.push(p.clone());
                 out.push((p, String::new(), m.permissions().mode()));
             } else {
-                let h =
-                    bca::crypto::hex(&bca::crypto::sha256(&std::fs::read(&p).unwrap_or_default()));
+                let h = bca::base::crypto::hex(&bca::base::crypto::sha256(
+                    &std::fs::read(&p).unwrap_or_default(),
+                ));
                 out.push((p, h, m.permissions().mode()));
             }
         }
@@ -388,7 +389,7 @@ impl Sim {
         token: &str,
         claims: &Value,
     ) -> Result<(Vec<u8>, Vec<u8>, SigningKey), ApiError> {
-        self.try_join_with(token, claims, "node", None, bca::clock::now())
+        self.try_join_with(token, claims, "node", None, bca::base::clock::now())
     }
 
     fn try_join_with(
@@ -414,8 +415,9 @@ impl Sim {
         iat: i64,
     ) -> (Vec<u8>, Vec<u8>, SigningKey) {
         let key = SigningKey::generate();
-        let csr = bca::csr::create(&key);
-        let sealed = bca::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
+        let csr = bca::proto::csr::create(&key);
+        let sealed =
+            bca::proto::jwe::seal(token, &self.enc, seal_csr.unwrap_or(&csr), iat).unwrap();
         (Self::request(sealed, &csr, claims, "", role), csr, key)
     }
 
@@ -443,7 +445,7 @@ impl Sim {
     }
 
     pub fn join(&self, token: &str, claims: &Value) -> (Vec<u8>, Vec<u8>, SigningKey) {
-        self.join_with(token, claims, "node", None, bca::clock::now())
+        self.join_with(token, claims, "node", None, bca::base::clock::now())
     }
 
     /// A join that must be admitted; returns the verified body.
@@ -458,7 +460,7 @@ impl Sim {
 }
 
 pub fn refused_bytes() -> Vec<u8> {
-    Reply::from_outcome(bca::protocol::Outcome::Refused).to_bytes()
+    Reply::from_outcome(bca::proto::protocol::Outcome::Refused).to_bytes()
 }
 
 pub fn write_claims(a: &Appliance, claims: &Value) -> std::path::PathBuf {
@@ -707,7 +709,7 @@ pub fn send_from(a: &Appliance, from: &str, req: Vec<u8>) -> Vec<u8> {
         let sock = tokio::net::TcpSocket::new_v4().unwrap();
         sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
         let stream = sock.connect(gw.parse().unwrap()).await.unwrap();
-        let tls = bca::tlsclient::client_config(&sim.cfg.serving_ca_spki_pin).unwrap();
+        let tls = bca::agent::tlsclient::client_config(&sim.cfg.serving_ca_spki_pin).unwrap();
         let mut s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls))
             .connect(
                 rustls::pki_types::ServerName::try_from("localhost").unwrap(),
@@ -715,7 +717,9 @@ pub fn send_from(a: &Appliance, from: &str, req: Vec<u8>) -> Vec<u8> {
             )
             .await
             .unwrap();
-        bca::protocol::write_frame(&mut s, &req).await.unwrap();
-        bca::protocol::read_frame(&mut s).await.unwrap()
+        bca::proto::protocol::write_frame(&mut s, &req)
+            .await
+            .unwrap();
+        bca::proto::protocol::read_frame(&mut s).await.unwrap()
     })
 }

@@ -6,8 +6,8 @@
 //! by tokens, and `PRAGMA integrity_check` is `ok`.
 
 use crate::common::*;
-use bca::crypto::{self, SigningKey};
-use bca::protocol::{Reply, Request};
+use bca::base::crypto::{self, SigningKey};
+use bca::proto::protocol::{Reply, Request};
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -42,9 +42,10 @@ struct Waiting {
 }
 
 /// A discovery join of a waiting machine, always with its one CSR.
-fn discovery_join(sim: &Sim, m: &Waiting) -> Result<Vec<u8>, bca::error::ApiError> {
+fn discovery_join(sim: &Sim, m: &Waiting) -> Result<Vec<u8>, bca::base::error::ApiError> {
     let claims = json!({"productUuid": "00000000-0000-0000-0000-000000000000", "macs": [m.mac], "hostname": "pxe"});
-    let sealed = bca::jwe::seal(&m.token, &sim.enc, &m.csr, bca::clock::now()).unwrap();
+    let sealed =
+        bca::proto::jwe::seal(&m.token, &sim.enc, &m.csr, bca::base::clock::now()).unwrap();
     let req = Sim::request(sealed, &m.csr, &claims, "discovery", "ramdisk");
     bca::agent::exchange_raw(&sim.cfg, &req)
 }
@@ -52,31 +53,31 @@ fn discovery_join(sim: &Sim, m: &Waiting) -> Result<Vec<u8>, bca::error::ApiErro
 /// `(serial, node id)` of the certificate in a verified answer.
 fn issued(
     sim: &Sim,
-    resp: &bca::protocol::JoinResponse,
+    resp: &bca::proto::protocol::JoinResponse,
     csr: &[u8],
     key: &SigningKey,
     role: &str,
 ) -> (String, String, Vec<String>) {
     let body = bca::agent::verify_response(&sim.cfg, resp, csr, key, role)
         .expect("an answer that is not refused verifies");
-    let der = bca::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
-    let serial = bca::x509::parse_node_leaf(&der).unwrap().serial_hex;
+    let der = bca::proto::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
+    let serial = bca::proto::x509::parse_node_leaf(&der).unwrap().serial_hex;
     (serial, body.node_id, body.certificate_chain)
 }
 
 /// One renewal over mTLS with the node's current certificate; the new chain and key on success.
 fn renew(sim: &Sim, h: &Held) -> Option<(String, Vec<String>, SigningKey)> {
     let key = SigningKey::generate();
-    let csr = bca::csr::create(&key);
-    let now = bca::clock::now();
-    let msg = bca::protocol::renew_pop_message(&crypto::sha256(&csr), &h.node, now);
+    let csr = bca::proto::csr::create(&key);
+    let now = bca::base::clock::now();
+    let msg = bca::proto::protocol::renew_pop_message(&crypto::sha256(&csr), &h.node, now);
     let req = Request {
         v: 1,
-        renew: Some(bca::protocol::RenewRequest {
+        renew: Some(bca::proto::protocol::RenewRequest {
             csr: crypto::b64(&csr),
             chain: h.chain_pem.clone(),
             client_time: now,
-            pop_sig: crypto::b64(&h.key.sign(bca::protocol::RENEW_POP_PURPOSE, &msg)),
+            pop_sig: crypto::b64(&h.key.sign(bca::proto::protocol::RENEW_POP_PURPOSE, &msg)),
             key_attestation: None,
         }),
         ..Default::default()
@@ -84,7 +85,7 @@ fn renew(sim: &Sim, h: &Held) -> Option<(String, Vec<String>, SigningKey)> {
     let der: Vec<Vec<u8>> = h
         .chain_pem
         .iter()
-        .map(|p| bca::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .map(|p| bca::proto::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
         .collect();
     let raw = rt().block_on(async {
         let mut s = bca::agent::connect(&sim.cfg, Some((der, h.key.pkcs8())))
@@ -113,7 +114,7 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
                 let token =
                     std::fs::read_to_string(dir.join("etc/bca-agent/discovery-token")).unwrap();
                 let key = SigningKey::generate();
-                let csr = bca::csr::create(&key);
+                let csr = bca::proto::csr::create(&key);
                 let mut m = Waiting {
                     mac: mac.clone(),
                     token: token.trim().to_string(),
@@ -228,7 +229,7 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
                 if approved.lock().unwrap().contains(&i) {
                     return;
                 }
-                let r = bca::client::Client::new(&socket).call(
+                let r = bca::cli::client::Client::new(&socket).call(
                     "joinRequests/approve",
                     &json!({"tenantId": root, "poolId": intake, "requestId": waiting[i].request}),
                 );

@@ -221,7 +221,7 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
     assert!(ttl <= 7200);
     let identity: Value =
         serde_json::from_slice(&std::fs::read(dir2.join("data/identity.json")).unwrap()).unwrap();
-    let leaf = bca::x509::pem_decode_all(
+    let leaf = bca::proto::x509::pem_decode_all(
         identity["certificateChain"][0].as_str().unwrap(),
         "CERTIFICATE",
     )
@@ -549,7 +549,7 @@ fn a_rack_is_approved_at_once_by_serial_prefix_each_audited() {
                    "csrSha256": "00".repeat(32)}),
         )
         .unwrap_err();
-    assert_eq!(e.code, bca::error::Code::Conflict, "{e}");
+    assert_eq!(e.code, bca::base::error::Code::Conflict, "{e}");
     assert!(pending(&a, macs[2]).is_some());
     let mut last = joins.pop().unwrap();
     let _ = last.kill();
@@ -918,7 +918,7 @@ fn control_characters_never_reach_the_operators_terminal() {
             json!({"tenantId": a.root_tenant(), "name": "x\u{1b}[31m"}),
         )
         .unwrap_err();
-    assert_eq!(e.code, bca::error::Code::InvalidInput);
+    assert_eq!(e.code, bca::base::error::Code::InvalidInput);
     assert!(
         e.message
             .contains("name must be free of control characters"),
@@ -1004,7 +1004,7 @@ fn an_approved_request_is_not_reset_from_another_address() {
         &archive_path(&String::from_utf8(script).unwrap()),
     );
     assert_eq!(code, 200);
-    let entries = bca::boot::cpio::read(&cpio).unwrap();
+    let entries = bca::base::cpio::read(&cpio).unwrap();
     let token = entries
         .iter()
         .find(|e| e.name.ends_with("discovery-token"))
@@ -1014,9 +1014,9 @@ fn an_approved_request_is_not_reset_from_another_address() {
         .trim()
         .to_string();
     let sim = Sim::new(&a);
-    let key = bca::crypto::SigningKey::generate();
-    let csr = bca::csr::create(&key);
-    let sealed = bca::jwe::seal(&token, &sim.enc, &csr, bca::clock::now()).unwrap();
+    let key = bca::base::crypto::SigningKey::generate();
+    let csr = bca::proto::csr::create(&key);
+    let sealed = bca::proto::jwe::seal(&token, &sim.enc, &csr, bca::base::clock::now()).unwrap();
     let raw = send_from(
         &a,
         "127.0.0.9",
@@ -1060,7 +1060,7 @@ fn a_joins_role_reaches_no_event_raw() {
     assert_eq!(raw, refused_bytes());
     let (_, ev) = a.last_event("security.join.refused").unwrap();
     let role = ev["role"].as_str().unwrap();
-    assert!(!bca::text::has_control(role), "{role:?}");
+    assert!(!bca::base::text::has_control(role), "{role:?}");
     assert!(role.contains("\\u{1b}]0;PWNED"), "{role:?}");
 }
 

@@ -47,7 +47,7 @@ fn init_prints_the_pins_openssl_computes_and_sets_modes() {
     // The join-encryption key's pin, from its private key (keys.json holds PKCS#8 for `file`).
     let keys: Value =
         serde_json::from_slice(&std::fs::read(s.join("keys/keys.json")).unwrap()).unwrap();
-    let der = bca::crypto::b64_decode(keys["joinEncryption"].as_str().unwrap()).unwrap();
+    let der = bca::base::crypto::b64_decode(keys["joinEncryption"].as_str().unwrap()).unwrap();
     let kf = a.dir.path().join("je.der");
     std::fs::write(&kf, der).unwrap();
     let out = Command::new("sh")
@@ -234,9 +234,9 @@ fn the_well_known_document_is_the_seeds() {
     assert_eq!(doc["join"]["signingKeyPin"], pins["joinSigning"]);
     assert_eq!(doc["join"]["encryptionJwk"]["crv"], "P-256");
     let cert =
-        bca::crypto::b64_decode(doc["join"]["signingCertificate"].as_str().unwrap()).unwrap();
+        bca::base::crypto::b64_decode(doc["join"]["signingCertificate"].as_str().unwrap()).unwrap();
     assert_eq!(
-        bca::crypto::spki_pin(&bca::x509::cert_spki(&cert).unwrap()),
+        bca::base::crypto::spki_pin(&bca::proto::x509::cert_spki(&cert).unwrap()),
         pins["joinSigning"].as_str().unwrap()
     );
     assert_eq!(
@@ -518,7 +518,7 @@ fn join_tokens_idempotency_conflict_tenants_state_paging_and_revoke() {
         .unwrap();
     assert_eq!(
         stored,
-        bca::crypto::sha256(&bca::crypto::b64url_decode(secret).unwrap()).to_vec()
+        bca::base::crypto::sha256(&bca::base::crypto::b64url_decode(secret).unwrap()).to_vec()
     );
     // The event says pinned.
     let (tenant, ev) = a.last_event("security.join-token.created").unwrap();

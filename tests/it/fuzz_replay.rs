@@ -10,7 +10,7 @@ fn every_corpus_input_and_past_crash_replays_cleanly() {
     for (name, f) in bca::fuzzing::TARGETS {
         let pack = root.join(format!("corpus/{name}.cpio"));
         let raw = std::fs::read(&pack).unwrap_or_else(|e| panic!("{}: {e}", pack.display()));
-        let entries = bca::boot::cpio::read(&raw).unwrap();
+        let entries = bca::base::cpio::read(&raw).unwrap();
         assert!(!entries.is_empty(), "{name}: an empty corpus");
         for e in entries.iter().filter(|e| e.mode & 0o170000 == 0o100000) {
             f(&e.data);

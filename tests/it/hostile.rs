@@ -5,7 +5,7 @@
 //! clients' from 127.0.0.1) and set here in config.toml.
 
 use crate::common::*;
-use bca::protocol::Reply;
+use bca::proto::protocol::Reply;
 use serde_json::json;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -54,7 +54,7 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 /// A join sent from the source address `from` over TLS; the reply's bytes.
 fn join_from(a: &Appliance, from: &str, token: &str) -> Vec<u8> {
     let sim = Sim::new(a);
-    let (req, _, _) = sim.join_request(token, &machine(), "node", None, bca::clock::now());
+    let (req, _, _) = sim.join_request(token, &machine(), "node", None, bca::base::clock::now());
     send_from(a, from, req)
 }
 
@@ -109,7 +109,7 @@ fn the_gateway_survives_slow_garbage_oversize_and_flooding_clients() {
         let mut s = bca::agent::connect(&good.cfg, None).await.unwrap();
         s.write_all(&(10u32 << 20).to_be_bytes()).await.unwrap();
         s.flush().await.unwrap();
-        let reply = bca::protocol::read_frame(&mut s).await.unwrap();
+        let reply = bca::proto::protocol::read_frame(&mut s).await.unwrap();
         let r: Reply = serde_json::from_slice(&reply).unwrap();
         let e = r.error.unwrap();
         assert_eq!(e.code, "INVALID_INPUT");
@@ -118,7 +118,7 @@ fn the_gateway_survives_slow_garbage_oversize_and_flooding_clients() {
         s.write_all(&100u32.to_be_bytes()).await.unwrap();
         s.write_all(b"{\"v\":1").await.unwrap();
         s.shutdown().await.unwrap();
-        let r = bca::protocol::read_frame(&mut s).await;
+        let r = bca::proto::protocol::read_frame(&mut s).await;
         assert!(r.is_err(), "a truncated frame got an answer");
     });
     good.admitted(&good_token, &machine());
@@ -126,7 +126,7 @@ fn the_gateway_survives_slow_garbage_oversize_and_flooding_clients() {
     // A join flood from one source: past 10 a minute it is told to retry (UNAVAILABLE, the same
     // bytes as a full queue), while the good client from another source is admitted.
     let (_, flood_token) = a.token(&pool, json!({"maxUses": 100}));
-    let busy = Reply::from_outcome(bca::protocol::Outcome::Busy).to_bytes();
+    let busy = Reply::from_outcome(bca::proto::protocol::Outcome::Busy).to_bytes();
     let mut refused_busy = 0;
     for _ in 0..14 {
         let raw = join_from(&a, "127.0.0.3", &flood_token);

@@ -116,7 +116,7 @@ fn no_secret_is_left_anywhere_and_every_mode_is_tight() {
         .output()
         .unwrap()
         .stdout;
-    let entries = bca::boot::cpio::read(&archive).unwrap();
+    let entries = bca::base::cpio::read(&archive).unwrap();
     let disc = entries
         .iter()
         .find(|e| e.name.ends_with("discovery-token"))
@@ -163,14 +163,14 @@ fn no_secret_is_left_anywhere_and_every_mode_is_tight() {
         secrets.push((format!("{name} (DER)"), k.pkcs8().to_vec()));
         secrets.push((
             format!("{name} (base64)"),
-            bca::crypto::b64(k.pkcs8()).into_bytes(),
+            bca::base::crypto::b64(k.pkcs8()).into_bytes(),
         ));
     }
     let node_key = std::fs::read_to_string(agent.join("data/node.key")).unwrap();
-    let node_der = bca::x509::pem_decode_all(&node_key, "PRIVATE KEY").remove(0);
+    let node_der = bca::proto::x509::pem_decode_all(&node_key, "PRIVATE KEY").remove(0);
     secrets.push((
         "the node's key (base64)".into(),
-        bca::crypto::b64(&node_der).into_bytes(),
+        bca::base::crypto::b64(&node_der).into_bytes(),
     ));
     secrets.push(("the node's key (DER)".into(), node_der));
 

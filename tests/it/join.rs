@@ -2,9 +2,9 @@
 //! reclaims, and josekit as the JWE oracle.
 
 use crate::common::*;
-use bca::agent_config::AgentConfig;
-use bca::crypto::{self, SigningKey};
-use bca::protocol::{JoinRequest, Reply, Request};
+use bca::base::crypto::{self, SigningKey};
+use bca::proto::agent_config::AgentConfig;
+use bca::proto::protocol::{JoinRequest, Reply, Request};
 use serde_json::{json, Value};
 use std::process::Command;
 
@@ -182,7 +182,7 @@ fn the_agent_refuses_bad_tokens_and_configs_locally() {
     let other = SigningKey::generate();
     std::fs::write(
         dir.join("join-encryption.jwk"),
-        serde_json::to_string(&bca::jwe::jwk(other.public_point())).unwrap(),
+        serde_json::to_string(&bca::proto::jwe::jwk(other.public_point())).unwrap(),
     )
     .unwrap();
     let o = agent_join(&dir, "data", &claims, "bcjt_x.y", &[]);
@@ -302,7 +302,7 @@ fn every_refusal_reason_is_the_same_on_the_wire() {
     check(&raw, "join-token:secret-mismatch", &root, Some(id2), 1);
     // role-mismatch: a join-token admits role node only; the event goes to the token's tenant.
     let tok2 = r2["token"].as_str().unwrap();
-    let (raw, _, _) = sim.join_with(tok2, &machine(), "ramdisk", None, bca::clock::now());
+    let (raw, _, _) = sim.join_with(tok2, &machine(), "ramdisk", None, bca::base::clock::now());
     check(&raw, "join-token:role-mismatch", &t2, Some(id2), 1);
     // token: sealed for another CSR, or too old.
     let (raw, _, _) = sim.join_with(
@@ -310,10 +310,16 @@ fn every_refusal_reason_is_the_same_on_the_wire() {
         &machine(),
         "node",
         Some(b"another csr"),
-        bca::clock::now(),
+        bca::base::clock::now(),
     );
     check(&raw, "join:token", &root, Some(id), 2);
-    let (raw, _, _) = sim.join_with(&token, &machine(), "node", None, bca::clock::now() - 3600);
+    let (raw, _, _) = sim.join_with(
+        &token,
+        &machine(),
+        "node",
+        None,
+        bca::base::clock::now() - 3600,
+    );
     check(&raw, "join:token", &root, Some(id), 2);
     // expect.
     let (erec, etok) = a.token(&pool, json!({"expect": {"serial": "SN-EXPECTED"}}));
@@ -593,15 +599,15 @@ fn josekit_seals_are_accepted_and_bca_seals_open_in_josekit() {
     let jwk_text = std::fs::read_to_string(a.state().join("pki/join-encryption.jwk")).unwrap();
     let jwk = josekit::jwk::Jwk::from_bytes(jwk_text.as_bytes()).unwrap();
     let key = SigningKey::generate();
-    let csr = bca::csr::create(&key);
+    let csr = bca::proto::csr::create(&key);
     let mut header = JweHeader::new();
     header.set_token_type("bcjt+jwe");
     header.set_content_encryption("A256GCM");
     header
-        .set_claim("iat", Some(json!(bca::clock::now())))
+        .set_claim("iat", Some(json!(bca::base::clock::now())))
         .unwrap();
     header
-        .set_claim("csr", Some(json!(bca::jwe::csr_claim(&csr))))
+        .set_claim("csr", Some(json!(bca::proto::jwe::csr_claim(&csr))))
         .unwrap();
     let encrypter = ECDH_ES_A256KW.encrypter_from_jwk(&jwk).unwrap();
     let sealed = josekit::jwe::serialize_compact(token.as_bytes(), &header, &encrypter).unwrap();
@@ -632,12 +638,15 @@ fn josekit_seals_are_accepted_and_bca_seals_open_in_josekit() {
         serde_json::from_slice(&std::fs::read(a.state().join("keys/keys.json")).unwrap()).unwrap();
     let der = crypto::b64_decode(keys["joinEncryption"].as_str().unwrap()).unwrap();
     let decrypter = ECDH_ES_A256KW.decrypter_from_der(&der).unwrap();
-    let sealed = bca::jwe::seal("bcjt_example", &sim.enc, &csr, 1234).unwrap();
+    let sealed = bca::proto::jwe::seal("bcjt_example", &sim.enc, &csr, 1234).unwrap();
     let (payload, h) = josekit::jwe::deserialize_compact(&sealed, &decrypter).unwrap();
     assert_eq!(payload, b"bcjt_example");
     assert_eq!(h.token_type(), Some("bcjt+jwe"));
     assert_eq!(h.claim("iat"), Some(&json!(1234)));
-    assert_eq!(h.claim("csr"), Some(&json!(bca::jwe::csr_claim(&csr))));
+    assert_eq!(
+        h.claim("csr"),
+        Some(&json!(bca::proto::jwe::csr_claim(&csr)))
+    );
 }
 
 #[test]
@@ -691,10 +700,10 @@ fn a_gateway_without_a_joinservice_answers_invalid_config() {
     let (dir, out) = init_dir("file", &[]);
     assert!(out.status.success());
     let state = dir.path().join("state");
-    let (app, keys) = bca::serve::prepare(&state).unwrap();
+    let (app, keys) = bca::daemon::serve::prepare(&state).unwrap();
     let app = std::sync::Arc::new(app);
-    let tickets = bca::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
-    let gw = bca::serve::gateway(&app, keys.gateway.pkcs8(), tickets, None).unwrap();
+    let tickets = bca::edge::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
+    let gw = bca::daemon::serve::gateway(&app, keys.gateway.pkcs8(), tickets, None).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -758,9 +767,9 @@ fn every_certificate_kind_parses_with_pyca_cryptography_and_openssl() {
     for name in ["node-ca", "serving-ca", "gateway", "join-signing"] {
         let p = a.state().join("pki").join(format!("{name}.pem"));
         let pem = std::fs::read_to_string(&p).unwrap();
-        let first = bca::x509::pem_decode_all(&pem, "CERTIFICATE").remove(0);
+        let first = bca::proto::x509::pem_decode_all(&pem, "CERTIFICATE").remove(0);
         let out = dir.join(format!("{name}.pem"));
-        std::fs::write(&out, bca::x509::pem("CERTIFICATE", &first)).unwrap();
+        std::fs::write(&out, bca::proto::x509::pem("CERTIFICATE", &first)).unwrap();
         files.push((name.to_string(), out));
     }
     for (name, body) in [("node-leaf", &node), ("node-tenant-leaf", &tenant_leaf)] {

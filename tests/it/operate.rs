@@ -90,7 +90,7 @@ fn doctor_checks_modes_keys_database_and_the_clock() {
 
     // A clock that went backwards (a row written a day ahead of now) is a warning, and /healthz
     // says degraded (still 200: the appliance serves).
-    let tomorrow = bca::clock::now() + 86_400;
+    let tomorrow = bca::base::clock::now() + 86_400;
     a.db()
         .execute(
             "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES ('x', 'test', 'test', 'x', '{}', ?1)",
@@ -214,7 +214,7 @@ fn audit_list_filters_by_action_and_time() {
 }
 
 fn old_rows(a: &Appliance, age_days: i64) {
-    let t = bca::clock::now() - age_days * 86_400;
+    let t = bca::base::clock::now() - age_days * 86_400;
     let db = a.db();
     db.execute(
         "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES ('ev_old1', 'x', 'node.joined', '{}', ?1)",
@@ -250,7 +250,7 @@ fn retention_prunes_at_start_and_records_it() {
     let sim = Sim::new(&a);
     let na = sim.admitted(&token, &machine()).node_id;
     let nb = sim.admitted(&token, &machine()).node_id;
-    let old = bca::clock::now() - 60 * 86_400;
+    let old = bca::base::clock::now() - 60 * 86_400;
     let db = a.db();
     db.execute(
         "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
@@ -271,7 +271,7 @@ fn retention_prunes_at_start_and_records_it() {
         db.execute(
             "INSERT INTO join_requests (id, site_id, attestor, machine_key, claims_json, csr_sha256, state, created_at, updated_at, expires_at, decided_at)
              VALUES (?1, 'site_x', 'discovery', 'mac:x', '{}', '00', ?2, ?3, ?3, ?4, ?5)",
-            rusqlite::params![id, state, old, bca::clock::now() + 3600, decided],
+            rusqlite::params![id, state, old, bca::base::clock::now() + 3600, decided],
         )
         .unwrap();
     }
@@ -333,7 +333,7 @@ fn retention_prunes_at_start_and_records_it() {
 #[test]
 fn retention_prunes_spent_voided_and_expired_discovery_tokens() {
     let mut a = Appliance::start();
-    let now = bca::clock::now();
+    let now = bca::base::clock::now();
     let old = now - 3 * 86_400;
     let db = a.db();
     for (id, spent, voided, expires) in [
@@ -695,7 +695,7 @@ fn a_backup_taken_while_serving_restores_and_admits() {
             "a key's DER is in the backup"
         );
         assert!(
-            !text.contains(&bca::crypto::b64(der)),
+            !text.contains(&bca::base::crypto::b64(der)),
             "a key's base64 is in the backup"
         );
     }

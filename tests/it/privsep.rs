@@ -44,7 +44,7 @@ fn private_scalars(state: &Path) -> Vec<(String, Vec<u8>)> {
         serde_json::from_slice(&std::fs::read(state.join("keys/keys.json")).unwrap()).unwrap();
     let mut v = Vec::new();
     for (name, val) in keys.as_object().unwrap() {
-        let Some(der) = val.as_str().and_then(bca::crypto::b64_decode) else {
+        let Some(der) = val.as_str().and_then(bca::base::crypto::b64_decode) else {
             continue;
         };
         let at = der
@@ -194,7 +194,7 @@ fn the_network_child_is_confined_and_holds_no_key() {
         PASSPHRASE,
         "127.0.0.1:0",
         "127.0.0.1:0",
-        "bca::privsep=debug,warn",
+        "bca::daemon::privsep=debug,warn",
         std::process::Stdio::from(err.reopen().unwrap()),
     );
     Sim::new(&a).admitted(&token, &machine());

@@ -417,7 +417,7 @@ fn a_vm_with_a_tpm_pxe_boots_and_joins_with_its_tpm_when_its_ek_is_allowed() {
         .step_by(2)
         .map(|i| u8::from_str_radix(&cert[i..i + 2], 16).unwrap())
         .collect();
-    let leaf = bca::x509::parse_node_leaf(&der).unwrap();
+    let leaf = bca::proto::x509::parse_node_leaf(&der).unwrap();
     assert_eq!(leaf.statements.len(), 1);
     assert!(leaf.statements[0].starts_with("urn:bc:tpm-ak:sha256:"));
 }

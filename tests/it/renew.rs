@@ -1,9 +1,9 @@
 //! Renewal, sessions, `bca agent run` and `doctor`.
 
 use crate::common::*;
-use bca::agent_config::AgentConfig;
-use bca::crypto::{self, SigningKey};
-use bca::protocol::{
+use bca::base::crypto::{self, SigningKey};
+use bca::proto::agent_config::AgentConfig;
+use bca::proto::protocol::{
     renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
 };
 use serde_json::{json, Value};
@@ -31,7 +31,7 @@ fn join_node(sim: &Sim, token: &str, claims: &Value) -> Node {
 fn node_from(id: String, chain_pem: Vec<String>, key: SigningKey) -> Node {
     let chain_der = chain_pem
         .iter()
-        .map(|p| bca::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .map(|p| bca::proto::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
         .collect();
     Node {
         id,
@@ -52,7 +52,7 @@ fn renew_raw(
     client_time: i64,
 ) -> (Vec<u8>, Request) {
     let key = SigningKey::generate();
-    let csr = bca::csr::create(&key);
+    let csr = bca::proto::csr::create(&key);
     let msg = renew_pop_message(&crypto::sha256(&csr), pop_node, client_time);
     let req = Request {
         v: 1,
@@ -98,7 +98,7 @@ fn renewal_keeps_role_and_san_and_refuses_every_bad_condition() {
     let (_, token) = a.token(&pool, json!({"maxUses": 5, "allowReclaim": true}));
     let m = machine();
     let n = join_node(&sim, &token, &m);
-    let now = bca::clock::now();
+    let now = bca::base::clock::now();
 
     // A good renewal: a new certificate, same SPIFFE ID and role, a new node_certs row.
     let (raw, req) = renew_raw(&sim.cfg, &n, &n.chain_pem, &n.id, &n.key, now);
@@ -106,11 +106,12 @@ fn renewal_keeps_role_and_san_and_refuses_every_bad_condition() {
     let resp = reply
         .renew_response
         .unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(&raw)));
-    let body: bca::protocol::JoinResponseBody =
+    let body: bca::proto::protocol::JoinResponseBody =
         serde_json::from_slice(&crypto::b64_decode(&resp.body).unwrap()).unwrap();
-    let new_leaf = bca::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
-    let old_leaf = bca::x509::parse_node_leaf(&n.chain_der[0]).unwrap();
-    let nl = bca::x509::parse_node_leaf(&new_leaf).unwrap();
+    let new_leaf =
+        bca::proto::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
+    let old_leaf = bca::proto::x509::parse_node_leaf(&n.chain_der[0]).unwrap();
+    let nl = bca::proto::x509::parse_node_leaf(&new_leaf).unwrap();
     assert_eq!(nl.spiffe_id, old_leaf.spiffe_id);
     assert_ne!(nl.serial_hex, old_leaf.serial_hex);
     assert_eq!(bca::agent::cert_role(&new_leaf).as_deref(), Some("node"));
@@ -255,7 +256,11 @@ fn sessions_show_connected_and_revocation_closes_them() {
     // revokeIdentity closes the live session at once.
     a.cli_json(&["nodes", "revoke-identity", &n.id]);
     let closed = rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(5), bca::protocol::read_frame(&mut s)).await
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            bca::proto::protocol::read_frame(&mut s),
+        )
+        .await
     });
     let frame = closed.expect("the session was not closed").unwrap();
     assert_eq!(
@@ -314,8 +319,11 @@ fn a_stopping_appliance_records_its_sessions_closed_before_its_nodes_see_them_en
             let db = a.db();
             std::thread::spawn(move || {
                 let r = rt.block_on(async {
-                    tokio::time::timeout(Duration::from_secs(20), bca::protocol::read_frame(&mut s))
-                        .await
+                    tokio::time::timeout(
+                        Duration::from_secs(20),
+                        bca::proto::protocol::read_frame(&mut s),
+                    )
+                    .await
                 });
                 let count = |sql: &str| -> i64 { db.query_row(sql, [], |r| r.get(0)).unwrap() };
                 (
@@ -369,7 +377,7 @@ fn agent_run_reconnects_after_a_restart_spread_over_time() {
         .map(|d| std::fs::read(d.join("data/identity.json")).unwrap())
         .collect();
     a.restart();
-    let restarted = bca::clock::now_ms();
+    let restarted = bca::base::clock::now_ms();
     wait_for("4 reconnected nodes", 30, || {
         (connected(&a) == 4).then_some(())
     });
@@ -450,9 +458,9 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
         .find(|v| v["fields"]["message"] == "session open")
         .unwrap_or_else(|| panic!("no session after the renewal: {text}"));
     assert_eq!(after["fields"]["resumed"], false, "{text}");
-    let loaded = bca::agent_run::load_identity(&data).unwrap();
+    let loaded = bca::agent::run::load_identity(&data).unwrap();
     assert_eq!(
-        bca::x509::parse_node_leaf(&loaded.chain_der[0])
+        bca::proto::x509::parse_node_leaf(&loaded.chain_der[0])
             .unwrap()
             .public_point,
         loaded.key.public_point()
@@ -460,22 +468,22 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     assert!(!data.join("node.key.next").exists());
 
     // A crash between writing identity.json and renaming node.key.next: the loader finishes it.
-    let cur = bca::agent_run::load_identity(&data).unwrap();
+    let cur = bca::agent::run::load_identity(&data).unwrap();
     let old_key = std::fs::read(data.join("node.key")).unwrap();
     let cfg = AgentConfig::load(&dir.join("config.toml")).unwrap();
     rt().block_on(async {
         let mut s = bca::agent::connect_as(&cfg, cur.chain_der.clone(), &cur.key)
             .await
             .unwrap();
-        bca::agent_run::renew(&cfg, &data, &cur, &mut s)
+        bca::agent::run::renew(&cfg, &data, &cur, &mut s)
             .await
             .unwrap();
     });
     std::fs::rename(data.join("node.key"), data.join("node.key.next")).unwrap();
     std::fs::write(data.join("node.key"), &old_key).unwrap();
-    let l = bca::agent_run::load_identity(&data).unwrap();
+    let l = bca::agent::run::load_identity(&data).unwrap();
     assert_eq!(
-        bca::x509::parse_node_leaf(&l.chain_der[0])
+        bca::proto::x509::parse_node_leaf(&l.chain_der[0])
             .unwrap()
             .public_point,
         l.key.public_point()
@@ -484,10 +492,10 @@ fn agent_run_renews_at_sixty_percent_and_a_crash_mid_write_leaves_a_loadable_ide
     // A crash after writing only node.key.next: the old identity still loads.
     let before = std::fs::read(data.join("identity.json")).unwrap();
     std::fs::write(data.join("node.key.next"), b"half-written").unwrap();
-    let l = bca::agent_run::load_identity(&data).unwrap();
+    let l = bca::agent::run::load_identity(&data).unwrap();
     assert_eq!(std::fs::read(data.join("identity.json")).unwrap(), before);
     assert_eq!(
-        bca::x509::parse_node_leaf(&l.chain_der[0])
+        bca::proto::x509::parse_node_leaf(&l.chain_der[0])
             .unwrap()
             .public_point,
         l.key.public_point()
@@ -612,7 +620,7 @@ fn s_client_as(a: &Appliance, n: &Node, dir: &Path, sess: (&str, &Path)) -> Stri
     std::fs::write(dir.join("leaf.pem"), &n.chain_pem[0]).unwrap();
     std::fs::write(
         dir.join("leaf.key"),
-        bca::x509::pem("PRIVATE KEY", n.key.pkcs8()),
+        bca::proto::x509::pem("PRIVATE KEY", n.key.pkcs8()),
     )
     .unwrap();
     // A ping outside a session: answered with a pong, then the connection is closed.
@@ -652,7 +660,7 @@ fn a_node_resumes_its_session_after_a_restart_and_a_revoked_one_is_still_refused
     let (_, token) = a.token(&pool, json!({"maxUses": 1}));
     let n = join_node(&sim, &token, &machine());
     let tls = std::sync::Arc::new(
-        bca::tlsclient::client_config_with(
+        bca::agent::tlsclient::client_config_with(
             &sim.cfg.serving_ca_spki_pin,
             Some((n.chain_der.clone(), n.key.pkcs8())),
         )
@@ -748,10 +756,10 @@ fn a_node_forging_another_tenants_leaf_writes_nothing_into_that_tenants_stream()
     let nb = join_node(&sim, &token_b, &machine());
     let b_events = tenant_events(&a, &tb);
     let a_events = tenant_events(&a, &ta);
-    let now = bca::clock::now();
+    let now = bca::base::clock::now();
 
     // A self-signed leaf with B's SPIFFE ID and A's key; the proof names B's node.
-    let b_leaf = bca::x509::parse_node_leaf(&nb.chain_der[0]).unwrap();
+    let b_leaf = bca::proto::x509::parse_node_leaf(&nb.chain_der[0]).unwrap();
     let mut lp = rcgen::CertificateParams::default();
     lp.subject_alt_names = vec![rcgen::SanType::URI(
         b_leaf.spiffe_id.clone().try_into().unwrap(),

@@ -119,7 +119,7 @@ fn join_signing_rotates_with_an_overlap_and_agents_follow() {
     let _ = agent.wait();
     // Configured before and never renewed: its join fails loudly on the signature.
     let (raw, csr, key) = stale.join(&token, &machine());
-    let reply: bca::protocol::Reply = serde_json::from_slice(&raw).unwrap();
+    let reply: bca::proto::protocol::Reply = serde_json::from_slice(&raw).unwrap();
     let e = bca::agent::verify_response(
         &stale.cfg,
         &reply.join_response.unwrap(),

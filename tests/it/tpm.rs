@@ -151,7 +151,10 @@ fn tpm_status_names_the_eks_as_tpm2_tools_does_and_checks_their_certificates() {
         dir.path(),
     );
     let der = std::fs::read(dir.path().join("ek.der")).unwrap();
-    assert_eq!(cert["sha256"], bca::crypto::hex(&bca::crypto::sha256(&der)));
+    assert_eq!(
+        cert["sha256"],
+        bca::base::crypto::hex(&bca::base::crypto::sha256(&der))
+    );
     let pubkey = Command::new("sh")
         .arg("-c")
         .arg(
@@ -163,7 +166,7 @@ fn tpm_status_names_the_eks_as_tpm2_tools_does_and_checks_their_certificates() {
     assert!(pubkey.status.success());
     assert_eq!(
         v["ek"]["rsa"]["publicKeySha256"],
-        bca::crypto::hex(&bca::crypto::sha256(&pubkey.stdout))
+        bca::base::crypto::hex(&bca::base::crypto::sha256(&pubkey.stdout))
     );
     assert!(v["ek"]["ecc"]["certificate"].is_null());
     // Every handle bca created was flushed.
@@ -419,7 +422,7 @@ fn keys_bound_to_a_pcr_unseal_until_it_moves_and_reseal_from_the_escrow() {
     }
     let policy = std::fs::read(work.path().join("policy.bin")).unwrap();
     assert_eq!(policy.len(), 32);
-    let public = bca::crypto::b64_decode(sealed["tpmPublic"].as_str().unwrap()).unwrap();
+    let public = bca::base::crypto::b64_decode(sealed["tpmPublic"].as_str().unwrap()).unwrap();
     assert!(
         public
             .windows(34)
@@ -658,7 +661,7 @@ fn credentials_bca_makes_are_activated_by_tpm2_tools_and_the_reverse() {
                     "-o",
                     "cred2.out",
                 ])
-                .args(["-n", &bca::crypto::hex(&ak.name)])
+                .args(["-n", &bca::base::crypto::hex(&ak.name)])
                 .current_dir(d),
         );
         let cred = parse_credential_file(&std::fs::read(file("cred2.out")).unwrap());
@@ -921,7 +924,7 @@ fn a_csr_signed_by_the_tpm_verifies_and_its_key_is_the_certified_one() {
     let key = std::sync::Arc::new(bca::tpm::nodekey::TpmKey::new(t, blob.clone()).unwrap());
     let csr = key.csr().unwrap();
     // bca's own CSR check (what the JoinService runs) and openssl's.
-    let verified = bca::csr::verify(&csr).unwrap();
+    let verified = bca::proto::csr::verify(&csr).unwrap();
     assert_eq!(verified.public_point, key.public_point());
     std::fs::write(d.join("csr.der"), &csr).unwrap();
     let o = output_ok(
@@ -942,7 +945,7 @@ fn a_csr_signed_by_the_tpm_verifies_and_its_key_is_the_certified_one() {
         bca::tpm::attest::verify_certify(&ak_pub, &c.attest, &c.signature, &nonce, &blob.public)
             .unwrap();
     assert_eq!(
-        bca::crypto::p256_point_from_spki(&certified.spki).unwrap(),
+        bca::base::crypto::p256_point_from_spki(&certified.spki).unwrap(),
         key.public_point()
     );
     // Signatures come from the TPM: each verifies under the key's point, and a record of another
@@ -1156,7 +1159,7 @@ fn an_unsealed_secret_crosses_the_wire_encrypted() {
     let tpm = Swtpm::start(false);
     let (relay, seen) = recording_relay(tpm.port);
     let mut secret = [0u8; 32];
-    bca::crypto::fill_random(&mut secret);
+    bca::base::crypto::fill_random(&mut secret);
     let mut t = bca::tpm::Tpm::open(&format!("swtpm:port={relay}").parse().unwrap()).unwrap();
     let blob = t.seal(&secret, &[]).unwrap();
     assert!(blob.policy);

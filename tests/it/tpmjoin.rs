@@ -4,10 +4,10 @@
 
 use crate::common::*;
 use crate::tpm::Swtpm;
-use bca::agent_config::AgentConfig;
-use bca::crypto;
-use bca::nodekey::NodeKey;
-use bca::protocol::{KeyAttestation, RenewRequest, Reply, Request};
+use bca::agent::nodekey::NodeKey;
+use bca::base::crypto;
+use bca::proto::agent_config::AgentConfig;
+use bca::proto::protocol::{KeyAttestation, RenewRequest, Reply, Request};
 use serde_json::Value;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -56,7 +56,7 @@ fn leaf_text(dir: &Path) -> String {
 }
 
 /// One renewal request over a fresh mTLS connection (the gateway closes after answering).
-fn renew_raw(cfg: &AgentConfig, cur: &bca::agent_run::Loaded, req: RenewRequest) -> Reply {
+fn renew_raw(cfg: &AgentConfig, cur: &bca::agent::run::Loaded, req: RenewRequest) -> Reply {
     rt().block_on(async {
         let mut s = bca::agent::connect_as(cfg, cur.chain_der.clone(), &cur.key)
             .await
@@ -79,19 +79,20 @@ fn renew_raw(cfg: &AgentConfig, cur: &bca::agent_run::Loaded, req: RenewRequest)
 
 /// A renewal request for `csr` proving the current key, with `attestation`.
 fn renewal(
-    cur: &bca::agent_run::Loaded,
+    cur: &bca::agent::run::Loaded,
     csr: &[u8],
     attestation: Option<KeyAttestation>,
 ) -> RenewRequest {
-    let now = bca::clock::now();
-    let msg = bca::protocol::renew_pop_message(&crypto::sha256(csr), &cur.identity.node_id, now);
+    let now = bca::base::clock::now();
+    let msg =
+        bca::proto::protocol::renew_pop_message(&crypto::sha256(csr), &cur.identity.node_id, now);
     RenewRequest {
         csr: crypto::b64(csr),
         chain: cur.identity.certificate_chain.clone(),
         client_time: now,
         pop_sig: crypto::b64(
             &cur.key
-                .sign(bca::protocol::RENEW_POP_PURPOSE, &msg)
+                .sign(bca::proto::protocol::RENEW_POP_PURPOSE, &msg)
                 .unwrap(),
         ),
         key_attestation: attestation,
@@ -185,7 +186,7 @@ fn a_machine_joins_with_its_tpm_renews_only_with_its_ak_and_reclaims_its_node() 
     // Renewals: the leaf names the AK, so the new key must be certified by it.
     let data = dir.join("data");
     let cfg = AgentConfig::load(&dir.join("config.toml")).unwrap();
-    let cur = bca::agent_run::load_identity(&data).unwrap();
+    let cur = bca::agent::run::load_identity(&data).unwrap();
     let tcti: bca::tpm::Tcti = tpm.tcti().parse().unwrap();
     // A new key and CSR for each attempt (the same proof twice is a replay).
     let fresh = || {
@@ -254,14 +255,14 @@ fn a_machine_joins_with_its_tpm_renews_only_with_its_ak_and_reclaims_its_node() 
         let mut s = bca::agent::connect_as(&cfg, cur.chain_der.clone(), &cur.key)
             .await
             .unwrap();
-        bca::agent_run::renew(&cfg, &data, &cur, &mut s)
+        bca::agent::run::renew(&cfg, &data, &cur, &mut s)
             .await
             .unwrap();
     });
     assert_eq!(a.count("SELECT count(*) FROM node_certs"), certs + 1);
     let text = leaf_text(&dir);
     assert!(text.contains(&format!("URI:{statement}")), "{text}");
-    let renewed = bca::agent_run::load_identity(&data).unwrap();
+    let renewed = bca::agent::run::load_identity(&data).unwrap();
     assert!(renewed.key.tpm().is_some());
     assert_ne!(renewed.key.public_point(), cur.key.public_point());
     tpm.assert_nothing_loaded(a.dir.path());
@@ -299,7 +300,7 @@ fn a_machine_joins_with_its_tpm_renews_only_with_its_ak_and_reclaims_its_node() 
     // A TPM that derives another AK (a fresh TPM at the same address) fails the renewal loudly,
     // before sending anything.
     drop(agent);
-    let cur = bca::agent_run::load_identity(&data).unwrap();
+    let cur = bca::agent::run::load_identity(&data).unwrap();
     let before = a.count("SELECT count(*) FROM events WHERE type LIKE 'security.renew%'");
     drop(tpm);
     let fresh = Swtpm::start(false);
@@ -314,11 +315,11 @@ fn a_machine_joins_with_its_tpm_renews_only_with_its_ak_and_reclaims_its_node() 
     )
     .unwrap();
     std::fs::copy(data.join("identity.json"), moved.join("identity.json")).unwrap();
-    let loaded = bca::agent_run::load_identity(&moved).unwrap();
+    let loaded = bca::agent::run::load_identity(&moved).unwrap();
     let e = rt()
         .block_on(async {
             let mut s = bca::agent::connect(&cfg, None).await.unwrap();
-            bca::agent_run::renew(&cfg, &moved, &loaded, &mut s).await
+            bca::agent::run::renew(&cfg, &moved, &loaded, &mut s).await
         })
         .unwrap_err();
     assert!(
@@ -333,7 +334,7 @@ fn a_machine_joins_with_its_tpm_renews_only_with_its_ak_and_reclaims_its_node() 
     let gone = fresh.tcti();
     drop(fresh);
     std::fs::write(moved.join("node.key"), record.replace(&old_tcti, &gone)).unwrap();
-    let e = match bca::agent_run::load_identity(&moved) {
+    let e = match bca::agent::run::load_identity(&moved) {
         Err(e) => e,
         Ok(_) => panic!("a node key whose TPM is gone loaded"),
     };
@@ -375,7 +376,7 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
     refused(
         &Request {
             v: 1,
-            tpm_challenge: Some(bca::protocol::TpmChallengeRequest {
+            tpm_challenge: Some(bca::proto::protocol::TpmChallengeRequest {
                 ek_public: crypto::b64(b"not a public area"),
                 ek_certificate: None,
                 ak_public: crypto::b64(b"nor this"),
@@ -387,9 +388,9 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
     let tcti: bca::tpm::Tcti = tpm.tcti().parse().unwrap();
     let key = NodeKey::generate_in(&tcti).unwrap();
     let csr = key.csr().unwrap();
-    let join = |ev: Option<bca::protocol::TpmEvidence>, csr: &[u8]| Request {
+    let join = |ev: Option<bca::proto::protocol::TpmEvidence>, csr: &[u8]| Request {
         v: 1,
-        join: Some(bca::protocol::JoinRequest {
+        join: Some(bca::proto::protocol::JoinRequest {
             sealed_token: String::new(),
             csr: crypto::b64(csr),
             claims: serde_json::from_value(machine()).unwrap(),
@@ -409,7 +410,7 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
     refused(
         &Request {
             v: 1,
-            tpm_challenge: Some(bca::protocol::TpmChallengeRequest {
+            tpm_challenge: Some(bca::proto::protocol::TpmChallengeRequest {
                 ek_public: crypto::b64(&ek),
                 ek_certificate: None,
                 ak_public: crypto::b64(&ek),
@@ -437,7 +438,7 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
     for _ in 0..16 {
         let ask = Request {
             v: 1,
-            tpm_challenge: Some(bca::protocol::TpmChallengeRequest {
+            tpm_challenge: Some(bca::proto::protocol::TpmChallengeRequest {
                 ek_public: crypto::b64(&ek),
                 ek_certificate: None,
                 ak_public: crypto::b64(&ak_public),

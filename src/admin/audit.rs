@@ -1,0 +1,103 @@
+//! The audit trail: `audit/list` (`bca audit list`), filtered by action, actor, target and time.
+
+use crate::admin::{page, Ctx};
+use crate::base::clock::rfc3339;
+use crate::base::error::{ApiError, ApiResult};
+use crate::domain::validate;
+use crate::store::Store;
+use rusqlite::{params, Transaction};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct AuditListInput {
+    tenant_id: Option<String>,
+    /// Only actions starting with this (`joinTokens.`, `retention.pruned`).
+    action: Option<String>,
+    /// Only rows at or after this time (RFC 3339).
+    since: Option<String>,
+    limit: Option<i64>,
+    cursor: Option<String>,
+}
+
+pub fn dispatch(
+    store: &Store,
+    _ctx: &Ctx<'_>,
+    path: &str,
+    body: &[u8],
+) -> Option<ApiResult<Value>> {
+    match path {
+        "audit/list" => Some(crate::admin::parse(body).and_then(|i| store.read(|tx| list(tx, i)))),
+        _ => None,
+    }
+}
+
+/// An age such as `90m`, `24h` or `7d`, in seconds (for `--since`).
+pub fn parse_age(s: &str) -> Option<i64> {
+    let unit = s.chars().last()?;
+    let n: i64 = s[..s.len() - unit.len_utf8()]
+        .parse()
+        .ok()
+        .filter(|n| (1..=1_000_000).contains(n))?;
+    Some(
+        n * match unit {
+            's' => 1,
+            'm' => 60,
+            'h' => 3_600,
+            'd' => 86_400,
+            _ => return None,
+        },
+    )
+}
+
+/// Parses an RFC 3339 time (`2026-12-03T10:00:00Z`, offsets allowed) into Unix seconds.
+pub fn parse_time(field: &str, s: &str) -> ApiResult<i64> {
+    time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
+        .map(|t| t.unix_timestamp())
+        .map_err(|_| {
+            ApiError::invalid_input(format!(
+                "{field} must be an RFC 3339 time such as 2026-12-03T10:00:00Z"
+            ))
+        })
+}
+
+fn list(tx: &Transaction<'_>, i: AuditListInput) -> ApiResult<Value> {
+    if let Some(t) = &i.tenant_id {
+        validate::tenant_id("tenantId", t)?;
+    }
+    let limit = i.limit.unwrap_or(100);
+    validate::range("limit", limit, 1, 200)?;
+    if let Some(a) = &i.action {
+        validate::prefix("action", a, 1)?;
+    }
+    let since = match &i.since {
+        Some(s) => parse_time("since", s)?,
+        None => i64::MIN,
+    };
+    let before = crate::admin::seq_cursor(i.cursor.as_deref(), "audit.list")?;
+    let prefix = i.action.unwrap_or_default();
+    let mut st = tx.prepare(
+        "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit
+         WHERE seq < ?1 AND (?2 IS NULL OR tenant_id = ?2) AND substr(action, 1, length(?3)) = ?3
+           AND created_at >= ?4
+         ORDER BY seq DESC LIMIT ?5",
+    )?;
+    let rows = st
+        .query_map(params![before, i.tenant_id, prefix, since, limit + 1], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                json!({
+                    "seq": r.get::<_, i64>(0)?,
+                    "tenantId": r.get::<_, String>(1)?,
+                    "action": r.get::<_, String>(2)?,
+                    "actor": r.get::<_, String>(3)?,
+                    "target": r.get::<_, String>(4)?,
+                    "data": serde_json::from_str::<Value>(&r.get::<_, String>(5)?).unwrap_or(Value::Null),
+                    "createdAt": rfc3339(r.get(6)?),
+                }),
+            ))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(page(rows, limit, |seq| seq.to_string()))
+}

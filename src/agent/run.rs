@@ -1,0 +1,562 @@
+//! `bca agent run` and `bca agent doctor`: a joined node keeps its session, renews at about 60%
+//! of its certificate's lifetime, and reconnects with capped exponential backoff and full jitter.
+//!
+//! Renewal writes the new identity so that a crash at any point leaves a loadable one:
+//! 1. the new key goes to `node.key.next` (atomically);
+//! 2. `identity.json` is replaced atomically with the new chain;
+//! 3. `node.key.next` is renamed over `node.key`.
+//!
+//! [`load_identity`] finishes step 3 when it finds an identity whose key is `node.key.next`.
+
+use crate::agent::nodekey::NodeKey;
+use crate::agent::{self, GatewayStream, Identity};
+use crate::base::crypto;
+use crate::base::error::{ApiError, ApiResult, Code};
+use crate::proto::agent_config::AgentConfig;
+use crate::proto::protocol::{
+    renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
+};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A loaded identity: the record, its key, and the leaf's validity.
+pub struct Loaded {
+    pub identity: Identity,
+    pub key: NodeKey,
+    pub chain_der: Vec<Vec<u8>>,
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+/// The key in `p` when it is the one `want` (a SubjectPublicKeyInfo) names.
+fn read_key(p: &Path, want: &[u8]) -> ApiResult<Option<NodeKey>> {
+    Ok(NodeKey::load(p)?.filter(|k| k.spki_der() == want))
+}
+
+/// Loads `identity.json` and the key it certifies, completing an interrupted renewal.
+pub fn load_identity(data_dir: &Path) -> ApiResult<Loaded> {
+    let ip = data_dir.join("identity.json");
+    let bytes = std::fs::read(&ip)
+        .map_err(|_| ApiError::invalid_state("not joined: run bca agent join"))?;
+    let identity: Identity = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid_state(format!("{} does not load: {e}; join again as root: bca agent join --reset --yes, then bca agent join", ip.display())))?;
+    let chain_der: Vec<Vec<u8>> = identity
+        .certificate_chain
+        .iter()
+        .filter_map(|p| {
+            crate::proto::x509::pem_decode_all(p, "CERTIFICATE")
+                .into_iter()
+                .next()
+        })
+        .collect();
+    let leaf = chain_der.first().and_then(|d| crate::proto::x509::parse_node_leaf(d)).ok_or_else(|| {
+        ApiError::invalid_state(format!("{} holds no node certificate; join again as root: bca agent join --reset --yes, then bca agent join", ip.display()))
+    })?;
+    let want = crypto::p256_spki_from_point(&leaf.public_point);
+    let (kp, next) = (data_dir.join("node.key"), data_dir.join("node.key.next"));
+    let key = match read_key(&kp, &want)? {
+        Some(k) => k,
+        None => {
+            let k = read_key(&next, &want)?.ok_or_else(|| {
+                ApiError::invalid_state("node.key does not match the identity's certificate; join again as root: bca agent join --reset --yes, then bca agent join")
+            })?;
+            std::fs::rename(&next, &kp)
+                .map_err(|e| ApiError::invalid_state(format!("cannot finish the renewal: {e}")))?;
+            k
+        }
+    };
+    let not_before = {
+        use x509_parser::prelude::*;
+        X509Certificate::from_der(&chain_der[0])
+            .map(|(_, c)| c.validity().not_before.timestamp())
+            .unwrap_or(0)
+    };
+    Ok(Loaded {
+        identity,
+        key,
+        chain_der,
+        not_before,
+        not_after: leaf.not_after,
+    })
+}
+
+/// Renews over an mTLS connection and writes the new identity; returns the new leaf's serial.
+pub async fn renew(
+    cfg: &AgentConfig,
+    data_dir: &Path,
+    cur: &Loaded,
+    s: &mut GatewayStream,
+) -> ApiResult<(String, Option<AgentConfig>)> {
+    // The next key is made where the current one lives; a TPM-held key is attested by the AK
+    // the certificate names, checked before anything is sent.
+    let (key, key_attestation) = match cur.key.tpm() {
+        None => (NodeKey::generate(), None),
+        Some(k) => {
+            let tcti: crate::tpm::Tcti = k.tcti().parse().map_err(ApiError::internal)?;
+            let key = NodeKey::generate_in(&tcti)?;
+            (key, Some(()))
+        }
+    };
+    let csr = key.csr()?;
+    let key_attestation = match key_attestation {
+        None => None,
+        Some(()) => Some(attest_key(cur, &key, &csr)?),
+    };
+    let now = crate::base::clock::now();
+    let msg = renew_pop_message(&crypto::sha256(&csr), &cur.identity.node_id, now);
+    let req = Request {
+        v: 1,
+        renew: Some(RenewRequest {
+            csr: crypto::b64(&csr),
+            chain: cur.identity.certificate_chain.clone(),
+            client_time: now,
+            pop_sig: crypto::b64(&cur.key.sign(RENEW_POP_PURPOSE, &msg)?),
+            key_attestation,
+        }),
+        ..Default::default()
+    };
+    let raw = agent::roundtrip(cfg, s, &serde_json::to_vec(&req).expect("serializes")).await?;
+    let reply: Reply = serde_json::from_slice(&raw)
+        .map_err(|e| ApiError::internal(format!("malformed answer: {e}")))?;
+    if let Some(e) = reply.error {
+        return Err(ApiError::new(Code::AccessDenied, e.message));
+    }
+    let resp = reply
+        .renew_response
+        .ok_or_else(|| ApiError::internal("the answer carries no renewal"))?;
+    let body = agent::verify_response_for(cfg, &resp, &csr, &key.spki_der(), &cur.identity.role)?;
+    if body.node_id != cur.identity.node_id {
+        return Err(ApiError::access_denied("the renewal names another node"));
+    }
+    let learned = agent::pins_learned(cfg, &resp, &body);
+    let serial = body
+        .certificate_chain
+        .first()
+        .and_then(|p| {
+            crate::proto::x509::pem_decode_all(p, "CERTIFICATE")
+                .into_iter()
+                .next()
+        })
+        .and_then(|d| crate::proto::x509::parse_node_leaf(&d))
+        .map(|l| l.serial_hex)
+        .unwrap_or_default();
+    write_renewed(
+        data_dir,
+        &key,
+        Identity {
+            certificate_chain: body.certificate_chain,
+            ..cur.identity.clone()
+        },
+    )?;
+    Ok((serial, learned))
+}
+
+/// The AK's `TPM2_Certify` of the new TPM-held `key` over the CSR's SHA-256, once the TPM
+/// derives the AK the current certificate names: otherwise the renewal fails here, unsent.
+fn attest_key(
+    cur: &Loaded,
+    key: &NodeKey,
+    csr: &[u8],
+) -> ApiResult<crate::proto::protocol::KeyAttestation> {
+    let tpm_key = key
+        .tpm()
+        .ok_or_else(|| ApiError::internal("the next key is not held by the TPM"))?;
+    let (ak, ak_public) = tpm_key.with_tpm(|t| t.ak_public())?;
+    let named = crate::proto::x509::parse_node_leaf(&cur.chain_der[0]).and_then(|l| {
+        l.statements
+            .iter()
+            .find_map(|s| crate::proto::x509::statement_ak_name(s))
+    });
+    match named {
+        Some(n) if n == ak.name => {}
+        Some(n) => {
+            return Err(ApiError::invalid_state(format!(
+                "the TPM derives another AK ({}) than the certificate names ({}); it was cleared or replaced: join again as root: bca agent join --reset --yes --attestor tpm",
+                crypto::hex(&ak.name),
+                crypto::hex(&n)
+            )))
+        }
+        // A TPM-held key from before a statement: nothing to prove, nothing sent.
+        None => {}
+    }
+    let c = tpm_key.with_tpm(|t| t.certify(tpm_key.blob(), &crypto::sha256(csr)))?;
+    Ok(crate::proto::protocol::KeyAttestation {
+        ak_public: crypto::b64(&ak_public),
+        key_public: crypto::b64(&tpm_key.blob().public),
+        attest: crypto::b64(&c.attest),
+        signature: crypto::b64(&c.signature),
+    })
+}
+
+/// The three steps of the module's doc, each atomic.
+pub fn write_renewed(data_dir: &Path, key: &NodeKey, identity: Identity) -> ApiResult<()> {
+    let next = data_dir.join("node.key.next");
+    crate::base::fsutil::write_atomic(&next, &key.file_bytes(), 0o600)
+        .map_err(ApiError::invalid_state)?;
+    crate::base::fsutil::write_atomic(
+        &data_dir.join("identity.json"),
+        &serde_json::to_vec_pretty(&identity).expect("serializes"),
+        0o600,
+    )
+    .map_err(ApiError::invalid_state)?;
+    std::fs::rename(&next, data_dir.join("node.key"))
+        .map_err(|e| ApiError::invalid_state(e.to_string()))
+}
+
+/// Full jitter: a random delay in `[0, min(cap, base * 2^attempt)]`.
+pub fn backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
+    let ceiling = base.saturating_mul(1u32 << attempt.min(20)).min(cap);
+    let mut r = [0u8; 8];
+    crypto::fill_random(&mut r);
+    let frac = (u64::from_le_bytes(r) >> 11) as f64 / (1u64 << 53) as f64;
+    ceiling.mul_f64(frac)
+}
+
+pub struct RunOptions {
+    pub config: PathBuf,
+    pub data_dir: PathBuf,
+    pub backoff_base: Duration,
+    pub backoff_cap: Duration,
+}
+
+enum End {
+    /// With a configuration to save when the answer taught new join-signing pins.
+    Renewed(Option<AgentConfig>),
+    Lost(String),
+}
+
+/// `bca agent run`: until SIGTERM or SIGINT.
+pub fn run(o: RunOptions) -> ApiResult<()> {
+    let mut cfg = AgentConfig::load(&o.config)?;
+    agent::apply_learned(&mut cfg, &o.data_dir);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ApiError::internal)?;
+    rt.block_on(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(ApiError::internal)?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(ApiError::internal)?;
+        let mut attempt = 0u32;
+        // One TLS configuration per identity (and serving CA pin): it keeps the gateway's last
+        // session ticket, so a reconnect resumes; a renewed identity starts a new one.
+        let mut tls: Option<(Vec<Vec<u8>>, String, Arc<rustls::ClientConfig>)> = None;
+        loop {
+            let cur = load_identity(&o.data_dir)?;
+            let now = crate::base::clock::now();
+            if cur.not_after <= now {
+                return Err(expired(cur.not_after));
+            }
+            let config = match &tls {
+                Some((chain, pin, c)) if *chain == cur.chain_der && *pin == cfg.serving_ca_spki_pin => c.clone(),
+                _ => {
+                    let c = agent::identity_tls(&cfg, cur.chain_der.clone(), &cur.key)?;
+                    tls = Some((cur.chain_der.clone(), cfg.serving_ca_spki_pin.clone(), c.clone()));
+                    c
+                }
+            };
+            let end = tokio::select! {
+                e = session(&cfg, &o.data_dir, &cur, config, &mut attempt) => e,
+                _ = term.recv() => return Ok(()),
+                _ = int.recv() => return Ok(()),
+            };
+            match end {
+                End::Renewed(None) => continue,
+                End::Renewed(Some(learned)) => {
+                    // In the data directory (the config's is read-only under the agent's unit);
+                    // kept in memory even if that write fails.
+                    if let Err(e) = agent::save_learned(&o.data_dir, &learned) {
+                        tracing::warn!(error = %e, "cannot save the learned join-signing pins");
+                    }
+                    tracing::info!(
+                        current = %learned.join_signing_key_pin,
+                        next = ?learned.join_signing_next_key_pin,
+                        "join-signing pins updated from a signed renewal"
+                    );
+                    cfg = learned;
+                    continue;
+                }
+                End::Lost(why) => {
+                    let delay = backoff(attempt, o.backoff_base, o.backoff_cap);
+                    tracing::warn!(node = %cur.identity.node_id, reason = %why, attempt, delay_ms = delay.as_millis() as u64, "session lost; reconnecting");
+                    attempt = attempt.saturating_add(1);
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = term.recv() => return Ok(()),
+                        _ = int.recv() => return Ok(()),
+                    }
+                }
+            }
+        }
+    })
+}
+
+pub fn expired(at: i64) -> ApiError {
+    ApiError::invalid_state(format!(
+        "the certificate expired at {}; join again as root: bca agent join --reset --yes, then bca agent join",
+        crate::base::clock::rfc3339(at)
+    ))
+}
+
+async fn session(
+    cfg: &AgentConfig,
+    data_dir: &Path,
+    cur: &Loaded,
+    tls: Arc<rustls::ClientConfig>,
+    attempt: &mut u32,
+) -> End {
+    let mut s = match agent::connect_with(cfg, tls).await {
+        Ok(s) => s,
+        Err(e) => return End::Lost(e.message),
+    };
+    let resumed = s.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+    let hello = Request {
+        v: 1,
+        hello: Some(Hello {
+            node_id: cur.identity.node_id.clone(),
+        }),
+        ..Default::default()
+    };
+    let welcome = match agent::roundtrip(
+        cfg,
+        &mut s,
+        &serde_json::to_vec(&hello).expect("serializes"),
+    )
+    .await
+    {
+        Ok(raw) => match serde_json::from_slice::<Reply>(&raw) {
+            Ok(Reply {
+                welcome: Some(w), ..
+            }) => w,
+            Ok(Reply { error: Some(e), .. }) => {
+                return End::Lost(format!("{}: {}", e.code, e.message))
+            }
+            _ => return End::Lost("no welcome".into()),
+        },
+        Err(e) => return End::Lost(e.message),
+    };
+    *attempt = 0;
+    tracing::info!(node = %welcome.node_id, skew = welcome.server_time - crate::base::clock::now(), resumed, "session open");
+    let hb = Duration::from_secs(welcome.heartbeat_seconds.max(1) as u64);
+    let lifetime = (cur.not_after - cur.not_before).max(1);
+    let renew_at = cur.not_before + lifetime * 6 / 10;
+    let mut next_renew = renew_at;
+    loop {
+        let now = crate::base::clock::now();
+        if now >= next_renew {
+            match renew(cfg, data_dir, cur, &mut s).await {
+                Ok((serial, learned)) => {
+                    tracing::info!(node = %cur.identity.node_id, serial = %serial, "renewed");
+                    return End::Renewed(learned);
+                }
+                Err(e) if e.code == Code::AccessDenied => {
+                    tracing::error!(node = %cur.identity.node_id, error = %e, "renewal refused; retrying later");
+                    next_renew = now + hb.as_secs() as i64 * 4;
+                }
+                Err(e) => return End::Lost(e.message),
+            }
+        }
+        let until_renew =
+            Duration::from_secs((next_renew - crate::base::clock::now()).max(0) as u64);
+        // Between heartbeats, watch the connection: the appliance sends nothing unasked, so any
+        // read that completes is its close (a restart, a revocation): reconnect at once instead
+        // of finding out at the next heartbeat.
+        let mut probe = [0u8; 1];
+        tokio::select! {
+            _ = tokio::time::sleep(hb.min(until_renew.max(Duration::from_millis(10)))) => {}
+            r = tokio::io::AsyncReadExt::read(&mut s, &mut probe) => {
+                return End::Lost(match r {
+                    Ok(0) => "the appliance closed the session".into(),
+                    Ok(_) => "the appliance sent an unexpected frame".into(),
+                    Err(e) => e.to_string(),
+                });
+            }
+        }
+        if crate::base::clock::now() >= next_renew {
+            continue;
+        }
+        let beat = Request {
+            v: 1,
+            heartbeat: Some(Empty {}),
+            ..Default::default()
+        };
+        match agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&beat).expect("serializes")).await {
+            Ok(raw) => match serde_json::from_slice::<Reply>(&raw) {
+                Ok(Reply { ack: Some(_), .. }) => {}
+                Ok(Reply { error: Some(e), .. }) => {
+                    return End::Lost(format!("{}: {}", e.code, e.message))
+                }
+                _ => return End::Lost("unexpected answer to a heartbeat".into()),
+            },
+            Err(e) => return End::Lost(e.message),
+        }
+    }
+}
+
+/// `bca agent doctor`: each check prints `ok` or `FAIL` with what to do; false when one failed.
+/// `tpm` names the machine's TPM (default `/dev/tpmrm0`).
+pub fn doctor(config: &Path, data_dir: &Path, tpm: Option<&crate::tpm::Tcti>) -> bool {
+    let mut ok = true;
+    let mut line = |good: bool, what: &str, msg: String| {
+        println!("{} {what}: {msg}", if good { "ok  " } else { "FAIL" });
+        ok &= good;
+    };
+    let cfg = match AgentConfig::load(config) {
+        Ok(c) => {
+            line(
+                true,
+                "config",
+                format!(
+                    "{} (gateway {}, site {})",
+                    config.display(),
+                    c.gateway_url,
+                    c.site
+                ),
+            );
+            c
+        }
+        Err(e) => {
+            line(false, "config", e.message);
+            return false;
+        }
+    };
+    match cfg.join_encryption_point(config) {
+        Ok(_) => line(
+            true,
+            "pins",
+            "join-encryption.jwk matches join_encryption_key_pin".into(),
+        ),
+        Err(e) => line(false, "pins", e.message),
+    }
+    match load_identity(data_dir) {
+        Ok(l) if l.not_after <= crate::base::clock::now() => {
+            line(false, "identity", expired(l.not_after).message)
+        }
+        Ok(l) => line(
+            true,
+            "identity",
+            format!(
+                "node {} ({}), certificate valid until {}",
+                l.identity.node_id,
+                l.identity.role,
+                crate::base::clock::rfc3339(l.not_after)
+            ),
+        ),
+        Err(e) => line(false, "identity", e.message),
+    }
+    let ping = Request {
+        v: 1,
+        ping: Some(Empty {}),
+        ..Default::default()
+    };
+    let sent = crate::base::clock::now();
+    match agent::exchange_raw(&cfg, &serde_json::to_vec(&ping).expect("serializes"))
+        .map(|r| serde_json::from_slice::<Reply>(&r))
+    {
+        Ok(Ok(Reply { pong: Some(c), .. })) => {
+            line(
+                true,
+                "gateway",
+                format!("{} answers under the pinned serving CA", cfg.gateway_url),
+            );
+            let skew = c.server_time - sent;
+            if skew.abs() > 30 {
+                line(false, "clock", format!("this machine's clock is {skew} s off the appliance's; renewals are refused beyond 60 s: fix NTP"));
+            } else {
+                line(
+                    true,
+                    "clock",
+                    format!("within {} s of the appliance", skew.abs()),
+                );
+            }
+        }
+        Ok(_) => line(
+            false,
+            "gateway",
+            "the gateway answered, but not a pong".into(),
+        ),
+        Err(e) => {
+            line(false, "gateway", e.message);
+            line(false, "clock", "unknown: the gateway did not answer".into());
+        }
+    }
+    let (good, msg) = tpm_check(tpm);
+    line(good, "tpm", msg);
+    ok
+}
+
+/// The machine's TPM for `doctor`: none is fine (token and discovery joins need none); one that
+/// is there must answer and derive bca's AK.
+fn tpm_check(tpm: Option<&crate::tpm::Tcti>) -> (bool, String) {
+    let default: crate::tpm::Tcti = crate::tpm::DEFAULT_TCTI
+        .parse()
+        .expect("the default parses");
+    let tcti = tpm.unwrap_or(&default);
+    if let (None, crate::tpm::Tcti::Device(p)) = (tpm, tcti) {
+        if !p.exists() {
+            return (
+                true,
+                format!(
+                    "none at {} (joins with a token or by discovery need none; --attestor tpm \
+                     would)",
+                    p.display()
+                ),
+            );
+        }
+    }
+    let checked = crate::tpm::Tpm::open(tcti).and_then(|mut t| {
+        let id = t.identity()?;
+        let (ak, _) = t.ak_public()?;
+        Ok((id, ak))
+    });
+    match checked {
+        Ok((id, ak)) => (
+            true,
+            format!(
+                "{tcti} answers ({} {}, firmware {}); bca's AK {}",
+                id.manufacturer,
+                id.vendor,
+                id.firmware,
+                crate::base::crypto::hex(&ak.name)
+            ),
+        ),
+        Err(e) => (false, format!("{e}")),
+    }
+}
+
+/// Sends one heartbeat-free `Hello` and returns the reply (for tests and doctor-like probes).
+pub async fn hello(cfg: &AgentConfig, cur: &Loaded) -> ApiResult<(Reply, GatewayStream)> {
+    let mut s = agent::connect_as(cfg, cur.chain_der.clone(), &cur.key).await?;
+    let hello = Request {
+        v: 1,
+        hello: Some(Hello::default()),
+        ..Default::default()
+    };
+    let raw = agent::roundtrip(
+        cfg,
+        &mut s,
+        &serde_json::to_vec(&hello).expect("serializes"),
+    )
+    .await?;
+    let r = serde_json::from_slice(&raw).map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((r, s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_capped_and_jittered() {
+        let base = Duration::from_millis(100);
+        let cap = Duration::from_secs(2);
+        let mut seen = std::collections::HashSet::new();
+        for attempt in 0..30 {
+            let d = backoff(attempt, base, cap);
+            assert!(d <= cap);
+            assert!(d <= base * 2u32.pow(attempt.min(20)));
+            seen.insert(d.as_micros());
+        }
+        assert!(seen.len() > 20, "no jitter");
+    }
+}

@@ -1,0 +1,90 @@
+//! Full DHCP mode's leases, in memory.
+
+use crate::store::Store;
+use std::collections::{HashMap, HashSet};
+use std::net::Ipv4Addr;
+
+/// Full DHCP mode's view of the leases, in memory: the durable leases (loaded from SQLite once,
+/// kept in step by every commit, which only `boot_core::allocate` makes) and the offers not yet requested.
+/// A DISCOVER is answered from here without touching the database.
+#[derive(Default)]
+pub struct DhcpState {
+    pub(crate) leases: HashMap<String, (Ipv4Addr, i64)>,
+    pub(crate) offers: HashMap<String, (Ipv4Addr, i64)>,
+}
+
+impl DhcpState {
+    pub fn load(store: &Store) -> Result<Self, String> {
+        let leases = store
+            .read(|tx| {
+                Ok(tx
+                    .prepare("SELECT mac, ip, expires_at FROM dhcp_leases")?
+                    .query_map([], |r| {
+                        Ok((
+                            r.get::<_, String>(0)?,
+                            r.get::<_, String>(1)?,
+                            r.get::<_, i64>(2)?,
+                        ))
+                    })?
+                    .collect::<Result<Vec<_>, _>>()?)
+            })
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .filter_map(|(m, ip, t)| Some((m, (ip.parse().ok()?, t))))
+            .collect();
+        Ok(Self {
+            leases,
+            offers: HashMap::new(),
+        })
+    }
+
+    /// The MAC's address: its lease's, else a free one (the one offered to it first).
+    pub(crate) fn address_for(
+        &self,
+        b: &crate::config::BootConfig,
+        mac: &str,
+        now: i64,
+    ) -> Option<Ipv4Addr> {
+        if let Some((ip, _)) = self.leases.get(mac) {
+            return Some(*ip);
+        }
+        let prefer = self.offers.get(mac).map(|(ip, _)| *ip);
+        let ip = self.free(b, mac, prefer, now);
+        if ip.is_none() {
+            tracing::warn!(%mac, "dhcp: the range is exhausted");
+        }
+        ip
+    }
+
+    /// A free address: in the range, not the server's, not leased (unexpired) or offered to
+    /// another MAC; `prefer` first.
+    fn free(
+        &self,
+        b: &crate::config::BootConfig,
+        mac: &str,
+        prefer: Option<Ipv4Addr>,
+        now: i64,
+    ) -> Option<Ipv4Addr> {
+        let (start, end) = (u32::from(b.range_start?), u32::from(b.range_end?));
+        let used: HashSet<Ipv4Addr> = self
+            .leases
+            .iter()
+            .filter(|(m, (_, t))| *m != mac && *t > now)
+            .map(|(_, (ip, _))| *ip)
+            .chain(
+                self.offers
+                    .iter()
+                    .filter(|(m, _)| *m != mac)
+                    .map(|(_, (ip, _))| *ip),
+            )
+            .collect();
+        prefer
+            .into_iter()
+            .chain((start..=end).map(Ipv4Addr::from))
+            .find(|ip| {
+                (start..=end).contains(&u32::from(*ip))
+                    && Some(*ip) != b.server_ip
+                    && !used.contains(ip)
+            })
+    }
+}

@@ -1,0 +1,594 @@
+//! The join-token attestor's rules and the admission rules after it, as pure functions of the
+//! rows involved, the claims and `now`. The JoinService loads the rows inside its transaction,
+//! asks these functions, and writes what they decide.
+
+use crate::base::crypto;
+use crate::domain::pool::Pool;
+use crate::domain::token::expect_matches;
+use crate::domain::token::TokenRow;
+use crate::proto::claims::{HardwareKey, Identifiers};
+
+/// Why a join was refused: recorded as `security.join.refused`'s `reason`, never told the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Malformed,
+    Unknown,
+    SecretMismatch,
+    Revoked,
+    Expired,
+    Exhausted,
+    RoleMismatch,
+    /// The seal could not be opened, or was made for another CSR.
+    Token,
+    /// The CSR is not a valid P-256 request signed by its own key.
+    Csr,
+    /// The claims are not a machine's (too large).
+    Claims,
+    /// An attestor this appliance does not run.
+    Attestor,
+    Expect,
+    PlaceholderHardware,
+    Reclaim,
+    Pool,
+    Tenant,
+    Site,
+    PoolAttestor,
+    DiscoveryUnknown,
+    DiscoverySecretMismatch,
+    /// The discovery token was spent, or voided by a newer boot of the same MAC.
+    DiscoverySpent,
+    DiscoveryExpired,
+    DiscoveryRoleMismatch,
+    /// The claims do not carry the MAC the discovery token is bound to.
+    DiscoveryMac,
+    /// An operator rejected this machine's request for this CSR.
+    DiscoveryRejected,
+    /// The machine's open request was made by a boot with another MAC.
+    DiscoveryMacConflict,
+    /// The token stands for another machine's request.
+    DiscoveryTokenReused,
+    /// The machine's open request was made from another address.
+    DiscoveryAddressConflict,
+    /// The `tpm` evidence is not well-formed: public areas, the CSR, base64.
+    TpmMalformed,
+    /// The AK is not one bca accepts (fixedTPM, fixedParent, restricted, sign, P-256).
+    TpmAk,
+    /// The challenge is unknown, used, expired, or for another EK or AK, or the credential's
+    /// secret is not the one it carried.
+    TpmChallenge,
+    /// The AK's certification of the node key fails, or certifies another key than the CSR's.
+    TpmCertify,
+    /// The EK is on no allow-list and enrollment is off.
+    TpmEkUnknown,
+    /// An operator rejected this TPM's request for this CSR.
+    TpmRejected,
+    /// A role other than `node` or `ramdisk`.
+    TpmRoleMismatch,
+    /// Too many unknown EKs wait for an operator (in all, or from this source).
+    TpmEnrollmentLimit,
+}
+
+impl Reason {
+    /// The attestor a reason belongs to (`join:` reasons belong to the join itself).
+    pub fn attestor(self) -> &'static str {
+        if self.as_str().starts_with("discovery:") {
+            "discovery"
+        } else if self.as_str().starts_with("tpm:") {
+            "tpm"
+        } else {
+            "join-token"
+        }
+    }
+
+    /// `<attestor>:<reason>` as the seed writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Malformed => "join-token:malformed",
+            Reason::Unknown => "join-token:unknown",
+            Reason::SecretMismatch => "join-token:secret-mismatch",
+            Reason::Revoked => "join-token:revoked",
+            Reason::Expired => "join-token:expired",
+            Reason::Exhausted => "join-token:exhausted",
+            Reason::RoleMismatch => "join-token:role-mismatch",
+            Reason::Token => "join:token",
+            Reason::Csr => "join:csr",
+            Reason::Claims => "join:claims",
+            Reason::Attestor => "join:attestor",
+            Reason::Expect => "join:expect",
+            Reason::PlaceholderHardware => "join:placeholder-hardware",
+            Reason::Reclaim => "join:reclaim",
+            Reason::Pool => "join:pool",
+            Reason::Tenant => "join:tenant",
+            Reason::Site => "join:site",
+            Reason::PoolAttestor => "join:pool-attestor",
+            Reason::DiscoveryUnknown => "discovery:unknown",
+            Reason::DiscoverySecretMismatch => "discovery:secret-mismatch",
+            Reason::DiscoverySpent => "discovery:spent",
+            Reason::DiscoveryExpired => "discovery:expired",
+            Reason::DiscoveryRoleMismatch => "discovery:role-mismatch",
+            Reason::DiscoveryMac => "discovery:mac",
+            Reason::DiscoveryRejected => "discovery:rejected",
+            Reason::DiscoveryMacConflict => "discovery:mac-conflict",
+            Reason::DiscoveryTokenReused => "discovery:token-reused",
+            Reason::DiscoveryAddressConflict => "discovery:address-conflict",
+            Reason::TpmMalformed => "tpm:malformed",
+            Reason::TpmAk => "tpm:ak",
+            Reason::TpmChallenge => "tpm:challenge",
+            Reason::TpmCertify => "tpm:certify",
+            Reason::TpmEkUnknown => "tpm:ek-unknown",
+            Reason::TpmRejected => "tpm:rejected",
+            Reason::TpmRoleMismatch => "tpm:role-mismatch",
+            Reason::TpmEnrollmentLimit => "tpm:enrollment-limit",
+        }
+    }
+}
+
+/// Roles an agent may ask a join token for, and the token role that admits each.
+pub fn token_role_admits(token_role: &str, requested: &str) -> bool {
+    token_role == requested
+}
+
+/// The join-token attestor's checks, in the seed's order, once the row is locked: the secret (in
+/// constant time), revocation, expiry at `now`, remaining uses and role. `Ok` means one use may
+/// be consumed.
+pub fn check_token(
+    t: &TokenRow,
+    secret: &[u8; 32],
+    requested_role: &str,
+    now: i64,
+) -> Result<(), Reason> {
+    if !crypto::ct_eq(&crypto::sha256(secret), &t.secret_sha256) {
+        return Err(Reason::SecretMismatch);
+    }
+    if t.revoked_at.is_some() {
+        return Err(Reason::Revoked);
+    }
+    if now >= t.expires_at {
+        return Err(Reason::Expired);
+    }
+    if t.uses_left <= 0 {
+        return Err(Reason::Exhausted);
+    }
+    if !token_role_admits(&t.role, requested_role) {
+        return Err(Reason::RoleMismatch);
+    }
+    Ok(())
+}
+
+/// A node that already holds the machine's trusted hardware key.
+#[derive(Debug, Clone)]
+pub struct KnownNode {
+    pub id: String,
+    pub tenant_id: String,
+    pub site_id: String,
+    pub pool_id: String,
+    pub role: String,
+    pub state: String,
+    pub trust: String,
+    pub identity_generation: i64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    New,
+    Reclaim { node_id: String, generation: i64 },
+}
+
+/// What admission decided.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admission {
+    pub kind: Kind,
+    /// The certificate's role: `node`, or `node-tenant` for a tenant-controlled hosted node.
+    pub role: String,
+    /// `platform`, `tenant-owned` or `tenant-controlled`.
+    pub trust: String,
+}
+
+pub struct AdmitInput<'a> {
+    pub token: &'a TokenRow,
+    pub pool: Option<&'a Pool>,
+    pub site_id: &'a str,
+    pub root_tenant: &'a str,
+    pub ids: &'a Identifiers,
+    pub key: Option<&'a HardwareKey>,
+    pub known: Option<&'a KnownNode>,
+}
+
+/// `expect`, the placeholder rule, the reclaim rules, then the pool's own checks.
+pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
+    let t = i.token;
+    if let Some(e) = &t.expect {
+        if !expect_matches(e, i.ids) {
+            return Err(Reason::Expect);
+        }
+    }
+    let trusted = i.key.is_some_and(|k| k.trusted);
+    if (!trusted || !i.ids.has_primary()) && t.expect.is_none() {
+        return Err(Reason::PlaceholderHardware);
+    }
+    let pool = i.pool.ok_or(Reason::Pool)?;
+    if pool.agent != "bcd" || pool.archived_at.is_some() {
+        return Err(Reason::Pool);
+    }
+    if pool.tenant_id != t.tenant_id {
+        return Err(Reason::Tenant);
+    }
+    if pool.site_id != t.site_id || t.site_id != i.site_id {
+        return Err(Reason::Site);
+    }
+    if !pool.allows_attestor("join-token") {
+        return Err(Reason::PoolAttestor);
+    }
+    // Hosted tokens lower trust unless the platform operates the pool: the platform owns it (its
+    // tenant is the site's owner, the root tenant) and its policy says so.
+    let platform_operated = pool.tenant_id == i.root_tenant
+        && pool
+            .policy
+            .kubernetes
+            .as_ref()
+            .is_some_and(|k| k.platform_operated);
+    let tenant_controlled = t.hosted.as_deref() == Some("kubernetes") && !platform_operated;
+    let (role, mut trust) = if tenant_controlled {
+        ("node-tenant".to_string(), "tenant-controlled".to_string())
+    } else {
+        (
+            "node".to_string(),
+            if pool.tenant_id == i.root_tenant {
+                "platform"
+            } else {
+                "tenant-owned"
+            }
+            .to_string(),
+        )
+    };
+    let kind = match (trusted, i.known) {
+        (true, Some(n)) => {
+            let same =
+                n.tenant_id == t.tenant_id && n.site_id == t.site_id && n.pool_id == t.pool_id;
+            if !t.allow_reclaim || !same || n.role != role || n.state == "retired" {
+                return Err(Reason::Reclaim);
+            }
+            if tenant_controlled || n.trust == "tenant-controlled" {
+                trust = "tenant-controlled".into();
+            }
+            Kind::Reclaim {
+                node_id: n.id.clone(),
+                generation: n.identity_generation + 1,
+            }
+        }
+        _ => Kind::New,
+    };
+    Ok(Admission { kind, role, trust })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::pool::KubernetesPolicy;
+    use crate::domain::pool::Policy;
+    use crate::domain::token::Expect;
+    use crate::proto::claims::{hardware_key, Claims};
+
+    fn token() -> TokenRow {
+        TokenRow {
+            id: "jt_x".into(),
+            tenant_id: "tn_root".into(),
+            pool_id: "pool_a".into(),
+            site_id: "site_1".into(),
+            role: "node".into(),
+            secret_sha256: crypto::sha256(&[7u8; 32]).to_vec(),
+            max_uses: 2,
+            uses_left: 2,
+            expect: None,
+            allow_reclaim: false,
+            hosted: None,
+            created_at: 0,
+            expires_at: 100,
+            revoked_at: None,
+        }
+    }
+
+    fn pool() -> Pool {
+        Pool {
+            id: "pool_a".into(),
+            tenant_id: "tn_root".into(),
+            site_id: "site_1".into(),
+            name: "a".into(),
+            agent: "bcd".into(),
+            policy: Policy::default(),
+            archived_at: None,
+            created_at: 0,
+            updated_at: 0,
+        }
+    }
+
+    fn good_ids() -> Identifiers {
+        let c: Claims = serde_json::from_str(r#"{"productUuid":"4c4c4544-004d-3610-804a-b4c04f564433","serials":{"product":"SN-1"}}"#).unwrap();
+        Identifiers::from_claims(&c)
+    }
+
+    fn run(
+        t: &TokenRow,
+        p: Option<&Pool>,
+        ids: &Identifiers,
+        known: Option<&KnownNode>,
+    ) -> Result<Admission, Reason> {
+        let key = hardware_key(ids);
+        admit(&AdmitInput {
+            token: t,
+            pool: p,
+            site_id: "site_1",
+            root_tenant: "tn_root",
+            ids,
+            key: key.as_ref(),
+            known,
+        })
+    }
+
+    #[test]
+    fn token_checks_in_order() {
+        let t = token();
+        assert_eq!(check_token(&t, &[7u8; 32], "node", 50), Ok(()));
+        assert_eq!(
+            check_token(&t, &[8u8; 32], "node", 50),
+            Err(Reason::SecretMismatch)
+        );
+        assert_eq!(
+            check_token(
+                &TokenRow {
+                    revoked_at: Some(1),
+                    ..token()
+                },
+                &[7u8; 32],
+                "node",
+                50
+            ),
+            Err(Reason::Revoked)
+        );
+        assert_eq!(
+            check_token(&t, &[7u8; 32], "node", 100),
+            Err(Reason::Expired)
+        );
+        assert_eq!(
+            check_token(
+                &TokenRow {
+                    uses_left: 0,
+                    ..token()
+                },
+                &[7u8; 32],
+                "node",
+                50
+            ),
+            Err(Reason::Exhausted)
+        );
+        assert_eq!(
+            check_token(&t, &[7u8; 32], "ramdisk", 50),
+            Err(Reason::RoleMismatch)
+        );
+    }
+
+    #[test]
+    fn pool_tenant_site_and_attestor() {
+        let t = token();
+        let ids = good_ids();
+        assert_eq!(run(&t, Some(&pool()), &ids, None).unwrap().kind, Kind::New);
+        assert_eq!(run(&t, None, &ids, None), Err(Reason::Pool));
+        assert_eq!(
+            run(
+                &t,
+                Some(&Pool {
+                    agent: "none".into(),
+                    ..pool()
+                }),
+                &ids,
+                None
+            ),
+            Err(Reason::Pool)
+        );
+        assert_eq!(
+            run(
+                &t,
+                Some(&Pool {
+                    archived_at: Some(1),
+                    ..pool()
+                }),
+                &ids,
+                None
+            ),
+            Err(Reason::Pool)
+        );
+        assert_eq!(
+            run(
+                &t,
+                Some(&Pool {
+                    tenant_id: "tn_other".into(),
+                    ..pool()
+                }),
+                &ids,
+                None
+            ),
+            Err(Reason::Tenant)
+        );
+        assert_eq!(
+            run(
+                &t,
+                Some(&Pool {
+                    site_id: "site_2".into(),
+                    ..pool()
+                }),
+                &ids,
+                None
+            ),
+            Err(Reason::Site)
+        );
+        let t2 = TokenRow {
+            site_id: "site_2".into(),
+            ..token()
+        };
+        assert_eq!(
+            run(
+                &t2,
+                Some(&Pool {
+                    site_id: "site_2".into(),
+                    ..pool()
+                }),
+                &ids,
+                None
+            ),
+            Err(Reason::Site)
+        );
+        let only_tpm = Pool {
+            policy: Policy {
+                join_attestors: Some(vec!["tpm".into()]),
+                kubernetes: None,
+            },
+            ..pool()
+        };
+        assert_eq!(
+            run(&t, Some(&only_tpm), &ids, None),
+            Err(Reason::PoolAttestor)
+        );
+    }
+
+    #[test]
+    fn expect_and_placeholders() {
+        let ids = good_ids();
+        let bound = TokenRow {
+            expect: Some(Expect {
+                serial: Some("sn-1".into()),
+                ..Default::default()
+            }),
+            ..token()
+        };
+        assert!(run(&bound, Some(&pool()), &ids, None).is_ok());
+        let wrong = TokenRow {
+            expect: Some(Expect {
+                serial: Some("sn-2".into()),
+                ..Default::default()
+            }),
+            ..token()
+        };
+        assert_eq!(run(&wrong, Some(&pool()), &ids, None), Err(Reason::Expect));
+        let c: Claims = serde_json::from_str(
+            r#"{"serials":{"product":"Default string"},"macs":["00:1b:21:3a:4f:5e"]}"#,
+        )
+        .unwrap();
+        let weak = Identifiers::from_claims(&c);
+        assert_eq!(
+            run(&token(), Some(&pool()), &weak, None),
+            Err(Reason::PlaceholderHardware)
+        );
+        let by_mac = TokenRow {
+            expect: Some(Expect {
+                mac: Some("00:1b:21:3a:4f:5e".into()),
+                ..Default::default()
+            }),
+            ..token()
+        };
+        assert_eq!(
+            run(&by_mac, Some(&pool()), &weak, None).unwrap().kind,
+            Kind::New
+        );
+    }
+
+    #[test]
+    fn reclaims() {
+        let ids = good_ids();
+        let known = KnownNode {
+            id: "node_1".into(),
+            tenant_id: "tn_root".into(),
+            site_id: "site_1".into(),
+            pool_id: "pool_a".into(),
+            role: "node".into(),
+            state: "adopted".into(),
+            trust: "platform".into(),
+            identity_generation: 1,
+        };
+        assert_eq!(
+            run(&token(), Some(&pool()), &ids, Some(&known)),
+            Err(Reason::Reclaim)
+        );
+        let t = TokenRow {
+            allow_reclaim: true,
+            ..token()
+        };
+        assert_eq!(
+            run(&t, Some(&pool()), &ids, Some(&known)).unwrap().kind,
+            Kind::Reclaim {
+                node_id: "node_1".into(),
+                generation: 2
+            }
+        );
+        let other_pool = KnownNode {
+            pool_id: "pool_b".into(),
+            ..known.clone()
+        };
+        assert_eq!(
+            run(&t, Some(&pool()), &ids, Some(&other_pool)),
+            Err(Reason::Reclaim)
+        );
+        let other_tenant = KnownNode {
+            tenant_id: "tn_b".into(),
+            ..known.clone()
+        };
+        assert_eq!(
+            run(&t, Some(&pool()), &ids, Some(&other_tenant)),
+            Err(Reason::Reclaim)
+        );
+        let retired = KnownNode {
+            state: "retired".into(),
+            ..known.clone()
+        };
+        assert_eq!(
+            run(&t, Some(&pool()), &ids, Some(&retired)),
+            Err(Reason::Reclaim)
+        );
+        let other_role = KnownNode {
+            role: "node-tenant".into(),
+            ..known
+        };
+        assert_eq!(
+            run(&t, Some(&pool()), &ids, Some(&other_role)),
+            Err(Reason::Reclaim)
+        );
+    }
+
+    #[test]
+    fn hosted_tokens_lower_trust_unless_platform_operated() {
+        let ids = good_ids();
+        let t = TokenRow {
+            hosted: Some("kubernetes".into()),
+            ..token()
+        };
+        let a = run(&t, Some(&pool()), &ids, None).unwrap();
+        assert_eq!(
+            (a.role.as_str(), a.trust.as_str()),
+            ("node-tenant", "tenant-controlled")
+        );
+        let operated = Pool {
+            policy: Policy {
+                join_attestors: None,
+                kubernetes: Some(KubernetesPolicy {
+                    platform_operated: true,
+                }),
+            },
+            ..pool()
+        };
+        let a = run(&t, Some(&operated), &ids, None).unwrap();
+        assert_eq!((a.role.as_str(), a.trust.as_str()), ("node", "platform"));
+        // A tenant cannot vouch for its own cluster by editing its pool's policy.
+        let tenant_pool = Pool {
+            tenant_id: "tn_t".into(),
+            ..operated
+        };
+        let tt = TokenRow {
+            tenant_id: "tn_t".into(),
+            ..t
+        };
+        let a = run(&tt, Some(&tenant_pool), &ids, None).unwrap();
+        assert_eq!(
+            (a.role.as_str(), a.trust.as_str()),
+            ("node-tenant", "tenant-controlled")
+        );
+    }
+}

@@ -1,0 +1,341 @@
+//! The boot server's sockets: DHCP on 67 (and 4011 in proxy mode) and TFTP on 69, bound to the
+//! provisioning interface when one is configured. What to answer is decided in `dhcp` and `tftp`.
+
+use crate::base::fsutil::ReadRoot;
+use crate::config::BootConfig;
+use crate::edge::boot::dhcp::{self, Files, ReplyCtx};
+use crate::edge::{Answer, Ask, Edge};
+use dhcproto::{Encodable, Encoder};
+use socket2::{Domain, Protocol, Socket, Type};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::Path;
+use std::sync::Arc;
+use tokio::net::UdpSocket;
+use tokio::sync::watch;
+
+fn udp(
+    addr: &str,
+    interface: Option<&str>,
+    broadcast: bool,
+) -> Result<std::net::UdpSocket, String> {
+    let addr: SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    let s =
+        Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP)).map_err(|e| e.to_string())?;
+    s.set_reuse_address(true).map_err(|e| e.to_string())?;
+    if broadcast {
+        s.set_broadcast(true).map_err(|e| e.to_string())?;
+    }
+    if let Some(i) = interface {
+        s.bind_device(Some(i.as_bytes()))
+            .map_err(|e| format!("cannot bind to interface {i}: {e}"))?;
+    }
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // Each datagram's destination address (`IP_PKTINFO`): a sighting counts only from a limited
+    // broadcast (or a listed relay), which a unicast from anywhere cannot pass for.
+    nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::Ipv4PacketInfo, &true)
+        .map_err(|e| format!("cannot ask for IP_PKTINFO on {addr}: {e}"))?;
+    // Room for a rack's burst (the kernel caps it at net.core.rmem_max).
+    let _ = s.set_recv_buffer_size(4 << 20);
+    s.bind(&addr.into())
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    Ok(s.into())
+}
+
+fn files(root: &ReadRoot) -> Files {
+    Files {
+        undionly: root.is_file("undionly.kpxe"),
+        ipxe_efi: root.is_file("ipxe.efi"),
+        snponly: root.is_file("snponly.efi"),
+        arm64: root.is_file("ipxe-arm64.efi"),
+    }
+}
+
+/// How a DHCP packet reached the boot server: its source and the destination in its IP header
+/// (`IP_PKTINFO`; unknown when the kernel did not say).
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    pub src: SocketAddr,
+    pub dst: Option<Ipv4Addr>,
+}
+
+/// Whether a packet counts as what the network saw: a limited broadcast with no relay in
+/// between, or a packet a listed relay sent (its source and `giaddr` both listed). Any host that
+/// reaches the port could send a unicast naming any address, or a made-up `giaddr`.
+pub fn counts_as_sighting(b: &BootConfig, req: &dhcproto::v4::Message, how: Arrival) -> bool {
+    let giaddr = req.giaddr();
+    if giaddr.is_unspecified() {
+        return how.dst == Some(Ipv4Addr::BROADCAST);
+    }
+    let src = match how.src.ip() {
+        std::net::IpAddr::V4(v4) => v4,
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4,
+            None => return false,
+        },
+    };
+    b.relays.contains(&src) && b.relays.contains(&giaddr)
+}
+
+/// The address a REQUEST is for: option 50 (the broadcast REQUEST of BIOS and UEFI PXE ROMs and
+/// iPXE), else `ciaddr` (a renewing client's, or UEFI's and iPXE's unicast to port 4011).
+pub fn requested_address(req: &dhcproto::v4::Message) -> Option<Ipv4Addr> {
+    use dhcproto::v4::{DhcpOption, MessageType, OptionCode};
+    if !matches!(
+        req.opts().get(OptionCode::MessageType),
+        Some(DhcpOption::MessageType(MessageType::Request))
+    ) {
+        return None;
+    }
+    let asked = match req.opts().get(OptionCode::RequestedIpAddress) {
+        Some(DhcpOption::RequestedIpAddress(ip)) => Some(*ip),
+        _ => None,
+    };
+    asked
+        .or_else(|| Some(req.ciaddr()))
+        .filter(|ip| !ip.is_unspecified() && !ip.is_broadcast())
+}
+
+async fn answer(
+    edge: &Edge,
+    buf: &[u8],
+    port_4011: bool,
+    http_base: &str,
+    how: Arrival,
+) -> Option<(Vec<u8>, dhcproto::v4::Message)> {
+    let req = dhcp::decode(buf)?;
+    let b = &edge.boot;
+    let proxy = b.mode == "proxy";
+    let mac = dhcp::mac_of(&req)?;
+    let discover = matches!(
+        req.opts().get(dhcproto::v4::OptionCode::MessageType),
+        Some(dhcproto::v4::DhcpOption::MessageType(
+            dhcproto::v4::MessageType::Discover
+        ))
+    );
+    let lease = if proxy {
+        None
+    } else {
+        let ask = Ask::DhcpAddress {
+            mac: mac.clone(),
+            discover,
+        };
+        match edge.core.ask(ask).await {
+            Answer::Address { ip } => ip,
+            _ => None,
+        }
+    };
+    // What the network saw, recorded before any decision to answer: in proxy mode the address
+    // the REQUEST names (the site's DHCP server gave it; a proxy never answers a REQUEST on port
+    // 67), in full DHCP mode the MAC's lease once the REQUEST made it durable.
+    let seen_at = if proxy {
+        requested_address(&req)
+    } else {
+        lease.filter(|_| !discover)
+    };
+    if let Some(ip) = seen_at.filter(|_| counts_as_sighting(b, &req, how)) {
+        let _ = edge
+            .core
+            .ask(Ask::Sighting {
+                mac: mac.clone(),
+                ip,
+            })
+            .await;
+    }
+    let files = files(&edge.boot_root);
+    let ctx = ReplyCtx {
+        server_ip: b.server_ip?,
+        http_base,
+        files: &files,
+        lease,
+        netmask: b.netmask,
+        router: b.router,
+        dns: &b.dns,
+        lease_seconds: b.lease_seconds,
+    };
+    let reply = dhcp::reply(&req, proxy, port_4011, &ctx)?;
+    let mut out = Vec::new();
+    reply.encode(&mut Encoder::new(&mut out)).ok()?;
+    // Who booted what: on the REQUEST in full DHCP mode (a DISCOVER burst writes nothing), on
+    // every answer in proxy mode (the site's DHCP server sees the REQUEST).
+    if let Some(c) = dhcp::classify(&req).filter(|_| proxy || !discover) {
+        let file = reply
+            .fname_str()
+            .and_then(|r| r.ok())
+            .map(|s| s.trim_end_matches('\0').to_string());
+        let ask = Ask::BootLease {
+            mac: c.mac,
+            ip: lease.map(|l| l.to_string()),
+            arch: Some(c.arch),
+            stage: if c.ipxe { "dhcp-ipxe" } else { "dhcp" }.into(),
+            file,
+        };
+        let core = edge.core.clone();
+        tokio::spawn(async move { core.ask(ask).await });
+    }
+    Some((out, req))
+}
+
+/// DHCP packets answered at once; the socket keeps being drained while REQUESTs wait for their
+/// lease's commit, so a burst is not lost to a full receive buffer.
+const DHCP_IN_FLIGHT: usize = 512;
+
+async fn dhcp_loop(edge: Arc<Edge>, sock: UdpSocket, port_4011: bool, http_base: String) {
+    let sock = Arc::new(sock);
+    let http_base: Arc<str> = http_base.into();
+    let limit = Arc::new(tokio::sync::Semaphore::new(DHCP_IN_FLIGHT));
+    let mut buf = vec![0u8; 1500];
+    loop {
+        let Ok((n, how)) = recv_with_destination(&sock, &mut buf).await else {
+            return;
+        };
+        crate::base::metrics::get()
+            .dhcp_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Ok(permit) = limit.clone().acquire_owned().await else {
+            return;
+        };
+        let packet = buf[..n].to_vec();
+        let (edge, sock, http_base) = (edge.clone(), sock.clone(), http_base.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            answer_one(&edge, &sock, &packet, how, port_4011, &http_base).await;
+        });
+    }
+}
+
+/// One datagram, with its source and the destination address of its IP header.
+async fn recv_with_destination(
+    sock: &UdpSocket,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Arrival)> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, SockaddrIn};
+    use std::os::fd::AsRawFd;
+    let fd = sock.as_raw_fd();
+    sock.async_io(tokio::io::Interest::READABLE, || {
+        let mut cmsg = nix::cmsg_space!(libc::in_pktinfo);
+        let mut iov = [std::io::IoSliceMut::new(buf)];
+        let msg = recvmsg::<SockaddrIn>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_DONTWAIT)
+            .map_err(std::io::Error::from)?;
+        let src = msg
+            .address
+            .map(|a| SocketAddr::V4(SocketAddrV4::new(a.ip(), a.port())))
+            .ok_or_else(|| std::io::Error::other("a datagram with no source"))?;
+        let mut dst = None;
+        if let Ok(cmsgs) = msg.cmsgs() {
+            for c in cmsgs {
+                if let ControlMessageOwned::Ipv4PacketInfo(pi) = c {
+                    dst = Some(Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr)));
+                }
+            }
+        }
+        Ok((msg.bytes, Arrival { src, dst }))
+    })
+    .await
+}
+
+async fn answer_one(
+    edge: &Edge,
+    sock: &UdpSocket,
+    packet: &[u8],
+    how: Arrival,
+    port_4011: bool,
+    http_base: &str,
+) {
+    let m = crate::base::metrics::get();
+    let peer = how.src;
+    {
+        let Some((out, req)) = answer(edge, packet, port_4011, http_base, how).await else {
+            return;
+        };
+        m.dhcp_answers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dest = if port_4011 {
+            peer
+        } else if !req.giaddr().is_unspecified() {
+            SocketAddr::V4(SocketAddrV4::new(req.giaddr(), 67))
+        } else if !req.ciaddr().is_unspecified() {
+            SocketAddr::V4(SocketAddrV4::new(req.ciaddr(), 68))
+        } else {
+            SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::BROADCAST, 68))
+        };
+        if let Err(e) = sock.send_to(&out, dest).await {
+            tracing::warn!(%dest, error = %e, "dhcp: cannot answer");
+        }
+    }
+}
+
+/// The boot server's sockets, bound by the core (ports 67 and 69 need the privilege to bind
+/// them, the interface `SO_BINDTODEVICE`) and served by the edge.
+pub struct BootSockets {
+    pub dhcp: std::net::UdpSocket,
+    pub proxy: Option<std::net::UdpSocket>,
+    pub tftp: std::net::UdpSocket,
+}
+
+/// Binds DHCP and TFTP when `[boot] enabled`, and writes `chain.ipxe` into the boot root.
+pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootSockets>, String> {
+    if !b.enabled {
+        return Ok(None);
+    }
+    let iface = b.interface.as_deref();
+    let dhcp = udp(&b.listen_dhcp, iface, true)?;
+    let proxy = (b.mode == "proxy")
+        .then(|| udp(&b.listen_proxy, iface, true))
+        .transpose()?;
+    let tftp = udp(&b.listen_tftp, iface, false)?;
+    // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
+    let script = crate::edge::boot::http::chain_script(
+        &crate::base::fsutil::ReadRoot::open(root)?,
+        http_base,
+    );
+    crate::base::fsutil::write_atomic(&root.join("chain.ipxe"), script.as_bytes(), 0o644)
+        .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
+    Ok(Some(BootSockets { dhcp, proxy, tftp }))
+}
+
+/// Serves DHCP and TFTP on the bound sockets until `stop`; the HTTP side is served by the public
+/// listener.
+pub fn run(
+    edge: Arc<Edge>,
+    sockets: BootSockets,
+    http_base: String,
+    stop: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let b = edge.boot.clone();
+    let tokio_udp = |s: std::net::UdpSocket| {
+        s.set_nonblocking(true)
+            .and_then(|_| UdpSocket::from_std(s))
+            .map_err(|e| format!("the boot server's socket: {e}"))
+    };
+    let mut tasks = vec![tokio::spawn(dhcp_loop(
+        edge.clone(),
+        tokio_udp(sockets.dhcp)?,
+        false,
+        http_base.clone(),
+    ))];
+    if let Some(p) = sockets.proxy {
+        tasks.push(tokio::spawn(dhcp_loop(
+            edge.clone(),
+            tokio_udp(p)?,
+            true,
+            http_base.clone(),
+        )));
+    }
+    let on_transfer: crate::edge::boot::tftp::OnTransfer =
+        Arc::new(|peer, file| tracing::info!(%peer, %file, "tftp: sent"));
+    tasks.push(tokio::spawn(crate::edge::boot::tftp::serve(
+        tokio_udp(sockets.tftp)?,
+        edge.boot_root.clone(),
+        (b.tftp_max_transfers, b.tftp_max_per_source),
+        on_transfer,
+    )));
+    tracing::info!(mode = %b.mode, dhcp = %b.listen_dhcp, tftp = %b.listen_tftp, %http_base, "boot server up");
+    tokio::spawn(async move {
+        let mut stop = stop;
+        let _ = stop.changed().await;
+        for t in tasks {
+            t.abort();
+        }
+    });
+    Ok(())
+}

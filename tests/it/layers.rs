@@ -1,0 +1,203 @@
+//! The house's rule: `src/` is in layers (one folder each), and a layer imports only the layers
+//! below it that its rule names. This reads every `crate::` path in every source file (in `use`
+//! lines, grouped or not, and inline) and fails on any the rules forbid, naming the file and the
+//! layer it reached. `ARCHITECTURE.md` says why each rule is there.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// `(layer, what it may import)`, top to bottom. `None`: anything (only `main.rs` imports them).
+const RULES: &[(&str, Option<&[&str]>)] = &[
+    ("main", None),
+    ("lib", None),
+    ("cli", None),
+    // Test support for the fuzz targets: drives the parsers of every layer.
+    ("fuzzing", None),
+    (
+        "daemon",
+        Some(&[
+            "appliance",
+            "admin",
+            "join",
+            "edge",
+            "keys",
+            "pki",
+            "store",
+            "domain",
+            "config",
+            "tpm",
+            "proto",
+            "base",
+        ]),
+    ),
+    (
+        "appliance",
+        Some(&[
+            "admin", "join", "edge", "keys", "pki", "store", "domain", "config", "tpm", "proto",
+            "base",
+        ]),
+    ),
+    ("admin", Some(&["join", "store", "domain", "proto", "base"])),
+    (
+        "join",
+        Some(&["store", "pki", "domain", "config", "tpm", "proto", "base"]),
+    ),
+    // The network child's code: it reaches the core only through the traits it defines.
+    ("edge", Some(&["domain", "config", "proto", "base"])),
+    // The machine's side: nothing of the appliance.
+    ("agent", Some(&["proto", "tpm", "base"])),
+    ("keys", Some(&["pki", "tpm", "config", "base"])),
+    ("store", Some(&["domain", "base"])),
+    ("pki", Some(&["config", "proto", "base"])),
+    ("domain", Some(&["proto", "base"])),
+    ("tpm", Some(&["base"])),
+    ("config", Some(&["base"])),
+    ("proto", Some(&["base"])),
+    ("base", Some(&[])),
+];
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The layer a file belongs to: its folder under `src/`, or its own name at the top.
+fn layer_of(src: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(src).unwrap();
+    let first = rel
+        .components()
+        .next()
+        .unwrap()
+        .as_os_str()
+        .to_string_lossy();
+    first.trim_end_matches(".rs").to_string()
+}
+
+/// Every top-level module a text names through `crate::`: `crate::x::…`, `use crate::x;` and
+/// each item of `use crate::{x::…, y, …}`.
+fn named_layers(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    for (i, _) in text.match_indices("crate::") {
+        // `bca::` is not `crate::`, but `somecrate::` must not count.
+        let before = text[..i].chars().next_back();
+        if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+            continue;
+        }
+        let rest = &text[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            // A group: every item at depth 0 names a module.
+            let mut depth = 0;
+            let mut item = String::new();
+            for c in group.chars() {
+                match c {
+                    '{' => {
+                        depth += 1;
+                        item.push(c);
+                    }
+                    '}' if depth == 0 => break,
+                    '}' => {
+                        depth -= 1;
+                        item.push(c);
+                    }
+                    ',' if depth == 0 => {
+                        out.insert(ident(item.trim()));
+                        item.clear();
+                    }
+                    c => item.push(c),
+                }
+            }
+            if !item.trim().is_empty() {
+                out.insert(ident(item.trim()));
+            }
+        } else {
+            out.insert(ident(rest));
+        }
+    }
+    out.remove("");
+    out
+}
+
+/// Every import the rules forbid, as `(file, layer it names)`.
+fn violations(src: &Path) -> Vec<(String, String)> {
+    let mut files = Vec::new();
+    sources(src, &mut files);
+    let mut bad = Vec::new();
+    for f in files {
+        let layer = layer_of(src, &f);
+        let Some((_, rule)) = RULES.iter().find(|(l, _)| *l == layer) else {
+            bad.push((
+                f.display().to_string(),
+                format!("(a layer with no rule: {layer})"),
+            ));
+            continue;
+        };
+        let Some(may) = rule else { continue };
+        let text = std::fs::read_to_string(&f).unwrap();
+        for named in named_layers(&text) {
+            if named != layer && !may.contains(&named.as_str()) {
+                bad.push((f.display().to_string(), named));
+            }
+        }
+    }
+    bad.sort();
+    bad
+}
+
+#[test]
+fn every_import_keeps_to_the_layers() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let bad = violations(&src);
+    assert!(
+        bad.is_empty(),
+        "imports the layers forbid (file -> layer; see ARCHITECTURE.md, \"Layers\"):\n{}",
+        bad.iter()
+            .map(|(f, l)| format!("  {f} -> {l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// The reader itself: it sees every way a path is written, and an upward import fails.
+#[test]
+fn the_layer_reader_sees_grouped_nested_and_inline_paths() {
+    let text = "use crate::base::clock;\nuse crate::{proto::{self, claims}, domain::token::Expect, base};\n\
+                fn f() { crate::edge::http::x(); let s = \"notcrate::join\"; }\n";
+    let got: Vec<String> = named_layers(text).into_iter().collect();
+    assert_eq!(got, ["base", "domain", "edge", "proto"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(src.join("base")).unwrap();
+    std::fs::create_dir_all(src.join("edge")).unwrap();
+    std::fs::write(src.join("base/mod.rs"), "pub mod clock;\n").unwrap();
+    std::fs::write(src.join("edge/mod.rs"), "use crate::base::clock;\n").unwrap();
+    assert!(violations(&src).is_empty());
+    // The edge reaching the store, and the ground floor reaching up: both named.
+    std::fs::write(
+        src.join("edge/http.rs"),
+        "fn f() { crate::store::Store::open(); }\n",
+    )
+    .unwrap();
+    std::fs::write(src.join("base/clock.rs"), "use crate::{edge};\n").unwrap();
+    let bad = violations(&src);
+    assert_eq!(bad.len(), 2, "{bad:?}");
+    assert!(bad[0].0.ends_with("base/clock.rs") && bad[0].1 == "edge");
+    assert!(bad[1].0.ends_with("edge/http.rs") && bad[1].1 == "store");
+    // A folder the rules do not know is refused too.
+    std::fs::create_dir_all(src.join("misc")).unwrap();
+    std::fs::write(src.join("misc/mod.rs"), "").unwrap();
+    assert!(violations(&src)
+        .iter()
+        .any(|(_, l)| l.contains("no rule: misc")));
+}
