@@ -119,7 +119,7 @@ fn list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: ListInput) -> ApiResult<Value> {
         Some(p) => crate::store::tenancy::pool_load(tx, &i.tenant_id, p)?.site_id,
         None => ctx.site_id.to_string(),
     };
-    crate::join::discovery::expire(tx, ctx.now)?;
+    crate::join::requests::expire(tx, ctx.now)?;
     let mut st = tx.prepare(&format!(
         "SELECT {COLS} FROM join_requests r WHERE site_id = ?1
          AND (pool_id IS NULL OR (?2 IS NOT NULL AND pool_id = ?2)
@@ -149,7 +149,7 @@ fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) ->
     let ttl = i.ttl_seconds.unwrap_or(3600);
     validate::range("ttlSeconds", ttl, 60, 86_400)?;
     let pool = crate::store::tenancy::pool_load(tx, &i.tenant_id, &i.pool_id)?;
-    crate::join::discovery::expire(tx, ctx.now)?;
+    crate::join::requests::expire(tx, ctx.now)?;
     let load = |tx: &Transaction<'_>| {
         found(
             tx.query_row(

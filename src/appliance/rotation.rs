@@ -439,7 +439,7 @@ impl Rotator {
         crate::pki::check_keys_against(&public, keys).map_err(ApiError::internal)?;
         if let Some(j) = app.join.get() {
             j.replace_keys(
-                crate::join::service::SignerKeys::new(&public, keys).map_err(ApiError::internal)?,
+                crate::join::issue::SignerKeys::new(&public, keys).map_err(ApiError::internal)?,
             );
         }
         if let Some(g) = app.gateway_cert.get() {

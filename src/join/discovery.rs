@@ -21,21 +21,21 @@ use crate::base::crypto;
 use crate::base::error::ApiResult;
 use crate::domain::admission::Reason;
 use crate::domain::token::Bearer;
-use crate::join::service::{certify, refused, Decided, Ready, Signer, Subject};
+use crate::join::issue::certify;
+use crate::join::issue::refused;
+use crate::join::issue::Decided;
+use crate::join::issue::Ready;
+use crate::join::issue::Signer;
+use crate::join::issue::Subject;
+use crate::join::requests::deferral;
+use crate::join::requests::expire;
+use crate::join::requests::open_request;
+use crate::join::requests::rejected;
 use crate::join::site::Site;
 use crate::proto::claims::loose_mac;
-use crate::proto::protocol::{JoinDeferral, JoinResponse, Outcome, JOIN_DEFERRAL_PURPOSE};
+use crate::proto::protocol::Outcome;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
-
-/// Marks requests past their expiry `expired`.
-pub fn expire(tx: &Transaction<'_>, now: i64) -> ApiResult<()> {
-    crate::store::exec(tx,
-        "UPDATE join_requests SET state = 'expired', updated_at = ?1 WHERE state IN ('pending', 'approved') AND expires_at <= ?1",
-        [now],
-    )?;
-    Ok(())
-}
 
 /// What the boot server asks of the JoinService for a `boot.ipxe` request.
 pub(crate) struct Mint {
@@ -204,22 +204,6 @@ pub(crate) fn held_by(tx: &Transaction<'_>, key: &str) -> ApiResult<Option<HeldB
     Ok(Some(h))
 }
 
-pub(crate) fn deferral(
-    site: &Site,
-    signer: &Signer,
-    request_id: &str,
-    csr_sha256: &[u8; 32],
-) -> JoinResponse {
-    let body = JoinDeferral {
-        request_id: request_id.to_string(),
-        state: "pending".into(),
-        retry_after_seconds: site.config.discovery.retry_after_seconds,
-        csr_sha256: crypto::hex(csr_sha256),
-        site_id: site.config.site_id.clone(),
-    };
-    signer.signed(JOIN_DEFERRAL_PURPOSE, &body)
-}
-
 /// Stage 2 of a discovery join, inside its savepoint.
 pub(crate) fn admit(
     tx: &Transaction<'_>,
@@ -228,7 +212,7 @@ pub(crate) fn admit(
     r: &Ready,
     now: i64,
 ) -> ApiResult<Decided> {
-    let crate::join::service::Proof::Bearer(bearer) = &r.proof else {
+    let crate::join::issue::Proof::Bearer(bearer) = &r.proof else {
         return refused(Reason::Attestor, None);
     };
     expire(tx, now)?;
@@ -464,7 +448,7 @@ fn reclaim(
             params![k.id, t.mac, claims_json, r.claims.hostname],
         )?;
     }
-    crate::join::service::revoke_all(tx, &k.tenant_id, &k.id, "reclaimed", now)?;
+    crate::join::issue::revoke_all(tx, &k.tenant_id, &k.id, "reclaimed", now)?;
     site.sessions.close(&k.id);
     let node = Admitted {
         id: &k.id,
@@ -600,36 +584,8 @@ fn issue(
         node.id,
         data,
     )?;
-    crate::join::service::adopt(tx, node.tenant_id, node.id, node.pool_id, now)?;
+    crate::join::issue::adopt(tx, node.tenant_id, node.id, node.pool_id, now)?;
     Ok(Decided::Issued(response))
-}
-
-/// Whether an operator rejected this machine's request for this CSR (a retry with it fails).
-pub(crate) fn rejected(tx: &Transaction<'_>, machine_key: &str, csr_hex: &str) -> ApiResult<bool> {
-    Ok(crate::store::query_row(tx,
-            "SELECT id FROM join_requests WHERE machine_key = ?1 AND state = 'rejected' AND csr_sha256 = ?2",
-            params![machine_key, csr_hex],
-            |x| x.get::<_, String>(0),
-        )
-        .optional()?
-        .is_some())
-}
-
-/// A machine's open request: id, state (`pending` or `approved`), pool, CSR hash.
-pub(crate) type OpenRequest = (String, String, Option<String>, String);
-
-/// A machine's newest open request.
-pub(crate) fn open_request(
-    tx: &Transaction<'_>,
-    machine_key: &str,
-) -> ApiResult<Option<OpenRequest>> {
-    Ok(crate::store::query_row(tx,
-            "SELECT id, state, pool_id, csr_sha256 FROM join_requests WHERE machine_key = ?1 AND state IN ('pending', 'approved')
-             ORDER BY created_at DESC LIMIT 1",
-            [machine_key],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?)),
-        )
-        .optional()?)
 }
 
 fn spend(tx: &Transaction<'_>, token: &str, now: i64) -> ApiResult<()> {

@@ -1,10 +1,17 @@
 //! The JoinService: one writer thread, batches of joins in one durable transaction, and the
 //! attestors whose evidence it turns into admissions (bearer tokens, discovery, TPM), renewal and
 //! session rows. It sees the `Site`, never the serving appliance.
+//!
+//! `service` dispatches to the attestors (`token`, `discovery`, `tpm`) and to `renewal` and
+//! `sessions`; they share the kernel (`issue`) and the join requests (`requests`), and never
+//! import each other.
 
 pub mod discovery;
+pub mod issue;
 pub mod renewal;
+pub mod requests;
 pub mod service;
 pub mod sessions;
 pub mod site;
+pub mod token;
 pub mod tpm;

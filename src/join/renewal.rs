@@ -10,7 +10,8 @@
 
 use crate::base::crypto;
 use crate::base::error::ApiResult;
-use crate::join::service::{RateLimit, Signer};
+use crate::join::issue::RateLimit;
+use crate::join::issue::Signer;
 use crate::join::site::Site;
 use crate::proto::csr::VerifiedCsr;
 use crate::proto::protocol::{renew_pop_message, Outcome, RenewRequest, RENEW_POP_PURPOSE};
@@ -206,7 +207,7 @@ fn check_key_attestation(
         .key_attestation
         .as_ref()
         .ok_or(RenewReason::KeyAttestationMissing)?;
-    let field = |s: &str, why| crate::join::tpm::evidence_field(s).ok_or(why);
+    let field = |s: &str, why| crate::join::issue::evidence_field(s).ok_or(why);
     let ak_public = field(&a.ak_public, RenewReason::KeyAttestationAk)?;
     let ak = crate::tpm::public_key_of(&ak_public).map_err(|_| RenewReason::KeyAttestationAk)?;
     if ak.name != want_ak {
@@ -347,16 +348,16 @@ pub(crate) fn process(
         Ok(r) => r,
         Err(reason) => return refuse(tx, site, p, &caller, *reason, now, limits),
     };
-    let (response, new_serial) = crate::join::service::certify(
+    let (response, new_serial) = crate::join::issue::certify(
         tx,
         site,
         signer,
-        &crate::join::service::Subject {
+        &crate::join::issue::Subject {
             node_id: &node_id,
             generation,
             role: &role,
             statements: &r.leaf.statements,
-            ttl: crate::join::service::cert_ttl(&site.config, &role, &attestor),
+            ttl: crate::join::issue::cert_ttl(&site.config, &role, &attestor),
         },
         &r.csr,
         now,

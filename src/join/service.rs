@@ -13,22 +13,26 @@
 //!    write `node_certs`, events and audit. A refusal rolls its savepoint back (the token keeps its
 //!    use) and records `security.join.refused`. Answers are sent only after the commit is durable.
 
-use crate::base::crypto::{self, SigningKey};
+use crate::base::crypto::{self};
 use crate::base::error::ApiResult;
-use crate::domain::admission::{self, AdmitInput, Kind, KnownNode, Reason};
+use crate::domain::admission::Reason;
 use crate::domain::token::Bearer;
-use crate::domain::token::TokenRow;
+use crate::join::issue::refused;
+use crate::join::issue::Decided;
+use crate::join::issue::Proof;
+use crate::join::issue::RateLimit;
+use crate::join::issue::Ready;
+use crate::join::issue::Refusal;
+use crate::join::issue::Signer;
+use crate::join::issue::SignerKeys;
 use crate::join::site::Site;
 use crate::pki::bundle::KeyBundle;
 use crate::pki::{self, CaKind};
-use crate::proto::claims::{self, Claims, HardwareKey, Identifiers};
-use crate::proto::protocol::{
-    Call, JoinRequest, JoinResponse, JoinResponseBody, Outcome, JOIN_RESPONSE_PURPOSE,
-};
-use crate::store::tenancy::TOKEN_COLS;
-use rusqlite::{params, OptionalExtension, Transaction};
+use crate::proto::claims::{self, Identifiers};
+use crate::proto::protocol::{Call, JoinRequest, Outcome};
+use rusqlite::Transaction;
 use serde_json::json;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{mpsc, Arc, Mutex};
 use tokio::sync::oneshot;
 
@@ -41,94 +45,6 @@ const MAX_BATCH: usize = 64;
 /// this wait, 2.9 to 4.4: 1,844 renewals/s against 1,573 in four alternated runs of each
 /// (`make bench`, 2026-12-05), the joins unchanged within the noise.
 const GATHER: std::time::Duration = std::time::Duration::from_micros(300);
-/// Refusal events per attestor and reason per minute.
-const EVENTS_PER_MINUTE: u32 = 60;
-
-pub(crate) struct Signer {
-    pub(crate) node_ca: (rcgen::Certificate, rcgen::KeyPair),
-    pub(crate) node_ca_pem: String,
-    /// The keys a rotation replaces while serving (`rotation`).
-    keys: std::sync::RwLock<SignerKeys>,
-}
-
-/// The join-signing key and the join-encryption keys in use.
-pub(crate) struct SignerKeys {
-    join_signing: SigningKey,
-    signer_b64: String,
-    /// The staged next join-signing key's pin, told to renewing agents (signed by the current key).
-    next_pin: Option<String>,
-    /// Current first, then a staged next or a promoted-away previous key.
-    decrypt: Vec<aws_lc_rs::agreement::PrivateKey>,
-}
-
-impl SignerKeys {
-    pub(crate) fn new(pki: &crate::pki::PublicPki, keys: &KeyBundle) -> Result<Self, String> {
-        let mut decrypt = vec![crate::proto::jwe::decryption_key(
-            keys.join_encryption.pkcs8(),
-        )?];
-        for k in [&keys.join_encryption_next, &keys.join_encryption_previous]
-            .into_iter()
-            .flatten()
-        {
-            decrypt.push(crate::proto::jwe::decryption_key(k.pkcs8())?);
-        }
-        Ok(Self {
-            join_signing: SigningKey::from_pkcs8(keys.join_signing.pkcs8())?,
-            signer_b64: crypto::b64(&pki.join_signing),
-            next_pin: pki.pins()?.join_signing_next,
-            decrypt,
-        })
-    }
-}
-
-impl Signer {
-    fn keys(&self) -> std::sync::RwLockReadGuard<'_, SignerKeys> {
-        self.keys.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Swaps in the keys of a rotation step; answers in flight finish with the old ones.
-    pub(crate) fn replace_keys(&self, k: SignerKeys) {
-        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = k;
-    }
-
-    /// Opens a sealed token with the current join-encryption key, else a staged or previous one.
-    fn open_seal(
-        &self,
-        sealed: &str,
-        csr_sha256: &[u8; 32],
-        now: i64,
-        max_skew: i64,
-    ) -> Result<zeroize::Zeroizing<String>, crate::proto::jwe::SealError> {
-        let keys = self.keys();
-        let mut first = None;
-        for k in &keys.decrypt {
-            match crate::proto::jwe::open(sealed, k, csr_sha256, now, max_skew) {
-                Ok(t) => return Ok(t),
-                Err(e) => {
-                    first.get_or_insert(e);
-                }
-            }
-        }
-        Err(first.expect("at least one key"))
-    }
-
-    /// Signs a response body: `JoinResponse{ body, sig, signer }`.
-    pub(crate) fn respond(&self, body: &JoinResponseBody) -> JoinResponse {
-        self.signed(JOIN_RESPONSE_PURPOSE, body)
-    }
-
-    /// `{ body, sig, signer }`: the JSON of `body`, signed under `purpose`.
-    pub(crate) fn signed(&self, purpose: &str, body: &impl serde::Serialize) -> JoinResponse {
-        let body = serde_json::to_vec(body).expect("serializes");
-        let keys = self.keys();
-        let sig = keys.join_signing.sign(purpose, &body);
-        JoinResponse {
-            body: crypto::b64(&body),
-            sig: crypto::b64(&sig),
-            signer: keys.signer_b64.clone(),
-        }
-    }
-}
 
 /// What stage 1 produced.
 enum Prepared {
@@ -140,25 +56,6 @@ enum Prepared {
         hardware_key: Option<String>,
     },
     Ready(Box<Ready>),
-}
-
-/// What the machine proved in stage 1: a bearer token (`join-token`, `discovery`) or its TPM.
-pub(crate) enum Proof {
-    Bearer(Bearer),
-    Tpm(Box<crate::join::tpm::TpmProof>),
-}
-
-pub(crate) struct Ready {
-    pub(crate) proof: Proof,
-    pub(crate) csr: crate::proto::csr::VerifiedCsr,
-    pub(crate) claims: Claims,
-    pub(crate) ids: Identifiers,
-    pub(crate) key: Option<HardwareKey>,
-    pub(crate) role: String,
-    /// `join-token`, `discovery` or `tpm`.
-    pub(crate) attestor: &'static str,
-    /// The peer's IP address, recorded in join requests.
-    pub(crate) peer_ip: String,
 }
 
 /// What the writer thread does for one call.
@@ -539,54 +436,6 @@ fn open_bearer(
     Bearer::parse(&token).ok_or(Reason::Malformed)
 }
 
-/// Per (attestor, reason): the minute, events written in it, and events suppressed since the last.
-/// (The seed: 60 events per attestor and reason per minute. Renewals count as the attestor
-/// `renew`; a `join:` reason met by two attestors has a budget for each.)
-#[derive(Default)]
-pub(crate) struct RateLimit {
-    buckets: HashMap<(&'static str, &'static str), (i64, u32, u64)>,
-}
-
-impl RateLimit {
-    /// `Some(suppressed)` when an event for (`attestor`, `reason`) may be written now.
-    pub(crate) fn admit(
-        &mut self,
-        attestor: &'static str,
-        reason: &'static str,
-        now: i64,
-    ) -> Option<u64> {
-        let b = self
-            .buckets
-            .entry((attestor, reason))
-            .or_insert((now / 60, 0, 0));
-        if b.0 != now / 60 {
-            b.0 = now / 60;
-            b.1 = 0;
-        }
-        if b.1 >= EVENTS_PER_MINUTE {
-            b.2 += 1;
-            return None;
-        }
-        b.1 += 1;
-        let s = b.2;
-        b.2 = 0;
-        Some(s)
-    }
-}
-
-pub(crate) struct Refusal {
-    pub(crate) reason: Reason,
-    /// The tenant whose stream gets the event: the token's once its secret verified, else root.
-    pub(crate) tenant: Option<String>,
-}
-
-pub(crate) enum Decided {
-    Issued(JoinResponse),
-    Refused(Refusal),
-    /// Waiting for an operator: the request was recorded (kept), nothing issued, nothing spent.
-    Deferred(JoinResponse),
-}
-
 fn writer_loop(site: Arc<Site>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
     let mut limits = RateLimit::default();
     while let Ok(first) = rx.recv() {
@@ -693,7 +542,7 @@ fn process(
                 (Ok(_), _) if r.attestor == "discovery" => {
                     crate::join::discovery::admit(tx, site, signer, r, now)
                 }
-                (Ok(_), _) => admit_one(tx, site, signer, r, now),
+                (Ok(_), _) => crate::join::token::admit(tx, site, signer, r, now),
             };
             match &d {
                 // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
@@ -767,333 +616,8 @@ fn refusal(
     Ok(Outcome::Refused)
 }
 
-pub(crate) fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided> {
-    Ok(Decided::Refused(Refusal {
-        reason,
-        tenant: tenant.map(str::to_string),
-    }))
-}
-
-/// Stage 2 for one join, inside its savepoint.
-fn admit_one(
-    tx: &Transaction<'_>,
-    site: &Site,
-    signer: &Signer,
-    r: &Ready,
-    now: i64,
-) -> ApiResult<Decided> {
-    let cfg = &site.config;
-    let Proof::Bearer(bearer) = &r.proof else {
-        return refused(Reason::Attestor, None);
-    };
-    let token: Option<TokenRow> = crate::store::query_row(
-        tx,
-        &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
-        [&bearer.id],
-        crate::store::tenancy::token_row,
-    )
-    .optional()?;
-    let Some(token) = token else {
-        return refused(Reason::Unknown, None);
-    };
-    if let Err(reason) = admission::check_token(&token, &bearer.secret, &r.role, now) {
-        let tenant = (reason != Reason::SecretMismatch).then_some(token.tenant_id.as_str());
-        return refused(reason, tenant);
-    }
-    let tenant = Some(token.tenant_id.as_str());
-    crate::store::exec(
-        tx,
-        "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?1 AND uses_left > 0",
-        [&token.id],
-    )?;
-    let pool = crate::store::tenancy::pool_by_id(tx, &token.pool_id)?;
-    let known = match r.key.as_ref().filter(|k| k.trusted) {
-        Some(k) => crate::store::query_row(tx,
-                "SELECT id, tenant_id, site_id, pool_id, role, state, trust, identity_generation FROM nodes
-                 WHERE hardware_key = ?1 AND hardware_key_trusted = 1",
-                [&k.hex],
-                |row| {
-                    Ok(KnownNode {
-                        id: row.get(0)?,
-                        tenant_id: row.get(1)?,
-                        site_id: row.get(2)?,
-                        pool_id: row.get(3)?,
-                        role: row.get(4)?,
-                        state: row.get(5)?,
-                        trust: row.get(6)?,
-                        identity_generation: row.get(7)?,
-                    })
-                },
-            )
-            .optional()?,
-        None => None,
-    };
-    let decision = admission::admit(&AdmitInput {
-        token: &token,
-        pool: pool.as_ref(),
-        site_id: &cfg.site_id,
-        root_tenant: &site.root_tenant,
-        ids: &r.ids,
-        key: r.key.as_ref(),
-        known: known.as_ref(),
-    });
-    let adm = match decision {
-        Ok(a) => a,
-        Err(reason) => return refused(reason, tenant),
-    };
-    let pool = pool.expect("admission checked the pool");
-    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
-    let (node_id, generation, reclaim) = match &adm.kind {
-        Kind::New => {
-            let id = crate::base::ids::new_id("node", now * 1000);
-            crate::store::exec(tx,
-                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
-                 identity_generation, attestor, hostname, claims_json, created_at, updated_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'join-token', ?9, ?10, ?11, ?11)",
-                params![
-                    id,
-                    token.tenant_id,
-                    token.site_id,
-                    pool.id,
-                    adm.role,
-                    adm.trust,
-                    r.key.as_ref().map(|k| k.hex.clone()),
-                    r.key.as_ref().is_some_and(|k| k.trusted) as i64,
-                    r.claims.hostname,
-                    claims_json,
-                    now
-                ],
-            )?;
-            (id, 1, false)
-        }
-        Kind::Reclaim {
-            node_id,
-            generation,
-        } => {
-            crate::store::exec(tx,
-                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', trust = ?3, hostname = ?4, claims_json = ?5,
-                 updated_at = ?6, identifiers_by = 'token' WHERE id = ?1",
-                params![node_id, generation, adm.trust, r.claims.hostname, claims_json, now],
-            )?;
-            revoke_all(tx, &token.tenant_id, node_id, "reclaimed", now)?;
-            (node_id.clone(), *generation, true)
-        }
-    };
-    let (response, serial) = certify(
-        tx,
-        site,
-        signer,
-        &Subject {
-            node_id: &node_id,
-            generation,
-            role: &adm.role,
-            statements: &[],
-            ttl: cfg.pki.cert_ttl_seconds as i64,
-        },
-        &r.csr,
-        now,
-    )?;
-    let data = json!({
-        "nodeId": node_id,
-        "poolId": pool.id,
-        "tokenId": token.id,
-        "attestor": "join-token",
-        "reclaim": reclaim,
-        "hardwareKeyTrusted": r.key.as_ref().is_some_and(|k| k.trusted),
-        "certificateSerial": serial,
-        "nodeKey": "unattested",
-        "role": adm.role,
-    });
-    crate::store::events::publish(tx, now, &token.tenant_id, "node.joined", data.clone())?;
-    let action = if reclaim {
-        "node.reclaimed"
-    } else {
-        "node.joined"
-    };
-    crate::store::events::audit(
-        tx,
-        now,
-        &token.tenant_id,
-        action,
-        &format!("join-token:{}", token.id),
-        &node_id,
-        data,
-    )?;
-    adopt(tx, &token.tenant_id, &node_id, &pool.id, now)?;
-    Ok(Decided::Issued(response))
-}
-
-/// No acceptance checks yet: a node that just joined (`adopting`) is adopted at once, with its
-/// `node.adopted` event.
-pub(crate) fn adopt(
-    tx: &Transaction<'_>,
-    tenant: &str,
-    node_id: &str,
-    pool_id: &str,
-    now: i64,
-) -> ApiResult<()> {
-    crate::store::exec(
-        tx,
-        "UPDATE nodes SET state = 'adopted' WHERE id = ?1 AND state = 'adopting'",
-        [node_id],
-    )?;
-    crate::store::events::publish(
-        tx,
-        now,
-        tenant,
-        "node.adopted",
-        json!({"nodeId": node_id, "poolId": pool_id}),
-    )
-}
-
-/// Revokes every unrevoked certificate of `node_id` (`reason`, with a
-/// `security.certificate-revoked` event for each).
-pub(crate) fn revoke_all(
-    tx: &Transaction<'_>,
-    tenant: &str,
-    node_id: &str,
-    reason: &str,
-    now: i64,
-) -> ApiResult<()> {
-    let serials: Vec<String> = tx
-        .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
-        .query_map([node_id], |row| row.get(0))?
-        .collect::<Result<_, _>>()?;
-    for serial in serials {
-        crate::store::exec(
-            tx,
-            "UPDATE node_certs SET revoked_at = ?2, revoke_reason = ?3 WHERE serial = ?1",
-            params![serial, now, reason],
-        )?;
-        crate::store::events::publish(
-            tx,
-            now,
-            tenant,
-            "security.certificate-revoked",
-            json!({"nodeId": node_id, "serial": serial, "reason": reason}),
-        )?;
-    }
-    Ok(())
-}
-
-/// A node certificate's lifetime, at a join and at every renewal: `[pki] cert_ttl_seconds`; a
-/// `ramdisk`'s `[discovery] cert_ttl_seconds` (at most 2 hours); a `tpm` node's
-/// `[tpm_attestor] cert_ttl_seconds` when set (at most the `[pki]` one).
-pub(crate) fn cert_ttl(cfg: &crate::config::Config, role: &str, attestor: &str) -> i64 {
-    let pki_ttl = cfg.pki.cert_ttl_seconds as i64;
-    if role == "ramdisk" {
-        (cfg.discovery.cert_ttl_seconds as i64).min(7200)
-    } else if attestor == "tpm" {
-        cfg.tpm_attestor
-            .cert_ttl_seconds
-            .map_or(pki_ttl, |t| (t as i64).min(pki_ttl))
-    } else {
-        pki_ttl
-    }
-}
-
-/// Who a certificate is for: decided by the JoinService, never taken from the CSR.
-pub(crate) struct Subject<'a> {
-    pub node_id: &'a str,
-    pub generation: i64,
-    pub role: &'a str,
-    pub statements: &'a [String],
-    pub ttl: i64,
-}
-
-/// Signs a node certificate for the CSR's key, records it in `node_certs`, and returns the signed
-/// response and the certificate's serial.
-pub(crate) fn certify(
-    tx: &Transaction<'_>,
-    site: &Site,
-    signer: &Signer,
-    who: &Subject<'_>,
-    csr: &crate::proto::csr::VerifiedCsr,
-    now: i64,
-) -> ApiResult<(JoinResponse, String)> {
-    let cfg = &site.config;
-    let spiffe = format!(
-        "spiffe://{}/site/{}/node/{}",
-        cfg.trust_domain, cfg.site_id, who.node_id
-    );
-    // Set back for clocks a little behind ours; the span stays the attestor's limit (at most 24
-    // hours, 2 for a ramdisk), so the back-dating comes off the end.
-    let not_before = now - pki::backdate(who.ttl);
-    let not_after = not_before + who.ttl;
-    let (der, serial) = pki::issue_node_cert(
-        &pki::NodeCertSpec {
-            spiffe_id: &spiffe,
-            statements: who.statements,
-            role: who.role,
-            not_before,
-            not_after,
-            public_point: &csr.public_point,
-        },
-        &signer.node_ca,
-    )
-    .map_err(crate::base::error::ApiError::internal)?;
-    let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
-        &csr.public_point,
-    )));
-    crate::store::exec(tx,
-        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![serial, who.node_id, who.generation, who.role, spki_hash, der, not_before, not_after, now],
-    )?;
-    let body = JoinResponseBody {
-        node_id: who.node_id.to_string(),
-        certificate_chain: vec![
-            crate::proto::x509::pem("CERTIFICATE", &der),
-            signer.node_ca_pem.clone(),
-        ],
-        command_signing_trust_bundle: vec![],
-        csr_sha256: crypto::hex(&csr.sha256),
-        trust_domain: cfg.trust_domain.clone(),
-        site_id: cfg.site_id.clone(),
-        role: who.role.to_string(),
-        join_signing_next_key_pin: signer.keys().next_pin.clone(),
-    };
-    Ok((signer.respond(&body), serial))
-}
-
 impl crate::proto::protocol::CallSink for JoinHandle {
     fn call(&self, msg: Vec<u8>) -> crate::proto::protocol::Pending<'_, Vec<u8>> {
         Box::pin(async move { JoinHandle::call(self, &msg).await })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn refusal_events_are_rate_limited_with_a_suppressed_count() {
-        let mut rl = RateLimit::default();
-        for _ in 0..60 {
-            assert_eq!(
-                rl.admit("join-token", Reason::Unknown.as_str(), 120),
-                Some(0)
-            );
-        }
-        assert_eq!(rl.admit("join-token", Reason::Unknown.as_str(), 121), None);
-        assert_eq!(rl.admit("join-token", Reason::Unknown.as_str(), 122), None);
-        // Another reason has its own budget, and so has the same reason under another attestor.
-        assert_eq!(
-            rl.admit("join-token", Reason::Expired.as_str(), 122),
-            Some(0)
-        );
-        assert_eq!(
-            rl.admit("discovery", Reason::Unknown.as_str(), 122),
-            Some(0)
-        );
-        // The next minute: the first event carries what was dropped.
-        assert_eq!(
-            rl.admit("join-token", Reason::Unknown.as_str(), 180),
-            Some(2)
-        );
-        assert_eq!(
-            rl.admit("join-token", Reason::Unknown.as_str(), 181),
-            Some(0)
-        );
     }
 }

@@ -29,12 +29,18 @@
 use crate::base::crypto;
 use crate::base::error::ApiResult;
 use crate::domain::admission::Reason;
-use crate::join::service::{certify, refused, Decided, Ready, Signer, Subject};
+use crate::join::issue::certify;
+use crate::join::issue::evidence_field;
+use crate::join::issue::refused;
+use crate::join::issue::Decided;
+use crate::join::issue::Ready;
+use crate::join::issue::Signer;
+use crate::join::issue::Subject;
+use crate::join::issue::TpmProof;
 use crate::join::site::Site;
 use crate::proto::protocol::{
     tpm_join_qualifying, Outcome, TpmChallenge, TpmChallengeRequest, TpmEvidence,
 };
-use crate::proto::x509::ak_statement;
 use rusqlite::{params, OptionalExtension, Transaction};
 use serde_json::json;
 
@@ -62,8 +68,6 @@ pub(crate) fn source_key(peer: &str) -> String {
         Err(_) => peer.to_string(),
     }
 }
-/// The largest public area, certificate, attestation or signature the evidence may carry.
-const MAX_FIELD: usize = 4096;
 
 /// A checked challenge request, with its credential made (stage 1).
 pub(crate) struct PreparedChallenge {
@@ -75,30 +79,6 @@ pub(crate) struct PreparedChallenge {
     ak_name: Vec<u8>,
     secret_sha256: [u8; 32],
     credential: crate::tpm::credential::Credential,
-}
-
-/// What a `tpm` join proved in stage 1: the EK, the AK, and the challenge it answered.
-pub(crate) struct TpmProof {
-    pub(crate) challenge_id: String,
-    pub(crate) secret_sha256: [u8; 32],
-    /// Hex SHA-256 of the EK's DER SubjectPublicKeyInfo, as the allow-list names it.
-    pub(crate) ek_sha256: String,
-    pub(crate) ak_name: Vec<u8>,
-    /// The machine asked not to be queued for an operator (the ramdisk, which then uses its
-    /// discovery token).
-    pub(crate) no_enrollment: bool,
-}
-
-impl TpmProof {
-    /// The certificate's statement about the node key: the AK's Name digest.
-    pub(crate) fn statement(&self) -> String {
-        ak_statement(&self.ak_name)
-    }
-}
-
-/// One base64 field of TPM evidence (a join's or a renewal's): not empty, at most 4 KiB decoded.
-pub(crate) fn evidence_field(s: &str) -> Option<Vec<u8>> {
-    crypto::b64_decode(s).filter(|b| !b.is_empty() && b.len() <= MAX_FIELD)
 }
 
 fn field(s: &str) -> Result<Vec<u8>, Reason> {
@@ -382,7 +362,7 @@ pub(crate) fn admit(
                  updated_at = ?6, identifiers_by = 'tpm' WHERE id = ?1",
                 params![k.id, generation, r.role, r.claims.hostname, claims_json, now],
             )?;
-            crate::join::service::revoke_all(tx, &pool.tenant_id, &k.id, "reclaimed", now)?;
+            crate::join::issue::revoke_all(tx, &pool.tenant_id, &k.id, "reclaimed", now)?;
             (k.id, generation, true)
         }
         None => {
@@ -425,7 +405,7 @@ pub(crate) fn admit(
             (id, 1, false)
         }
     };
-    let ttl = crate::join::service::cert_ttl(cfg, &r.role, "tpm");
+    let ttl = crate::join::issue::cert_ttl(cfg, &r.role, "tpm");
     let (response, serial) = certify(
         tx,
         site,
@@ -475,7 +455,7 @@ pub(crate) fn admit(
         &node_id,
         data,
     )?;
-    crate::join::service::adopt(tx, &pool.tenant_id, &node_id, &pool.id, now)?;
+    crate::join::issue::adopt(tx, &pool.tenant_id, &node_id, &pool.id, now)?;
     Ok(Decided::Issued(response))
 }
 
@@ -493,13 +473,13 @@ fn enroll(
     if !cfg.tpm_attestor.enrollment || p.no_enrollment {
         return refused(Reason::TpmEkUnknown, None).map(Enrollment::Decided);
     }
-    crate::join::discovery::expire(tx, now)?;
+    crate::join::requests::expire(tx, now)?;
     let machine_key = format!("ek:{}", p.ek_sha256);
     let csr_hex = crypto::hex(&r.csr.sha256);
-    if crate::join::discovery::rejected(tx, &machine_key, &csr_hex)? {
+    if crate::join::requests::rejected(tx, &machine_key, &csr_hex)? {
         return refused(Reason::TpmRejected, None).map(Enrollment::Decided);
     }
-    let current = crate::join::discovery::open_request(tx, &machine_key)?;
+    let current = crate::join::requests::open_request(tx, &machine_key)?;
     let claims_json = serde_json::to_string(&r.claims).expect("serializes");
     let pending_until = now + cfg.discovery.pending_ttl_seconds as i64;
     let trusted = r.key.as_ref().is_some_and(|k| k.trusted);
@@ -564,7 +544,7 @@ fn enroll(
         }
     };
     Ok(Enrollment::Decided(Decided::Deferred(
-        crate::join::discovery::deferral(site, signer, &id, &r.csr.sha256),
+        crate::join::requests::deferral(site, signer, &id, &r.csr.sha256),
     )))
 }
 

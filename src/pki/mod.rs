@@ -385,4 +385,3 @@ mod tests {
         assert_eq!(all, vec![der, vec![9u8; 100]]);
     }
 }
-
