@@ -194,6 +194,16 @@ pub struct AdmitInput<'a> {
     pub known: Option<&'a KnownNode>,
 }
 
+/// The trust of a node its pool's tenant owns: `platform` in the root tenant's pools (the site's
+/// owner), else `tenant-owned`.
+pub fn owned_trust<'a>(pool_tenant: &str, root_tenant: &str) -> &'a str {
+    if pool_tenant == root_tenant {
+        "platform"
+    } else {
+        "tenant-owned"
+    }
+}
+
 /// `expect`, the placeholder rule, the reclaim rules, then the pool's own checks.
 pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
     let t = i.token;
@@ -233,12 +243,7 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
     } else {
         (
             "node".to_string(),
-            if pool.tenant_id == i.root_tenant {
-                "platform"
-            } else {
-                "tenant-owned"
-            }
-            .to_string(),
+            owned_trust(&pool.tenant_id, i.root_tenant).to_string(),
         )
     };
     let kind = match (trusted, i.known) {

@@ -19,14 +19,14 @@
 
 use crate::base::crypto;
 use crate::base::error::ApiResult;
+use crate::domain::admission::owned_trust;
 use crate::domain::admission::Reason;
 use crate::domain::token::Bearer;
-use crate::join::issue::certify;
+use crate::join::admit::{write, Admission, Record, Target};
 use crate::join::issue::refused;
 use crate::join::issue::Decided;
 use crate::join::issue::Ready;
 use crate::join::issue::Signer;
-use crate::join::issue::Subject;
 use crate::join::requests::deferral;
 use crate::join::requests::expire;
 use crate::join::requests::open_request;
@@ -419,8 +419,9 @@ impl Vouched<'_> {
 }
 
 /// The node holding the machine's key, again: identity generation + 1, every older certificate
-/// revoked (`reclaimed`), role `ramdisk`, the rediscovery mark cleared, its open request closed,
-/// `node.reclaimed` audited. Its recorded MACs and boot MAC change only with an approval.
+/// revoked (`reclaimed`), role `ramdisk`, the rediscovery mark cleared, its sessions ended, its
+/// open request closed, `node.reclaimed` audited. Its recorded MACs and boot MAC change only
+/// with an approval.
 #[allow(clippy::too_many_arguments)]
 fn reclaim(
     tx: &Transaction<'_>,
@@ -433,31 +434,30 @@ fn reclaim(
     ttl: i64,
     now: i64,
 ) -> ApiResult<Decided> {
-    let generation = k.generation + 1;
-    crate::store::exec(
-        tx,
-        "UPDATE nodes SET identity_generation = ?2, role = 'ramdisk', state = 'adopting', rediscover = 0, updated_at = ?3
-         WHERE id = ?1",
-        params![k.id, generation, now],
-    )?;
-    if let Vouched::Approval(_) = by {
-        let claims_json = serde_json::to_string(&r.claims).expect("serializes");
-        crate::store::exec(
-            tx,
-            "UPDATE nodes SET boot_mac = ?2, claims_json = ?3, hostname = ?4, identifiers_by = 'approval' WHERE id = ?1",
-            params![k.id, t.mac, claims_json, r.claims.hostname],
-        )?;
-    }
-    crate::join::issue::revoke_all(tx, &k.tenant_id, &k.id, "reclaimed", now)?;
-    site.sessions.close(&k.id);
-    let node = Admitted {
-        id: &k.id,
-        tenant_id: &k.tenant_id,
-        pool_id: &k.pool_id,
-        generation,
-        reclaim: true,
+    let approved = matches!(by, Vouched::Approval(_));
+    let record = Record {
+        claims: approved,
+        identifiers_by: approved.then_some("approval"),
+        boot_mac: approved.then(|| t.mac.clone()),
+        clear_rediscover: true,
+        ..Default::default()
     };
-    issue(tx, site, signer, r, token_id, &node, &by, ttl, now)
+    let target = Target::Again {
+        node_id: k.id.clone(),
+        generation: k.generation + 1,
+        trust: None,
+    };
+    issue(
+        tx,
+        site,
+        signer,
+        r,
+        token_id,
+        (&k.tenant_id, &k.pool_id, target, record),
+        &by,
+        ttl,
+        now,
+    )
 }
 
 /// A new `ramdisk` node in the approved pool. A retired node that still holds the machine's
@@ -474,9 +474,7 @@ fn admit_new(
     ttl: i64,
     now: i64,
 ) -> ApiResult<Decided> {
-    let cfg = &site.config;
-    let trusted = r.key.as_ref().filter(|k| k.trusted);
-    if let Some(k) = trusted {
+    if let Some(k) = r.key.as_ref().filter(|k| k.trusted) {
         crate::store::exec(
             tx,
             "UPDATE nodes SET hardware_key_trusted = 0, updated_at = ?2
@@ -484,48 +482,30 @@ fn admit_new(
             params![k.hex, now],
         )?;
     }
-    let node = crate::base::ids::new_id("node", now * 1000);
-    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
-    crate::store::exec(tx,
-        "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
-         identity_generation, attestor, hostname, claims_json, created_at, updated_at, boot_mac, identifiers_by)
-         VALUES (?1, ?2, ?3, ?4, 'ramdisk', 'adopting', ?5, ?6, ?7, 1, 'discovery', ?8, ?9, ?10, ?10, ?11, 'approval')",
-        params![
-            node,
-            pool.tenant_id,
-            cfg.site_id,
-            pool.id,
-            if pool.tenant_id == site.root_tenant { "platform" } else { "tenant-owned" },
-            r.key.as_ref().map(|k| k.hex.clone()),
-            trusted.is_some() as i64,
-            r.claims.hostname,
-            claims_json,
-            now,
-            t.mac
-        ],
-    )?;
-    let admitted = Admitted {
-        id: &node,
-        tenant_id: &pool.tenant_id,
-        pool_id: &pool.id,
-        generation: 1,
-        reclaim: false,
+    let record = Record {
+        claims: true,
+        identifiers_by: Some("approval"),
+        boot_mac: Some(t.mac.clone()),
+        ..Default::default()
     };
-    issue(tx, site, signer, r, token_id, &admitted, &by, ttl, now)
+    let target = Target::New {
+        trust: owned_trust(&pool.tenant_id, &site.root_tenant),
+    };
+    issue(
+        tx,
+        site,
+        signer,
+        r,
+        token_id,
+        (&pool.tenant_id, &pool.id, target, record),
+        &by,
+        ttl,
+        now,
+    )
 }
 
-/// The node a discovery join is admitted as.
-struct Admitted<'a> {
-    id: &'a str,
-    tenant_id: &'a str,
-    pool_id: &'a str,
-    generation: i64,
-    /// An existing node again (`node.reclaimed`), or a new one (`node.joined`).
-    reclaim: bool,
-}
-
-/// What every discovery admission does once its node is written: the `ramdisk` certificate, the
-/// token spent, the request it answers consumed, `node.joined` and its audit row, the adoption.
+/// What every discovery admission is: a `ramdisk` node (new or again) written by the one
+/// admission path, the token spent, the request it answers consumed.
 #[allow(clippy::too_many_arguments)]
 fn issue(
     tx: &Transaction<'_>,
@@ -533,59 +513,32 @@ fn issue(
     signer: &Signer,
     r: &Ready,
     token_id: &str,
-    node: &Admitted<'_>,
+    (tenant_id, pool_id, target, record): (&str, &str, Target<'_>, Record),
     by: &Vouched<'_>,
     ttl: i64,
     now: i64,
 ) -> ApiResult<Decided> {
-    let (response, serial) = certify(
-        tx,
-        site,
-        signer,
-        &Subject {
-            node_id: node.id,
-            generation: node.generation,
-            role: "ramdisk",
-            statements: &[],
-            ttl,
-        },
-        &r.csr,
-        now,
-    )?;
+    let reclaim = matches!(target, Target::Again { .. });
+    let admission = Admission {
+        attestor: "discovery",
+        actor: format!("discovery:{}", by.label()),
+        tenant_id,
+        site_id: &site.config.site_id,
+        pool_id,
+        role: "ramdisk",
+        target,
+        record,
+        hardware_key_trusted: r.key.as_ref().is_some_and(|k| k.trusted),
+        statements: Vec::new(),
+        ttl,
+        node_key: "unattested",
+        consumes: by.request(),
+        close_sessions: reclaim,
+        event: json!({"knownMachine": reclaim}),
+    };
+    let decided = write(tx, site, signer, r, admission, now)?;
     spend(tx, token_id, now)?;
-    if let Some(req) = by.request() {
-        crate::store::exec(tx,
-            "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
-            params![req, now, node.id],
-        )?;
-    }
-    let data = json!({
-        "nodeId": node.id,
-        "poolId": node.pool_id,
-        "attestor": "discovery",
-        "reclaim": node.reclaim,
-        "knownMachine": node.reclaim,
-        "hardwareKeyTrusted": r.key.as_ref().is_some_and(|k| k.trusted),
-        "certificateSerial": serial,
-        "nodeKey": "unattested",
-        "role": "ramdisk",
-    });
-    crate::store::events::publish(tx, now, node.tenant_id, "node.joined", data.clone())?;
-    crate::store::events::audit(
-        tx,
-        now,
-        node.tenant_id,
-        if node.reclaim {
-            "node.reclaimed"
-        } else {
-            "node.joined"
-        },
-        &format!("discovery:{}", by.label()),
-        node.id,
-        data,
-    )?;
-    crate::join::issue::adopt(tx, node.tenant_id, node.id, node.pool_id, now)?;
-    Ok(Decided::Issued(response))
+    Ok(decided)
 }
 
 fn spend(tx: &Transaction<'_>, token: &str, now: i64) -> ApiResult<()> {

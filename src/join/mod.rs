@@ -6,6 +6,7 @@
 //! `sessions`; they share the kernel (`issue`) and the join requests (`requests`), and never
 //! import each other.
 
+pub mod admit;
 pub mod discovery;
 pub mod issue;
 pub mod renewal;

@@ -5,12 +5,11 @@
 use crate::base::error::ApiResult;
 use crate::domain::admission::{self, AdmitInput, Kind, KnownNode, Reason};
 use crate::domain::token::TokenRow;
-use crate::join::issue::{
-    adopt, certify, refused, revoke_all, Decided, Proof, Ready, Signer, Subject,
-};
+use crate::join::admit::{write, Admission, Record, Target};
+use crate::join::issue::{refused, Decided, Proof, Ready, Signer};
 use crate::join::site::Site;
 use crate::store::tenancy::TOKEN_COLS;
-use rusqlite::{params, OptionalExtension, Transaction};
+use rusqlite::{OptionalExtension, Transaction};
 use serde_json::json;
 
 /// Stage 2 of a `join-token` join, inside its savepoint: the token checked and one use
@@ -82,83 +81,37 @@ pub(crate) fn admit(
         Err(reason) => return refused(reason, tenant),
     };
     let pool = pool.expect("admission checked the pool");
-    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
-    let (node_id, generation, reclaim) = match &adm.kind {
-        Kind::New => {
-            let id = crate::base::ids::new_id("node", now * 1000);
-            crate::store::exec(tx,
-                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
-                 identity_generation, attestor, hostname, claims_json, created_at, updated_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'join-token', ?9, ?10, ?11, ?11)",
-                params![
-                    id,
-                    token.tenant_id,
-                    token.site_id,
-                    pool.id,
-                    adm.role,
-                    adm.trust,
-                    r.key.as_ref().map(|k| k.hex.clone()),
-                    r.key.as_ref().is_some_and(|k| k.trusted) as i64,
-                    r.claims.hostname,
-                    claims_json,
-                    now
-                ],
-            )?;
-            (id, 1, false)
-        }
+    let target = match &adm.kind {
+        Kind::New => Target::New { trust: &adm.trust },
         Kind::Reclaim {
             node_id,
             generation,
-        } => {
-            crate::store::exec(tx,
-                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', trust = ?3, hostname = ?4, claims_json = ?5,
-                 updated_at = ?6, identifiers_by = 'token' WHERE id = ?1",
-                params![node_id, generation, adm.trust, r.claims.hostname, claims_json, now],
-            )?;
-            revoke_all(tx, &token.tenant_id, node_id, "reclaimed", now)?;
-            (node_id.clone(), *generation, true)
-        }
-    };
-    let (response, serial) = certify(
-        tx,
-        site,
-        signer,
-        &Subject {
-            node_id: &node_id,
-            generation,
-            role: &adm.role,
-            statements: &[],
-            ttl: cfg.pki.cert_ttl_seconds as i64,
+        } => Target::Again {
+            node_id: node_id.clone(),
+            generation: *generation,
+            trust: Some(&adm.trust),
         },
-        &r.csr,
-        now,
-    )?;
-    let data = json!({
-        "nodeId": node_id,
-        "poolId": pool.id,
-        "tokenId": token.id,
-        "attestor": "join-token",
-        "reclaim": reclaim,
-        "hardwareKeyTrusted": r.key.as_ref().is_some_and(|k| k.trusted),
-        "certificateSerial": serial,
-        "nodeKey": "unattested",
-        "role": adm.role,
-    });
-    crate::store::events::publish(tx, now, &token.tenant_id, "node.joined", data.clone())?;
-    let action = if reclaim {
-        "node.reclaimed"
-    } else {
-        "node.joined"
     };
-    crate::store::events::audit(
-        tx,
-        now,
-        &token.tenant_id,
-        action,
-        &format!("join-token:{}", token.id),
-        &node_id,
-        data,
-    )?;
-    adopt(tx, &token.tenant_id, &node_id, &pool.id, now)?;
-    Ok(Decided::Issued(response))
+    let admission = Admission {
+        attestor: "join-token",
+        actor: format!("join-token:{}", token.id),
+        tenant_id: &token.tenant_id,
+        site_id: &token.site_id,
+        pool_id: &pool.id,
+        role: &adm.role,
+        target,
+        record: Record {
+            claims: true,
+            identifiers_by: Some("token"),
+            ..Default::default()
+        },
+        hardware_key_trusted: r.key.as_ref().is_some_and(|k| k.trusted),
+        statements: Vec::new(),
+        ttl: cfg.pki.cert_ttl_seconds as i64,
+        node_key: "unattested",
+        consumes: None,
+        close_sessions: false,
+        event: json!({"tokenId": token.id}),
+    };
+    write(tx, site, signer, r, admission, now)
 }

@@ -28,14 +28,13 @@
 
 use crate::base::crypto;
 use crate::base::error::ApiResult;
-use crate::domain::admission::Reason;
-use crate::join::issue::certify;
+use crate::domain::admission::{owned_trust, Reason};
+use crate::join::admit::{write, Admission, Record, Target};
 use crate::join::issue::evidence_field;
 use crate::join::issue::refused;
 use crate::join::issue::Decided;
 use crate::join::issue::Ready;
 use crate::join::issue::Signer;
-use crate::join::issue::Subject;
 use crate::join::issue::TpmProof;
 use crate::join::site::Site;
 use crate::proto::protocol::{
@@ -347,23 +346,19 @@ pub(crate) fn admit(
     if !pool.allows_attestor("tpm") {
         return refused(Reason::PoolAttestor, tenant);
     }
-    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
     let trusted = r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone());
-    let (node_id, generation, reclaim) = match known {
+    let target = match known {
         Some(k) => {
             // The same role, or a machine discovered as a ramdisk that now runs its OS.
             let role_ok = k.role == r.role || k.role == "ramdisk";
             if k.tenant_id != pool.tenant_id || k.pool_id != pool.id || !role_ok {
                 return refused(Reason::Reclaim, tenant);
             }
-            let generation = k.generation + 1;
-            crate::store::exec(tx,
-                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', role = ?3, hostname = ?4, claims_json = ?5,
-                 updated_at = ?6, identifiers_by = 'tpm' WHERE id = ?1",
-                params![k.id, generation, r.role, r.claims.hostname, claims_json, now],
-            )?;
-            crate::join::issue::revoke_all(tx, &pool.tenant_id, &k.id, "reclaimed", now)?;
-            (k.id, generation, true)
+            Target::Again {
+                node_id: k.id,
+                generation: k.generation + 1,
+                trust: None,
+            }
         }
         None => {
             // A machine whose hardware key is already another node's joins as that node only by
@@ -380,83 +375,43 @@ pub(crate) fn admit(
                     return refused(Reason::Reclaim, tenant);
                 }
             }
-            let id = crate::base::ids::new_id("node", now * 1000);
-            crate::store::exec(tx,
-                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted,
-                 identity_generation, attestor, hostname, claims_json, created_at, updated_at, tpm_ek_sha256, identifiers_by)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, 'tpm', ?9, ?10, ?11, ?11, ?12, 'tpm')",
-                params![
-                    id,
-                    pool.tenant_id,
-                    cfg.site_id,
-                    pool.id,
-                    r.role,
-                    if pool.tenant_id == site.root_tenant { "platform" } else { "tenant-owned" },
-                    r.key.as_ref().map(|k| k.hex.clone()),
-                    // The EK is the machine's key: the claims' hardware key is recorded, never
-                    // trusted (no token reclaim or discovery shortcut reaches this node by it).
-                    0,
-                    r.claims.hostname,
-                    claims_json,
-                    now,
-                    p.ek_sha256
-                ],
-            )?;
-            (id, 1, false)
+            Target::New {
+                trust: owned_trust(&pool.tenant_id, &site.root_tenant),
+            }
         }
     };
-    let ttl = crate::join::issue::cert_ttl(cfg, &r.role, "tpm");
-    let (response, serial) = certify(
-        tx,
-        site,
-        signer,
-        &Subject {
-            node_id: &node_id,
-            generation,
-            role: &r.role,
-            statements: &[p.statement()],
-            ttl,
+    let new = matches!(target, Target::New { .. });
+    let admission = Admission {
+        attestor: "tpm",
+        actor: format!("tpm:{}", p.ek_sha256),
+        tenant_id: &pool.tenant_id,
+        site_id: &cfg.site_id,
+        pool_id: &pool.id,
+        role: &r.role,
+        target,
+        record: Record {
+            claims: true,
+            identifiers_by: Some("tpm"),
+            tpm_ek_sha256: new.then(|| p.ek_sha256.clone()),
+            ..Default::default()
         },
-        &r.csr,
-        now,
-    )?;
-    if let Some(id) = &request {
-        crate::store::exec(tx,
-            "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
-            params![id, now, node_id],
-        )?;
-    }
-    let data = json!({
-        "nodeId": node_id,
-        "poolId": pool.id,
-        "attestor": "tpm",
-        "reclaim": reclaim,
-        "hardwareKeyTrusted": false,
-        "certificateSerial": serial,
-        "nodeKey": "tpm",
-        "role": r.role,
-        "ekSha256": p.ek_sha256,
-        "akName": crypto::hex(&p.ak_name),
-        "ekCertified": ek_certified,
-        "admittedBy": admitted_by,
-        "joinRequestId": request,
-    });
-    crate::store::events::publish(tx, now, &pool.tenant_id, "node.joined", data.clone())?;
-    crate::store::events::audit(
-        tx,
-        now,
-        &pool.tenant_id,
-        if reclaim {
-            "node.reclaimed"
-        } else {
-            "node.joined"
-        },
-        &format!("tpm:{}", p.ek_sha256),
-        &node_id,
-        data,
-    )?;
-    crate::join::issue::adopt(tx, &pool.tenant_id, &node_id, &pool.id, now)?;
-    Ok(Decided::Issued(response))
+        // The EK is the machine's key: the claims' hardware key is recorded, never trusted (no
+        // token reclaim or discovery shortcut reaches this node by it).
+        hardware_key_trusted: false,
+        statements: vec![p.statement()],
+        ttl: crate::join::issue::cert_ttl(cfg, &r.role, "tpm"),
+        node_key: "tpm",
+        consumes: request.as_deref(),
+        close_sessions: false,
+        event: json!({
+            "ekSha256": p.ek_sha256,
+            "akName": crypto::hex(&p.ak_name),
+            "ekCertified": ek_certified,
+            "admittedBy": admitted_by,
+            "joinRequestId": request,
+        }),
+    };
+    write(tx, site, signer, r, admission, now)
 }
 
 /// An EK on no allow-list: a join request keyed by the EK's hash, decided by an operator.

@@ -1,0 +1,194 @@
+//! The one admission path's writing half. Each attestor weighs its own evidence (a token, an
+//! approval or a known machine, a TPM's EK) with the rules in `domain::admission` and hands the
+//! result here as one [`Admission`]: which node (new, or one again), its tenant, pool, role and
+//! trust, what vouched for it, what its row records. [`write`] is then the only code that
+//! writes a node: the row (the one node `INSERT`, or the reclaim's `UPDATE` with its older
+//! certificates revoked), the certificate and its `node_certs` row, the join request it
+//! answers, `node.joined` with its `node.joined` or `node.reclaimed` audit row, and the
+//! adoption.
+
+use crate::base::error::ApiResult;
+use crate::join::issue::{adopt, certify, revoke_all, Decided, Ready, Signer, Subject};
+use crate::join::site::Site;
+use rusqlite::{params, Transaction};
+use serde_json::{json, Value};
+
+/// Which node an admission lands on.
+pub(crate) enum Target<'a> {
+    /// A new node, identity generation 1, with this trust.
+    New { trust: &'a str },
+    /// A node again (a reclaim): its next identity generation, its older certificates revoked;
+    /// its trust set, or kept (`None`).
+    Again {
+        node_id: String,
+        generation: i64,
+        trust: Option<&'a str>,
+    },
+}
+
+/// What the node's row records of the machine at this admission. On a reclaim, `None` (or
+/// `false`) keeps what the row had.
+#[derive(Default)]
+pub(crate) struct Record {
+    /// Write the claims and hostname of this join (a new node always records them).
+    pub claims: bool,
+    /// Who vouched for the identifiers: `token`, `approval` or `tpm`.
+    pub identifiers_by: Option<&'static str>,
+    /// The MAC the machine booted with (discovery).
+    pub boot_mac: Option<String>,
+    /// The TPM's EK (hex SHA-256), for a new node admitted by its TPM.
+    pub tpm_ek_sha256: Option<String>,
+    /// Clear an operator's rediscovery mark.
+    pub clear_rediscover: bool,
+}
+
+/// An attestor's decision to admit, ready to be written.
+pub(crate) struct Admission<'a> {
+    /// `join-token`, `discovery` or `tpm`: the node's `attestor` and the event's.
+    pub attestor: &'static str,
+    /// The audit row's actor: `join-token:<token>`, `discovery:<request>|known-machine`,
+    /// `tpm:<ek>`.
+    pub actor: String,
+    pub tenant_id: &'a str,
+    pub site_id: &'a str,
+    pub pool_id: &'a str,
+    /// The certificate's (and the node's) role.
+    pub role: &'a str,
+    pub target: Target<'a>,
+    pub record: Record,
+    /// The node's hardware key is trusted (recorded for a new node, and told in the event).
+    pub hardware_key_trusted: bool,
+    /// The certificate's `urn:bc:` statements (the TPM AK's name).
+    pub statements: Vec<String>,
+    /// The certificate's lifetime (`issue::cert_ttl`).
+    pub ttl: i64,
+    /// How the node key is held: `unattested` or `tpm` (the event's `nodeKey`).
+    pub node_key: &'static str,
+    /// The join request this admission answers: consumed.
+    pub consumes: Option<&'a str>,
+    /// End the node's live sessions (a reclaim an operator approved).
+    pub close_sessions: bool,
+    /// The attestor's own fields of `node.joined` (`tokenId`, `ekSha256`, …).
+    pub event: Value,
+}
+
+/// Writes an admission (inside the join's savepoint) and issues its certificate.
+pub(crate) fn write(
+    tx: &Transaction<'_>,
+    site: &Site,
+    signer: &Signer,
+    r: &Ready,
+    a: Admission<'_>,
+    now: i64,
+) -> ApiResult<Decided> {
+    let claims_json = serde_json::to_string(&r.claims).expect("serializes");
+    let (node_id, generation, reclaim) = match a.target {
+        Target::New { trust } => {
+            let id = crate::base::ids::new_id("node", now * 1000);
+            crate::store::exec(
+                tx,
+                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key,
+                 hardware_key_trusted, identity_generation, attestor, hostname, claims_json, created_at,
+                 updated_at, boot_mac, identifiers_by, tpm_ek_sha256)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, ?9, ?10, ?11, ?12, ?12, ?13, ?14, ?15)",
+                params![
+                    id,
+                    a.tenant_id,
+                    a.site_id,
+                    a.pool_id,
+                    a.role,
+                    trust,
+                    r.key.as_ref().map(|k| k.hex.clone()),
+                    a.hardware_key_trusted as i64,
+                    a.attestor,
+                    r.claims.hostname,
+                    claims_json,
+                    now,
+                    a.record.boot_mac,
+                    a.record.identifiers_by.unwrap_or("token"),
+                    a.record.tpm_ek_sha256,
+                ],
+            )?;
+            (id, 1, false)
+        }
+        Target::Again {
+            node_id,
+            generation,
+            trust,
+        } => {
+            crate::store::exec(
+                tx,
+                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', role = ?3,
+                 trust = COALESCE(?4, trust),
+                 rediscover = CASE WHEN ?5 THEN 0 ELSE rediscover END,
+                 hostname = CASE WHEN ?6 THEN ?7 ELSE hostname END,
+                 claims_json = CASE WHEN ?6 THEN ?8 ELSE claims_json END,
+                 identifiers_by = COALESCE(?9, identifiers_by),
+                 boot_mac = COALESCE(?10, boot_mac),
+                 updated_at = ?11
+                 WHERE id = ?1",
+                params![
+                    node_id,
+                    generation,
+                    a.role,
+                    trust,
+                    a.record.clear_rediscover,
+                    a.record.claims,
+                    r.claims.hostname,
+                    claims_json,
+                    a.record.identifiers_by,
+                    a.record.boot_mac,
+                    now,
+                ],
+            )?;
+            revoke_all(tx, a.tenant_id, &node_id, "reclaimed", now)?;
+            if a.close_sessions {
+                site.sessions.close(&node_id);
+            }
+            (node_id, generation, true)
+        }
+    };
+    let (response, serial) = certify(
+        tx,
+        site,
+        signer,
+        &Subject {
+            node_id: &node_id,
+            generation,
+            role: a.role,
+            statements: &a.statements,
+            ttl: a.ttl,
+        },
+        &r.csr,
+        now,
+    )?;
+    if let Some(req) = a.consumes {
+        crate::store::exec(
+            tx,
+            "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
+            params![req, now, node_id],
+        )?;
+    }
+    let mut data = json!({
+        "nodeId": node_id,
+        "poolId": a.pool_id,
+        "attestor": a.attestor,
+        "reclaim": reclaim,
+        "hardwareKeyTrusted": a.hardware_key_trusted,
+        "certificateSerial": serial,
+        "nodeKey": a.node_key,
+        "role": a.role,
+    });
+    if let (Some(d), Some(extra)) = (data.as_object_mut(), a.event.as_object()) {
+        d.extend(extra.clone());
+    }
+    crate::store::events::publish(tx, now, a.tenant_id, "node.joined", data.clone())?;
+    let action = if reclaim {
+        "node.reclaimed"
+    } else {
+        "node.joined"
+    };
+    crate::store::events::audit(tx, now, a.tenant_id, action, &a.actor, &node_id, data)?;
+    adopt(tx, a.tenant_id, &node_id, a.pool_id, now)?;
+    Ok(Decided::Issued(response))
+}
