@@ -266,6 +266,80 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
     Ok(Admission { kind, role, trust })
 }
 
+/// A live node that holds a discovery join's trusted hardware key, as the `discovery` attestor
+/// weighs it.
+#[derive(Debug, Clone)]
+pub struct HeldBy {
+    pub id: String,
+    pub tenant_id: String,
+    pub pool_id: String,
+    pub role: String,
+    pub generation: i64,
+    pub boot_mac: Option<String>,
+    /// The MACs of the node's recorded claims (normalised).
+    pub claim_macs: Vec<String>,
+    /// Who recorded its identifiers: `discovery`, `tpm`, `approval` or `token`.
+    pub identifiers_by: String,
+    pub connected: bool,
+    pub rediscover: bool,
+    pub pool_allows_discovery: bool,
+}
+
+impl HeldBy {
+    /// A node whose machine may come back as itself through the discovery ramdisk: a `ramdisk`
+    /// node, or one an operator marked for rediscovery.
+    pub fn may_boot_ramdisk(&self) -> bool {
+        self.role == "ramdisk" || self.rediscover
+    }
+
+    /// Whether a discovery join with a token for `token_mac` may be admitted as this node with
+    /// no operator (`approval = "unknown-machines"`): what the network saw (a sighting of the
+    /// node's own boot MAC), who vouched for its identifiers, its pool, its session, its role.
+    pub fn reclaimable_unapproved(&self, token_mac: &str, sighted: bool) -> bool {
+        let mac_is_its_own = match &self.boot_mac {
+            Some(m) => m == token_mac,
+            None => self.claim_macs.iter().any(|m| m == token_mac),
+        };
+        sighted
+            && mac_is_its_own
+            && matches!(
+                self.identifiers_by.as_str(),
+                "discovery" | "tpm" | "approval"
+            )
+            && self.pool_allows_discovery
+            && !self.connected
+            && self.may_boot_ramdisk()
+    }
+
+    /// Whether an operator's approval into `pool` admits the machine as this node.
+    pub fn reclaimable_approved(&self, pool: &str) -> bool {
+        self.pool_id == pool && self.may_boot_ramdisk()
+    }
+}
+
+/// Which pool a `tpm` join lands in, and by what: the allow-list's entry for its EK first, then
+/// the EK CA bundle's pool (when the EK certificate verified and no retired node blocks it), then
+/// the pool of the node this EK already is. `None`: an operator decides (a join request).
+pub fn tpm_pool(
+    allowed: Option<String>,
+    ca_pool: Option<String>,
+    known_pool: Option<&str>,
+) -> Option<(String, &'static str)> {
+    match (allowed, ca_pool, known_pool) {
+        (Some(pool), _, _) => Some((pool, "allow-list")),
+        (None, Some(pool), _) => Some((pool, "ek-ca")),
+        (None, None, Some(pool)) => Some((pool.to_string(), "known-ek")),
+        (None, None, None) => None,
+    }
+}
+
+/// Whether a `tpm` join may be the node its EK already is: the same tenant and pool, and the
+/// same role, or a machine discovered as a ramdisk that now runs its OS.
+pub fn tpm_reclaims(known: (&str, &str, &str), pool: (&str, &str), role: &str) -> bool {
+    let (tenant, pool_id, known_role) = known;
+    tenant == pool.0 && pool_id == pool.1 && (known_role == role || known_role == "ramdisk")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,5 +669,101 @@ mod tests {
             (a.role.as_str(), a.trust.as_str()),
             ("node-tenant", "tenant-controlled")
         );
+    }
+
+    fn held() -> HeldBy {
+        HeldBy {
+            id: "node_a".into(),
+            tenant_id: "tn_root".into(),
+            pool_id: "pool_a".into(),
+            role: "ramdisk".into(),
+            generation: 1,
+            boot_mac: Some("52:54:00:00:00:01".into()),
+            claim_macs: vec!["52:54:00:00:00:02".into()],
+            identifiers_by: "discovery".into(),
+            connected: false,
+            rediscover: false,
+            pool_allows_discovery: true,
+        }
+    }
+
+    #[test]
+    fn a_discovery_reclaim_without_an_operator_needs_what_the_network_saw_and_more() {
+        let h = held();
+        assert!(h.reclaimable_unapproved("52:54:00:00:00:01", true));
+        // Not sighted, or another MAC than its boot MAC (its claims' MACs count only without one).
+        assert!(!h.reclaimable_unapproved("52:54:00:00:00:01", false));
+        assert!(!h.reclaimable_unapproved("52:54:00:00:00:02", true));
+        let no_boot_mac = HeldBy {
+            boot_mac: None,
+            ..held()
+        };
+        assert!(no_boot_mac.reclaimable_unapproved("52:54:00:00:00:02", true));
+        // Identifiers a token join recorded, a pool without discovery, a live session, a node
+        // that runs its OS: an operator decides.
+        for h in [
+            HeldBy {
+                identifiers_by: "token".into(),
+                ..held()
+            },
+            HeldBy {
+                pool_allows_discovery: false,
+                ..held()
+            },
+            HeldBy {
+                connected: true,
+                ..held()
+            },
+            HeldBy {
+                role: "node".into(),
+                ..held()
+            },
+        ] {
+            assert!(!h.reclaimable_unapproved("52:54:00:00:00:01", true));
+        }
+        // Marked for rediscovery, a node that runs its OS may come back through the ramdisk.
+        let marked = HeldBy {
+            role: "node".into(),
+            rediscover: true,
+            ..held()
+        };
+        assert!(marked.reclaimable_unapproved("52:54:00:00:00:01", true));
+        // An approval admits it as this node only into its own pool.
+        assert!(held().reclaimable_approved("pool_a"));
+        assert!(!held().reclaimable_approved("pool_b"));
+    }
+
+    #[test]
+    fn a_tpm_join_finds_its_pool_allow_list_first() {
+        let s = |v: &str| Some(v.to_string());
+        assert_eq!(
+            tpm_pool(s("pool_l"), s("pool_c"), Some("pool_k")),
+            Some(("pool_l".into(), "allow-list"))
+        );
+        assert_eq!(
+            tpm_pool(None, s("pool_c"), Some("pool_k")),
+            Some(("pool_c".into(), "ek-ca"))
+        );
+        assert_eq!(
+            tpm_pool(None, None, Some("pool_k")),
+            Some(("pool_k".into(), "known-ek"))
+        );
+        assert_eq!(tpm_pool(None, None, None), None);
+        let known = ("tn_a", "pool_a", "ramdisk");
+        assert!(tpm_reclaims(known, ("tn_a", "pool_a"), "node"));
+        assert!(!tpm_reclaims(known, ("tn_b", "pool_a"), "node"));
+        assert!(!tpm_reclaims(known, ("tn_a", "pool_b"), "node"));
+        assert!(!tpm_reclaims(
+            ("tn_a", "pool_a", "node"),
+            ("tn_a", "pool_a"),
+            "ramdisk"
+        ));
+        assert!(tpm_reclaims(
+            ("tn_a", "pool_a", "node"),
+            ("tn_a", "pool_a"),
+            "node"
+        ));
+        assert_eq!(owned_trust("tn_root", "tn_root"), "platform");
+        assert_eq!(owned_trust("tn_a", "tn_root"), "tenant-owned");
     }
 }

@@ -19,8 +19,8 @@
 
 use crate::base::crypto;
 use crate::base::error::ApiResult;
-use crate::domain::admission::owned_trust;
 use crate::domain::admission::Reason;
+use crate::domain::admission::{owned_trust, HeldBy};
 use crate::domain::token::Bearer;
 use crate::join::admit::{write, Admission, Record, Target};
 use crate::join::issue::refused;
@@ -108,56 +108,6 @@ struct TokenRow {
     voided: bool,
     /// Minted for an address the network saw the MAC at.
     sighted: bool,
-}
-
-/// A live node that holds the machine's trusted hardware key, as the attestor weighs it.
-#[derive(Debug, Clone)]
-pub(crate) struct HeldBy {
-    pub id: String,
-    pub tenant_id: String,
-    pub pool_id: String,
-    pub role: String,
-    pub generation: i64,
-    pub boot_mac: Option<String>,
-    /// The MACs of the node's recorded claims (normalised).
-    pub claim_macs: Vec<String>,
-    /// Who recorded its identifiers: `discovery`, `tpm`, `approval` or `token`.
-    pub identifiers_by: String,
-    pub connected: bool,
-    pub rediscover: bool,
-    pub pool_allows_discovery: bool,
-}
-
-impl HeldBy {
-    /// A node whose machine may come back as itself through the discovery ramdisk: a `ramdisk`
-    /// node, or one an operator marked for rediscovery.
-    fn may_boot_ramdisk(&self) -> bool {
-        self.role == "ramdisk" || self.rediscover
-    }
-
-    /// Whether a discovery join with a token for `token_mac` may be admitted as this node with
-    /// no operator (`approval = "unknown-machines"`): what the network saw (a sighting of the
-    /// node's own boot MAC), who vouched for its identifiers, its pool, its session, its role.
-    pub fn reclaimable_unapproved(&self, token_mac: &str, sighted: bool) -> bool {
-        let mac_is_its_own = match &self.boot_mac {
-            Some(m) => m == token_mac,
-            None => self.claim_macs.iter().any(|m| m == token_mac),
-        };
-        sighted
-            && mac_is_its_own
-            && matches!(
-                self.identifiers_by.as_str(),
-                "discovery" | "tpm" | "approval"
-            )
-            && self.pool_allows_discovery
-            && !self.connected
-            && self.may_boot_ramdisk()
-    }
-
-    /// Whether an operator's approval into `pool` admits the machine as this node.
-    pub fn reclaimable_approved(&self, pool: &str) -> bool {
-        self.pool_id == pool && self.may_boot_ramdisk()
-    }
 }
 
 /// The live (not retired) node holding a trusted hardware key.

@@ -28,7 +28,7 @@
 
 use crate::base::crypto;
 use crate::base::error::ApiResult;
-use crate::domain::admission::{owned_trust, Reason};
+use crate::domain::admission::{owned_trust, tpm_pool, tpm_reclaims, Reason};
 use crate::join::admit::{write, Admission, Record, Target};
 use crate::join::issue::evidence_field;
 use crate::join::issue::refused;
@@ -321,11 +321,10 @@ pub(crate) fn admit(
         .ek_ca_pool
         .clone()
         .filter(|_| ek_certified && !retired);
-    let (pool_id, request, admitted_by) = match (allowed, ca_pool, &known) {
-        (Some(pool), _, _) => (pool, None, "allow-list"),
-        (None, Some(pool), _) => (pool, None, "ek-ca"),
-        (None, None, Some(k)) => (k.pool_id.clone(), None, "known-ek"),
-        (None, None, None) => match enroll(tx, site, signer, r, p, ek_certified, now)? {
+    let chosen = tpm_pool(allowed, ca_pool, known.as_ref().map(|k| k.pool_id.as_str()));
+    let (pool_id, request, admitted_by) = match chosen {
+        Some((pool, by)) => (pool, None, by),
+        None => match enroll(tx, site, signer, r, p, ek_certified, now)? {
             Enrollment::Approved {
                 pool_id,
                 request_id,
@@ -349,9 +348,8 @@ pub(crate) fn admit(
     let trusted = r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone());
     let target = match known {
         Some(k) => {
-            // The same role, or a machine discovered as a ramdisk that now runs its OS.
-            let role_ok = k.role == r.role || k.role == "ramdisk";
-            if k.tenant_id != pool.tenant_id || k.pool_id != pool.id || !role_ok {
+            let known = (k.tenant_id.as_str(), k.pool_id.as_str(), k.role.as_str());
+            if !tpm_reclaims(known, (&pool.tenant_id, &pool.id), &r.role) {
                 return refused(Reason::Reclaim, tenant);
             }
             Target::Again {

@@ -201,3 +201,34 @@ fn the_layer_reader_sees_grouped_nested_and_inline_paths() {
         .iter()
         .any(|(_, l)| l.contains("no rule: misc")));
 }
+
+/// Inside the join layer: the attestors (and renewal and the session rows) share the kernel
+/// (`issue`), the admission writer (`admit`), the join requests and the site, and never import
+/// each other or the service that dispatches to them.
+#[test]
+fn the_attestors_never_import_each_other() {
+    let join = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/join");
+    let shared = ["issue", "admit", "requests", "site"];
+    let attestors = ["token", "discovery", "tpm", "renewal", "sessions"];
+    let mut bad = Vec::new();
+    for a in attestors {
+        let text = std::fs::read_to_string(join.join(format!("{a}.rs"))).unwrap();
+        for (i, _) in text.match_indices("crate::join::") {
+            let rest = &text[i + "crate::join::".len()..];
+            let m: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if m != a && !shared.contains(&m.as_str()) {
+                bad.push(format!("src/join/{a}.rs -> join::{m}"));
+            }
+        }
+        // Grouped: `use crate::join::{…}` is not written in this layer; refuse it so the check
+        // above sees every path.
+        assert!(
+            !text.contains("crate::join::{"),
+            "src/join/{a}.rs groups join imports"
+        );
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
