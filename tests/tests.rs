@@ -19,6 +19,8 @@ mod foundation;
 mod fuzz_replay;
 #[path = "it/hostile.rs"]
 mod hostile;
+#[path = "it/house_attacks.rs"]
+mod house_attacks;
 #[path = "it/hygiene.rs"]
 mod hygiene;
 #[path = "it/install.rs"]

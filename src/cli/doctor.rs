@@ -46,6 +46,11 @@ fn loose_files(dir: &Path, allow_group: &[&Path], public: bool, out: &mut Vec<St
         let Ok(m) = std::fs::symlink_metadata(&p) else {
             continue;
         };
+        // A link's own mode is always 0777 and says nothing; where it leads is checked apart
+        // (`links_out`).
+        if m.file_type().is_symlink() {
+            continue;
+        }
         let mode = m.permissions().mode() & 0o777;
         // Public by design: the certificates, the boot files and the agent downloads (the network
         // child, another user when `serve` runs as root, reads the last two).

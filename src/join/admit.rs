@@ -3,7 +3,7 @@
 //! result here as one [`Admission`]: which node (new, or one again), its tenant, pool, role and
 //! trust, what vouched for it, what its row records. [`write`] is then the only code that
 //! writes a node: the row (the one node `INSERT`, or the reclaim's `UPDATE` with its older
-//! certificates revoked), the certificate and its `node_certs` row, the join request it
+//! certificates revoked and its live session ended), the certificate and its `node_certs` row, the join request it
 //! answers, `node.joined` with its `node.joined` or `node.reclaimed` audit row, and the
 //! adoption.
 
@@ -66,8 +66,6 @@ pub(crate) struct Admission<'a> {
     pub node_key: &'static str,
     /// The join request this admission answers: consumed.
     pub consumes: Option<&'a str>,
-    /// End the node's live sessions (a reclaim an operator approved).
-    pub close_sessions: bool,
     /// The attestor's own fields of `node.joined` (`tokenId`, `ekSha256`, …).
     pub event: Value,
 }
@@ -141,10 +139,9 @@ pub(crate) fn write(
                     now,
                 ],
             )?;
+            // The identity it replaces is revoked, and its live session ends with it.
             revoke_all(tx, a.tenant_id, &node_id, "reclaimed", now)?;
-            if a.close_sessions {
-                site.sessions.close(&node_id);
-            }
+            site.sessions.close(&node_id);
             (node_id, generation, true)
         }
     };

@@ -483,7 +483,6 @@ fn issue(
         ttl,
         node_key: "unattested",
         consumes: by.request(),
-        close_sessions: reclaim,
         event: json!({"knownMachine": reclaim}),
     };
     let decided = write(tx, site, signer, r, admission, now)?;

@@ -1,9 +1,9 @@
 //! Sessions: a node's live mTLS connection to the gateway (`Hello` / `Welcome`, heartbeats).
 //!
-//! The gateway keeps the live connections in a [`Registry`]; the JoinService's writer records
+//! The gateway keeps the live connections in a `Registry` (`base::registry`); the JoinService's writer records
 //! `connected` and `last_seen` in the node's row and publishes `node.connected` /
-//! `node.disconnected`. Revoking a node's identity (or retiring or deleting it) closes its session
-//! at once through the registry.
+//! `node.disconnected`. Revoking a node's identity (or retiring or deleting it, or a reclaim that
+//! replaces it) closes its session at once through the registry.
 
 use crate::base::error::ApiResult;
 use crate::proto::protocol::Outcome;

@@ -110,7 +110,6 @@ pub(crate) fn admit(
         ttl: cfg.pki.cert_ttl_seconds as i64,
         node_key: "unattested",
         consumes: None,
-        close_sessions: false,
         event: json!({"tokenId": token.id}),
     };
     write(tx, site, signer, r, admission, now)

@@ -400,7 +400,6 @@ pub(crate) fn admit(
         ttl: crate::join::issue::cert_ttl(cfg, &r.role, "tpm"),
         node_key: "tpm",
         consumes: request.as_deref(),
-        close_sessions: false,
         event: json!({
             "ekSha256": p.ek_sha256,
             "akName": crypto::hex(&p.ak_name),

@@ -89,7 +89,13 @@ impl AgentConfig {
 
 /// Writes an agent's two files into `out`, never over existing ones.
 pub fn write_agent_files(agent: &AgentConfig, jwk: &str, out: &Path) -> ApiResult<()> {
-    std::fs::create_dir_all(out)
+    // A folder it creates is the owner's alone, whatever the umask (it holds the agent's config,
+    // and becomes its data directory too in `bca dev`'s lines); an existing one keeps its mode.
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(out)
         .map_err(|e| ApiError::invalid_state(format!("cannot create {}: {e}", out.display())))?;
     let cfg_path = out.join("config.toml");
     let jwk_path = out.join("join-encryption.jwk");

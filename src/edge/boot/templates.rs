@@ -51,7 +51,12 @@ pub fn render(root: &ReadRoot, template: (&str, &str), values: &[(&str, &str)]) 
                 }
             }
         }
-        Err(_) => builtin.to_string(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => builtin.to_string(),
+        Err(e) => {
+            // A link that leads out of the boot root (or is absolute), a folder, a FIFO: named.
+            tracing::warn!(path = %root.path().join(&rel).display(), error = %e, "boot: template override not opened beneath the boot root; using the built-in one");
+            builtin.to_string()
+        }
     };
     fill(&text, values)
 }
