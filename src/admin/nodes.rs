@@ -107,34 +107,6 @@ fn certs(tx: &Transaction<'_>, node: &str) -> ApiResult<Vec<Value>> {
     Ok(out)
 }
 
-/// Revokes every live certificate of a node, publishing one event each.
-fn revoke_all(
-    tx: &Transaction<'_>,
-    now: i64,
-    tenant: &str,
-    node: &str,
-    reason: &str,
-) -> ApiResult<Vec<String>> {
-    let serials: Vec<String> = tx
-        .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
-        .query_map([node], |r| r.get(0))?
-        .collect::<Result<_, _>>()?;
-    for s in &serials {
-        tx.execute(
-            "UPDATE node_certs SET revoked_at = ?2, revoke_reason = ?3 WHERE serial = ?1",
-            params![s, now, reason],
-        )?;
-        publish(
-            tx,
-            now,
-            tenant,
-            "security.certificate-revoked",
-            json!({"nodeId": node, "serial": s, "reason": reason}),
-        )?;
-    }
-    Ok(serials)
-}
-
 pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option<ApiResult<Value>> {
     let out = match path {
         "nodes/list" => parse::<ListInput>(body).and_then(|i| store.read(|tx| list(tx, i))),
@@ -163,7 +135,7 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
             validate_ref(&i)?;
             store.write(|tx| {
                 let v = load(tx, &i.tenant_id, &i.node_id)?;
-                let revoked = revoke_all(tx, ctx.now, &i.tenant_id, &i.node_id, "deleted")?;
+                let revoked = crate::store::nodes::revoke_all(tx, &i.tenant_id, &i.node_id, "deleted", ctx.now)?;
                 tx.execute("DELETE FROM nodes WHERE id = ?1", [&i.node_id])?;
                 let data = json!({"nodeId": i.node_id, "hardwareKey": v["hardwareKey"], "revokedSerials": revoked});
                 publish(tx, ctx.now, &i.tenant_id, "node.deleted", data.clone())?;
@@ -188,7 +160,7 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
             validate_ref(&i)?;
             store.write(|tx| {
                 load(tx, &i.tenant_id, &i.node_id)?;
-                let revoked = revoke_all(tx, ctx.now, &i.tenant_id, &i.node_id, "revoked")?;
+                let revoked = crate::store::nodes::revoke_all(tx, &i.tenant_id, &i.node_id, "revoked", ctx.now)?;
                 let data = json!({"nodeId": i.node_id, "revokedSerials": revoked, "reason": i.reason});
                 audit(tx, ctx.now, &i.tenant_id, "nodes.revokeIdentity", ctx.caller, &i.node_id, data)?;
                 let mut v = load(tx, &i.tenant_id, &i.node_id)?;

@@ -1,6 +1,9 @@
-//! The join-token attestor's rules and the admission rules after it, as pure functions of the
-//! rows involved, the claims and `now`. The JoinService loads the rows inside its transaction,
-//! asks these functions, and writes what they decide.
+//! The seed's admission rules, as pure functions of the rows involved, the claims and `now`: the
+//! join-token attestor's checks and the admission after it (`expect`, placeholders, reclaim,
+//! pool, tenant, site, hosted trust), the `discovery` attestor's reclaim predicates ([`HeldBy`]),
+//! the `tpm` attestor's pool choice and reclaim rule, and every refusal [`Reason`]. The
+//! JoinService loads the rows inside its transaction, asks these functions, and writes what they
+//! decide through `join::admit`.
 
 use crate::base::crypto;
 use crate::domain::pool::Pool;

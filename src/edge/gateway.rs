@@ -1,5 +1,5 @@
 //! The gateway: the TLS 1.3 listener agents dial. It relays joins and renewals to the JoinService
-//! through the message interface ([`JoinHandle::call`]: bytes in, bytes out) and holds node
+//! through the message interface (a [`CallSink`]: bytes in, bytes out) and holds node
 //! sessions. It never holds a signing key, never opens a seal, never parses a token.
 //!
 //! Client certificates are optional at the TLS layer (a join has none) and, when presented, must

@@ -1,5 +1,6 @@
-//! HTTP on hyper: the public listener (the well-known document) and the admin API on the Unix
-//! socket, whose callers are identified by `SO_PEERCRED` and recorded in audit rows.
+//! The public HTTP listener on hyper: the well-known document, `/healthz`, `/metrics`, the boot
+//! paths and the agent downloads; and the response helpers the admin socket
+//! (`appliance::admin_http`) shares.
 
 use crate::base::error::ApiError;
 use crate::edge::{Answer, Ask, Edge};

@@ -2,7 +2,8 @@
 //! well-known document, `/healthz`, `/metrics`, agent downloads), DHCP and TFTP. With privilege
 //! separation on, all of it runs in the network child (`privsep`), which parses every
 //! byte those sockets receive; what needs the database or a key is asked of the core as one of a
-//! few structured questions ([`Ask`]), answered by [`answer`] in the key-holding process.
+//! few structured questions ([`Ask`]), answered in the key-holding process (`appliance::answer`) and reached only through
+//! [`EdgeCore`].
 //!
 //! Files are read beneath two directories the core opens and hands over as descriptors
 //! ([`ReadRoot`]): the boot root and `<state-dir>/downloads`. The child's Landlock rules allow

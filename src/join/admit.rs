@@ -8,8 +8,9 @@
 //! adoption.
 
 use crate::base::error::ApiResult;
-use crate::join::issue::{adopt, certify, revoke_all, Decided, Ready, Signer, Subject};
+use crate::join::issue::{adopt, certify, Decided, Ready, Signer, Subject};
 use crate::join::site::Site;
+use crate::store::nodes::revoke_all;
 use rusqlite::{params, Transaction};
 use serde_json::{json, Value};
 

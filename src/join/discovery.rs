@@ -250,7 +250,7 @@ pub(crate) fn admit(
             return refused(Reason::DiscoveryAddressConflict, None);
         }
     }
-    let ttl = cfg.discovery.cert_ttl_seconds.min(7200) as i64;
+    let ttl = crate::join::issue::cert_ttl(cfg, "ramdisk", "discovery");
     let token = (bearer.id.as_str(), &t);
     if let Some((id, state, Some(pool_id), csr)) = &current {
         if state == "approved" && *csr == csr_hex {

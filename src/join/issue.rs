@@ -205,36 +205,6 @@ pub(crate) fn adopt(
     )
 }
 
-/// Revokes every unrevoked certificate of `node_id` (`reason`, with a
-/// `security.certificate-revoked` event for each).
-pub(crate) fn revoke_all(
-    tx: &Transaction<'_>,
-    tenant: &str,
-    node_id: &str,
-    reason: &str,
-    now: i64,
-) -> ApiResult<()> {
-    let serials: Vec<String> = tx
-        .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
-        .query_map([node_id], |row| row.get(0))?
-        .collect::<Result<_, _>>()?;
-    for serial in serials {
-        crate::store::exec(
-            tx,
-            "UPDATE node_certs SET revoked_at = ?2, revoke_reason = ?3 WHERE serial = ?1",
-            params![serial, now, reason],
-        )?;
-        crate::store::events::publish(
-            tx,
-            now,
-            tenant,
-            "security.certificate-revoked",
-            json!({"nodeId": node_id, "serial": serial, "reason": reason}),
-        )?;
-    }
-    Ok(())
-}
-
 /// A node certificate's lifetime, at a join and at every renewal: `[pki] cert_ttl_seconds`; a
 /// `ramdisk`'s `[discovery] cert_ttl_seconds` (at most 2 hours); a `tpm` node's
 /// `[tpm_attestor] cert_ttl_seconds` when set (at most the `[pki]` one).

@@ -3,8 +3,8 @@
 //! session rows. It sees the `Site`, never the serving appliance.
 //!
 //! `service` dispatches to the attestors (`token`, `discovery`, `tpm`) and to `renewal` and
-//! `sessions`; they share the kernel (`issue`) and the join requests (`requests`), and never
-//! import each other.
+//! `sessions`; they share the kernel (`issue`), the one admission writer (`admit`), the join
+//! requests (`requests`) and the `site`, and never import each other (`tests/it/layers.rs`).
 
 pub mod admit;
 pub mod discovery;

@@ -107,7 +107,7 @@ pub(crate) fn admit(
         },
         hardware_key_trusted: r.key.as_ref().is_some_and(|k| k.trusted),
         statements: Vec::new(),
-        ttl: cfg.pki.cert_ttl_seconds as i64,
+        ttl: crate::join::issue::cert_ttl(cfg, &adm.role, "join-token"),
         node_key: "unattested",
         consumes: None,
         event: json!({"tokenId": token.id}),

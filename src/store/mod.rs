@@ -6,7 +6,7 @@
 //!   closure returns `Ok` (the kanidm pattern): an error leaves the database as it was.
 //! - `synchronous=FULL`: an acknowledged write survives a power cut.
 //! - Crypto does not run while the write lock is held, except signing a certificate whose
-//!   contents are decided inside the transaction (see `joinservice`).
+//!   contents are decided inside the transaction (see `join::service`).
 
 use crate::base::error::{ApiError, ApiResult};
 use rusqlite::{Connection, OpenFlags, Transaction};
@@ -15,6 +15,7 @@ use std::sync::{Mutex, MutexGuard};
 
 pub mod downloads;
 pub mod events;
+pub mod nodes;
 pub mod tenancy;
 
 /// Every migration, in order. A migration is never edited once released: add a new file.
