@@ -565,11 +565,22 @@ pub fn connected(a: &Appliance) -> usize {
 
 /// A free UDP port on loopback.
 pub fn free_udp() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    // A port is released before the appliance binds it, and the boot server binds with
+    // SO_REUSEADDR: two tests handed the same port would share it (one answering for the other).
+    // Never hand out one port twice in this process.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// `bca serve` on a state directory with this passphrase, run to its exit (one that fails).
