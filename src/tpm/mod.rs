@@ -15,7 +15,14 @@
 
 pub mod attest;
 pub mod credential;
+pub mod der;
 pub mod nodekey;
+pub mod templates;
+
+pub use der::PublicKey;
+use der::*;
+use templates::*;
+pub use templates::{parse_pcrs, EkAlg, EK_CERT_ECC, EK_CERT_RSA};
 
 use crate::base::error::{ApiError, ApiResult, Code};
 use std::io::{Read, Write};
@@ -25,14 +32,10 @@ use tpm2_protocol::basic::{TpmHandle, TpmUint16, TpmUint32};
 use tpm2_protocol::constant::{MAX_NV_BUFFER_SIZE, TPM_MAX_COMMAND_SIZE};
 use tpm2_protocol::data::TpmtTkHashcheck;
 use tpm2_protocol::data::{
-    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEccParameter, Tpm2bEncryptedSecret, Tpm2bIdObject,
-    Tpm2bNonce, Tpm2bPrivate, Tpm2bPublic, Tpm2bPublicKeyRsa, Tpm2bSensitiveCreate,
-    Tpm2bSensitiveData, TpmAlgId, TpmCap, TpmEccCurve, TpmPt, TpmRc, TpmRcBase, TpmRh, TpmSe,
-    TpmSt, TpmaObject, TpmaSession, TpmlPcrSelection, TpmsAuthCommand, TpmsEccParms, TpmsEccPoint,
-    TpmsKeyedhashParms, TpmsPcrSelect, TpmsPcrSelection, TpmsRsaParms, TpmsSchemeHash,
-    TpmsSensitiveCreate, TpmtEccScheme, TpmtKdfScheme, TpmtKeyedhashScheme, TpmtPublic,
-    TpmtRsaScheme, TpmtSigScheme, TpmtSymDef, TpmuAsymScheme, TpmuCapabilities, TpmuPublicId,
-    TpmuPublicParms, TpmuSigScheme, TpmuSymKeyBits, TpmuSymMode,
+    Tpm2bAuth, Tpm2bData, Tpm2bDigest, Tpm2bEncryptedSecret, Tpm2bIdObject, Tpm2bNonce,
+    Tpm2bPrivate, Tpm2bPublic, Tpm2bSensitiveCreate, Tpm2bSensitiveData, TpmAlgId, TpmCap, TpmPt,
+    TpmRc, TpmRcBase, TpmRh, TpmSe, TpmSt, TpmaSession, TpmlPcrSelection, TpmsAuthCommand,
+    TpmsSensitiveCreate, TpmtPublic, TpmuCapabilities, TpmuPublicId,
 };
 use tpm2_protocol::frame::{
     tpm_marshal_command, TpmActivateCredentialCommand, TpmActivateCredentialResponse,
@@ -46,7 +49,7 @@ use tpm2_protocol::frame::{
 };
 use tpm2_protocol::frame::{TpmPolicyCommandCodeCommand, TpmPolicyCommandCodeResponse};
 use tpm2_protocol::frame::{TpmSignCommand, TpmSignResponse};
-use tpm2_protocol::{TpmMarshal, TpmUnmarshal, TpmWriter};
+use tpm2_protocol::{TpmUnmarshal, TpmWriter};
 use zeroize::Zeroizing;
 
 /// The secret of a `TPM2_Unseal` response whose session had `encrypt` set: the response's first
@@ -366,29 +369,6 @@ struct PolicySession {
     nonce_tpm: Vec<u8>,
 }
 
-/// A public area marshaled as `TPM2B_PUBLIC`.
-fn marshal_public(p: &TpmtPublic) -> Result<Vec<u8>, String> {
-    marshal(&Tpm2bPublic::from(p.clone()), "a public area")
-}
-
-/// `v` in the TPM's wire format.
-fn marshal(v: &impl TpmMarshal, what: &str) -> Result<Vec<u8>, String> {
-    let mut buf = vec![0u8; TPM_MAX_COMMAND_SIZE];
-    let mut w = TpmWriter::new(&mut buf);
-    v.marshal(&mut w)
-        .map_err(|e| format!("marshaling {what}: {e:?}"))?;
-    Ok(w.as_bytes().to_vec())
-}
-
-/// An object's Name from its marshaled `TPMT_PUBLIC` (SHA-256 names only): `000b || H(area)`.
-fn name_of(tpmt_public: &[u8]) -> Vec<u8> {
-    [
-        &TpmAlgId::Sha256.value().to_be_bytes()[..],
-        &crate::base::crypto::sha256(tpmt_public),
-    ]
-    .concat()
-}
-
 /// A key's record as `TPM2_Load` takes it: its private part and its `TPM2B_PUBLIC`, exactly.
 fn load_parts(private: &[u8], public: &[u8]) -> Result<(Tpm2bPrivate, Tpm2bPublic), TpmFailure> {
     let fail = |m: String| TpmFailure::new("TPM2_Load", m);
@@ -400,150 +380,6 @@ fn load_parts(private: &[u8], public: &[u8]) -> Result<(Tpm2bPrivate, Tpm2bPubli
         return Err(fail("the key's public part has trailing bytes".into()));
     }
     Ok((private, public))
-}
-
-/// The TCG EK Credential Profile's policy for EKs of the low range: PolicySecret(endorsement).
-const EK_POLICY: [u8; 32] = [
-    0x83, 0x71, 0x97, 0x67, 0x44, 0x84, 0xB3, 0xF8, 0x1A, 0x90, 0xCC, 0x8D, 0x46, 0xA5, 0xD7, 0x24,
-    0xFD, 0x52, 0xD7, 0x6E, 0x06, 0x52, 0x0B, 0x64, 0xF2, 0xA1, 0xDA, 0x1B, 0x33, 0x14, 0x69, 0xAA,
-];
-
-/// The EK certificates' NV indices (TCG EK Credential Profile, low range).
-pub const EK_CERT_RSA: u32 = 0x01C0_0002;
-pub const EK_CERT_ECC: u32 = 0x01C0_000A;
-
-/// The two EKs of the low range: L-1 (RSA 2048) and L-2 (ECC NIST P-256).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EkAlg {
-    Rsa,
-    Ecc,
-}
-
-impl EkAlg {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EkAlg::Rsa => "rsa",
-            EkAlg::Ecc => "ecc",
-        }
-    }
-
-    pub fn cert_index(self) -> u32 {
-        match self {
-            EkAlg::Rsa => EK_CERT_RSA,
-            EkAlg::Ecc => EK_CERT_ECC,
-        }
-    }
-}
-
-fn ek_template(alg: EkAlg) -> Result<TpmtPublic, tpm2_protocol::TpmError> {
-    let symmetric = TpmtSymDef {
-        algorithm: TpmAlgId::Aes,
-        key_bits: TpmuSymKeyBits::Aes(TpmUint16::new(128)),
-        mode: TpmuSymMode::Aes(TpmAlgId::Cfb),
-    };
-    let (object_type, parameters, unique) = match alg {
-        EkAlg::Ecc => (
-            TpmAlgId::Ecc,
-            TpmuPublicParms::Ecc(TpmsEccParms {
-                symmetric,
-                scheme: TpmtEccScheme::default(),
-                curve_id: TpmEccCurve::NistP256,
-                kdf: TpmtKdfScheme::default(),
-            }),
-            TpmuPublicId::Ecc(TpmsEccPoint {
-                x: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
-                y: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
-            }),
-        ),
-        EkAlg::Rsa => (
-            TpmAlgId::Rsa,
-            TpmuPublicParms::Rsa(TpmsRsaParms {
-                symmetric,
-                scheme: TpmtRsaScheme::default(),
-                key_bits: TpmUint16::new(2048),
-                exponent: TpmUint32::new(0),
-            }),
-            TpmuPublicId::Rsa(Tpm2bPublicKeyRsa::try_from(&[0u8; 256][..])?),
-        ),
-    };
-    Ok(TpmtPublic {
-        object_type,
-        name_alg: TpmAlgId::Sha256,
-        object_attributes: TpmaObject::FIXED_TPM
-            | TpmaObject::FIXED_PARENT
-            | TpmaObject::SENSITIVE_DATA_ORIGIN
-            | TpmaObject::ADMIN_WITH_POLICY
-            | TpmaObject::RESTRICTED
-            | TpmaObject::DECRYPT,
-        auth_policy: Tpm2bDigest::try_from(&EK_POLICY[..])?,
-        parameters,
-        unique,
-    })
-}
-
-/// bca's attestation key: a restricted ECDSA P-256 (SHA-256) signing key, a primary of the
-/// endorsement hierarchy from this fixed template, so that the same TPM derives the same AK at
-/// every run (from the endorsement seed, which only a factory reset changes) and nothing is
-/// stored. `fixedTPM` and `fixedParent`: it never leaves the TPM; `restricted`: it signs only
-/// what the TPM itself produced (attestations), never an outside digest that looks like one.
-fn ak_template() -> Result<TpmtPublic, tpm2_protocol::TpmError> {
-    Ok(ecdsa_p256_template(TpmaObject::RESTRICTED))
-}
-
-/// A node's key made in the TPM: an unrestricted ECDSA P-256 (SHA-256) signing key under the
-/// storage key, `fixedTPM`, `fixedParent`, `sensitiveDataOrigin`: made inside, never exported.
-fn node_key_template() -> TpmtPublic {
-    ecdsa_p256_template(TpmaObject::NO_DA)
-}
-
-/// An ECDSA P-256 (SHA-256) signing key made in the TPM and fixed to it, with the empty user auth,
-/// and `extra` attributes.
-fn ecdsa_p256_template(extra: TpmaObject) -> TpmtPublic {
-    TpmtPublic {
-        object_type: TpmAlgId::Ecc,
-        name_alg: TpmAlgId::Sha256,
-        object_attributes: TpmaObject::FIXED_TPM
-            | TpmaObject::FIXED_PARENT
-            | TpmaObject::SENSITIVE_DATA_ORIGIN
-            | TpmaObject::USER_WITH_AUTH
-            | TpmaObject::SIGN_ENCRYPT
-            | extra,
-        auth_policy: Tpm2bDigest::default(),
-        parameters: TpmuPublicParms::Ecc(TpmsEccParms {
-            symmetric: no_symmetric(),
-            scheme: TpmtEccScheme {
-                scheme: TpmAlgId::Ecdsa,
-                details: TpmuAsymScheme::Hash(TpmsSchemeHash {
-                    hash_alg: TpmAlgId::Sha256,
-                }),
-            },
-            curve_id: TpmEccCurve::NistP256,
-            kdf: TpmtKdfScheme::default(),
-        }),
-        unique: TpmuPublicId::Ecc(TpmsEccPoint {
-            x: Tpm2bEccParameter::default(),
-            y: Tpm2bEccParameter::default(),
-        }),
-    }
-}
-
-/// No symmetric algorithm: a signing key's, or an unsalted session's.
-fn no_symmetric() -> TpmtSymDef {
-    TpmtSymDef {
-        algorithm: TpmAlgId::Null,
-        key_bits: TpmuSymKeyBits::Null,
-        mode: TpmuSymMode::Null,
-    }
-}
-
-/// The signature scheme of bca's keys: ECDSA with SHA-256.
-fn ecdsa_sha256() -> TpmtSigScheme {
-    TpmtSigScheme {
-        scheme: TpmAlgId::Ecdsa,
-        details: TpmuSigScheme::Hash(TpmsSchemeHash {
-            hash_alg: TpmAlgId::Sha256,
-        }),
-    }
 }
 
 /// A key held by a TPM: its private part (wrapped by the storage key) and its marshaled
@@ -587,64 +423,6 @@ pub fn make_credential(
     credential::make_credential(&parse_public(ek_public)?, name, secret)
 }
 
-fn aes128_cfb() -> TpmtSymDef {
-    TpmtSymDef {
-        algorithm: TpmAlgId::Aes,
-        key_bits: TpmuSymKeyBits::Aes(TpmUint16::new(128)),
-        mode: TpmuSymMode::Aes(TpmAlgId::Cfb),
-    }
-}
-
-/// The storage primary key bca seals under: the TCG's ECC P-256 SRK template in the owner
-/// hierarchy, re-created identically from the TPM's seed at every start (nothing persistent).
-fn srk_template() -> Result<TpmtPublic, tpm2_protocol::TpmError> {
-    Ok(TpmtPublic {
-        object_type: TpmAlgId::Ecc,
-        name_alg: TpmAlgId::Sha256,
-        object_attributes: TpmaObject::FIXED_TPM
-            | TpmaObject::FIXED_PARENT
-            | TpmaObject::SENSITIVE_DATA_ORIGIN
-            | TpmaObject::USER_WITH_AUTH
-            | TpmaObject::NO_DA
-            | TpmaObject::RESTRICTED
-            | TpmaObject::DECRYPT,
-        auth_policy: Tpm2bDigest::default(),
-        parameters: TpmuPublicParms::Ecc(TpmsEccParms {
-            symmetric: aes128_cfb(),
-            scheme: TpmtEccScheme::default(),
-            curve_id: TpmEccCurve::NistP256,
-            kdf: TpmtKdfScheme::default(),
-        }),
-        unique: TpmuPublicId::Ecc(TpmsEccPoint {
-            x: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
-            y: Tpm2bEccParameter::try_from(&[0u8; 32][..])?,
-        }),
-    })
-}
-
-/// A sealed data object: the secret comes from bca and never leaves the TPM's parent. With no
-/// `policy` it is read back with the (empty) user auth; with one (PCRs), only through a policy
-/// session that satisfies it: `USER_WITH_AUTH` is off, so no password opens it.
-fn sealed_template(policy: Option<[u8; 32]>) -> TpmtPublic {
-    let mut attributes = TpmaObject::FIXED_TPM | TpmaObject::FIXED_PARENT | TpmaObject::NO_DA;
-    if policy.is_none() {
-        attributes |= TpmaObject::USER_WITH_AUTH;
-    }
-    TpmtPublic {
-        object_type: TpmAlgId::KeyedHash,
-        name_alg: TpmAlgId::Sha256,
-        object_attributes: attributes,
-        auth_policy: match policy {
-            Some(p) => Tpm2bDigest::try_from(&p[..]).expect("32 bytes fit a digest"),
-            None => Tpm2bDigest::default(),
-        },
-        parameters: TpmuPublicParms::KeyedHash(TpmsKeyedhashParms {
-            scheme: TpmtKeyedhashScheme::default(),
-        }),
-        unique: TpmuPublicId::KeyedHash(Tpm2bDigest::default()),
-    }
-}
-
 /// A secret sealed to one TPM: its private part (encrypted and integrity-protected by the
 /// TPM's storage key) and its public area, as the TPM returned them; `pcrs`, the PCRs of the
 /// SHA-256 bank whose values at sealing time it is bound to (none: not bound).
@@ -660,173 +438,6 @@ pub struct SealedBlob {
     /// The Name of the storage key it was sealed under (absent for blobs of the first TPM
     /// version): the key the unseal session's salt is encrypted to must have it.
     pub srk_name: Option<Vec<u8>>,
-}
-
-const TPM_CC_UNSEAL: u32 = 0x0000_015E;
-
-/// `TPM2_PolicyCommandCode`'s policy digest after `prev` (TPM 2.0 Part 3, 23.11):
-/// `H(prev || TPM_CC_PolicyCommandCode || code)`.
-fn command_code_policy(prev: &[u8; 32], code: u32) -> [u8; 32] {
-    const TPM_CC_POLICY_COMMAND_CODE: u32 = 0x0000_016C;
-    let mut m = prev.to_vec();
-    m.extend_from_slice(&TPM_CC_POLICY_COMMAND_CODE.to_be_bytes());
-    m.extend_from_slice(&code.to_be_bytes());
-    crate::base::crypto::sha256(&m)
-}
-
-/// The largest PCR index, and how many PCRs a binding may name (one `TPML_DIGEST` of answers).
-const MAX_PCR: u32 = 23;
-const MAX_BOUND_PCRS: usize = 8;
-
-/// `--tpm-pcrs`: PCR indices of the SHA-256 bank, comma-separated (`7`, `0,2,7`), or `none`.
-pub fn parse_pcrs(s: &str) -> Result<Vec<u32>, String> {
-    if s.trim() == "none" {
-        return Ok(Vec::new());
-    }
-    let mut v = Vec::new();
-    for part in s.split(',') {
-        let n: u32 = part.trim().parse().map_err(|_| {
-            format!("{part:?} is not a PCR number: give indices 0 to {MAX_PCR}, comma-separated (7 or 0,2,7), or none")
-        })?;
-        if n > MAX_PCR {
-            return Err(format!("PCR {n} does not exist: PCRs are 0 to {MAX_PCR}"));
-        }
-        v.push(n);
-    }
-    v.sort_unstable();
-    v.dedup();
-    if v.len() > MAX_BOUND_PCRS {
-        return Err(format!("at most {MAX_BOUND_PCRS} PCRs may be named"));
-    }
-    Ok(v)
-}
-
-/// The selection of `pcrs` in the SHA-256 bank, and its marshaled bytes (part of the policy).
-fn pcr_selection(pcrs: &[u32]) -> Result<(TpmlPcrSelection, Vec<u8>), String> {
-    let mut bitmap = [0u8; 3];
-    for p in pcrs {
-        bitmap[(*p / 8) as usize] |= 1 << (p % 8);
-    }
-    let select = TpmsPcrSelect::try_from(&bitmap[..]).map_err(|e| format!("{e:?}"))?;
-    let mut list = TpmlPcrSelection::default();
-    list.try_push(TpmsPcrSelection {
-        hash: TpmAlgId::Sha256,
-        pcr_select: select,
-    })
-    .map_err(|e| format!("{e:?}"))?;
-    let bytes = marshal(&list, "a PCR selection")?;
-    Ok((list, bytes))
-}
-
-/// TPM2_PolicyPCR's policy digest from an empty one (TPM 2.0 Part 3, 23.7):
-/// `H(0^32 || TPM_CC_PolicyPCR || pcrs || H(the selected PCRs' values, in order))`.
-fn pcr_policy(selection: &[u8], values: &[Vec<u8>]) -> [u8; 32] {
-    const TPM_CC_POLICY_PCR: u32 = 0x0000_017F;
-    let pcr_digest = crate::base::crypto::sha256(&values.concat());
-    let mut m = vec![0u8; 32];
-    m.extend_from_slice(&TPM_CC_POLICY_PCR.to_be_bytes());
-    m.extend_from_slice(selection);
-    m.extend_from_slice(&pcr_digest);
-    crate::base::crypto::sha256(&m)
-}
-
-/// A public key as a TPM holds it, with what bca derives from it.
-#[derive(Debug, Clone)]
-pub struct PublicKey {
-    /// The object's Name: `nameAlg` (2 bytes) and the SHA-256 of its marshaled `TPMT_PUBLIC`,
-    /// computed here from the public area, never taken from the TPM's answer.
-    pub name: Vec<u8>,
-    /// The key as a DER SubjectPublicKeyInfo.
-    pub spki: Vec<u8>,
-}
-
-impl PublicKey {
-    fn of(public: &TpmtPublic) -> Result<Self, String> {
-        let marshaled = marshal(public, "a public area")?;
-        if public.name_alg != TpmAlgId::Sha256 {
-            return Err("a public area whose name algorithm is not SHA-256".into());
-        }
-        let name = name_of(&marshaled);
-        let spki = match (&public.parameters, &public.unique) {
-            (TpmuPublicParms::Ecc(p), TpmuPublicId::Ecc(pt))
-                if p.curve_id == TpmEccCurve::NistP256 =>
-            {
-                let mut point = vec![4u8];
-                point.extend_from_slice(&left_pad(&pt.x, 32)?);
-                point.extend_from_slice(&left_pad(&pt.y, 32)?);
-                crate::base::crypto::p256_spki_from_point(&point)
-            }
-            (TpmuPublicParms::Rsa(p), TpmuPublicId::Rsa(n)) => {
-                let e = match p.exponent.value() {
-                    0 => 65_537,
-                    e => e,
-                };
-                rsa_spki(n, e)
-            }
-            _ => return Err("a key that is neither NIST P-256 nor RSA".into()),
-        };
-        Ok(Self { name, spki })
-    }
-}
-
-fn left_pad(b: &[u8], n: usize) -> Result<Vec<u8>, String> {
-    if b.len() > n {
-        return Err("a coordinate longer than its curve".into());
-    }
-    let mut v = vec![0u8; n - b.len()];
-    v.extend_from_slice(b);
-    Ok(v)
-}
-
-fn der_len(n: usize) -> Vec<u8> {
-    if n < 0x80 {
-        vec![n as u8]
-    } else {
-        let b: Vec<u8> = n
-            .to_be_bytes()
-            .into_iter()
-            .skip_while(|b| *b == 0)
-            .collect();
-        let mut v = vec![0x80 | b.len() as u8];
-        v.extend(b);
-        v
-    }
-}
-
-fn der(tag: u8, body: &[u8]) -> Vec<u8> {
-    let mut v = vec![tag];
-    v.extend(der_len(body.len()));
-    v.extend_from_slice(body);
-    v
-}
-
-fn der_uint(b: &[u8]) -> Vec<u8> {
-    let b: Vec<u8> = b.iter().copied().skip_while(|x| *x == 0).collect();
-    let mut body = if b.first().is_some_and(|x| x & 0x80 != 0) {
-        vec![0]
-    } else {
-        Vec::new()
-    };
-    body.extend(if b.is_empty() { vec![0] } else { b });
-    der(0x02, &body)
-}
-
-/// `SubjectPublicKeyInfo { rsaEncryption, RSAPublicKey { n, e } }`.
-fn rsa_spki(n: &[u8], e: u32) -> Vec<u8> {
-    let alg = der(
-        0x30,
-        &[
-            der(
-                0x06,
-                &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01],
-            ),
-            vec![0x05, 0x00],
-        ]
-        .concat(),
-    );
-    let key = der(0x30, &[der_uint(n), der_uint(&e.to_be_bytes())].concat());
-    let bits = der(0x03, &[&[0u8][..], &key].concat());
-    der(0x30, &[alg, bits].concat())
 }
 
 /// What the TPM says about itself.
