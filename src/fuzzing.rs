@@ -115,7 +115,7 @@ pub fn api(data: &[u8]) {
         let root = "tn_00000000000000000000000000".to_string();
         (dir, store, root)
     });
-    let ctx = crate::admin::Ctx {
+    let ctx = crate::admin::ctx::Ctx {
         caller: "uid:0",
         now: 1_800_000_000,
         site_id: "site_00000000000000000000000000",

@@ -1,6 +1,7 @@
 //! The audit trail: `audit/list` (`bca audit list`), filtered by action, actor, target and time.
 
-use crate::admin::{page, Ctx};
+use crate::admin::ctx::page;
+use crate::admin::ctx::Ctx;
 use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::validate;
@@ -28,7 +29,9 @@ pub fn dispatch(
     body: &[u8],
 ) -> Option<ApiResult<Value>> {
     match path {
-        "audit/list" => Some(crate::admin::parse(body).and_then(|i| store.read(|tx| list(tx, i)))),
+        "audit/list" => {
+            Some(crate::admin::ctx::parse(body).and_then(|i| store.read(|tx| list(tx, i))))
+        }
         _ => None,
     }
 }
@@ -75,7 +78,7 @@ fn list(tx: &Transaction<'_>, i: AuditListInput) -> ApiResult<Value> {
         Some(s) => parse_time("since", s)?,
         None => i64::MIN,
     };
-    let before = crate::admin::seq_cursor(i.cursor.as_deref(), "audit.list")?;
+    let before = crate::admin::ctx::seq_cursor(i.cursor.as_deref(), "audit.list")?;
     let prefix = i.action.unwrap_or_default();
     let mut st = tx.prepare(
         "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit

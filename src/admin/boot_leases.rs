@@ -18,7 +18,7 @@ pub fn dispatch(
     if path != "bootLeases/list" {
         return None;
     }
-    Some(crate::admin::parse::<ListInput>(body).and_then(|i| {
+    Some(crate::admin::ctx::parse::<ListInput>(body).and_then(|i| {
         let limit = i.limit.unwrap_or(100);
         crate::domain::validate::range("limit", limit, 1, 200)?;
         let mac = match &i.mac {
@@ -47,7 +47,7 @@ pub fn dispatch(
                     })))
                 })?
                 .collect::<Result<_, _>>()?;
-            Ok(crate::admin::page(rows, limit, |epoch| epoch.to_string()))
+            Ok(crate::admin::ctx::page(rows, limit, |epoch| epoch.to_string()))
         })
     }))
 }

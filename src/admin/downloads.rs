@@ -1,7 +1,7 @@
 //! `downloads/add` and `downloads/list` (`bca downloads`): an agent binary brought to the site is
 //! copied under `<state-dir>/downloads` and its SHA-256 recorded.
 
-use crate::admin::Ctx;
+use crate::admin::ctx::Ctx;
 use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::downloads::{file_path, valid_version, ARCHES, MAX_SIZE};
@@ -28,7 +28,7 @@ pub fn dispatch(
     body: &[u8],
 ) -> Option<ApiResult<Value>> {
     Some(match path {
-        "downloads/add" => crate::admin::parse::<AddInput>(body).and_then(|i| add(store, state_dir, ctx, i)),
+        "downloads/add" => crate::admin::ctx::parse::<AddInput>(body).and_then(|i| add(store, state_dir, ctx, i)),
         "downloads/list" => store.read(|tx| {
             let mut st = tx.prepare("SELECT product, version, arch, sha256, size, added_at FROM downloads ORDER BY product, version, arch")?;
             let items = st

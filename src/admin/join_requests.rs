@@ -6,7 +6,7 @@
 //! approving twice returns the approval; any other decided state, or an archived pool, is
 //! `INVALID_STATE`. `reject` is final, and withdraws an approval not used yet.
 
-use crate::admin::Ctx;
+use crate::admin::ctx::Ctx;
 use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::validate;
@@ -86,12 +86,11 @@ fn check_reason(r: &Option<String>) -> ApiResult<()> {
 
 pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option<ApiResult<Value>> {
     Some(match path {
-        "joinRequests/list" => {
-            crate::admin::parse::<ListInput>(body).and_then(|i| store.write(|tx| list(tx, ctx, i)))
-        }
-        "joinRequests/approve" => crate::admin::parse::<DecideInput>(body)
+        "joinRequests/list" => crate::admin::ctx::parse::<ListInput>(body)
+            .and_then(|i| store.write(|tx| list(tx, ctx, i))),
+        "joinRequests/approve" => crate::admin::ctx::parse::<DecideInput>(body)
             .and_then(|i| store.write(|tx| decide(tx, ctx, i, true))),
-        "joinRequests/reject" => crate::admin::parse::<DecideInput>(body)
+        "joinRequests/reject" => crate::admin::ctx::parse::<DecideInput>(body)
             .and_then(|i| store.write(|tx| decide(tx, ctx, i, false))),
         _ => return None,
     })
@@ -140,7 +139,7 @@ fn list(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: ListInput) -> ApiResult<Value> {
         )?
         .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
         .collect::<Result<_, _>>()?;
-    Ok(crate::admin::page(rows, limit, |id| id.clone()))
+    Ok(crate::admin::ctx::page(rows, limit, |id| id.clone()))
 }
 
 fn decide(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: DecideInput, approve: bool) -> ApiResult<Value> {

@@ -1,6 +1,7 @@
 //! Nodes: the admin API's `nodes.*` methods and `bca nodes`.
 
-use crate::admin::{parse, Ctx};
+use crate::admin::ctx::parse;
+use crate::admin::ctx::Ctx;
 use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::validate;
@@ -211,5 +212,5 @@ fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
         )?
         .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
         .collect::<Result<_, _>>()?;
-    Ok(crate::admin::page(rows, limit, |id| id.clone()))
+    Ok(crate::admin::ctx::page(rows, limit, |id| id.clone()))
 }

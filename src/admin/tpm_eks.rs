@@ -7,7 +7,7 @@
 //! `tpm` attestor. Allowing it again into the same pool changes nothing; into another pool is a
 //! conflict (remove it first: a machine never moves pools silently). Each change is audited.
 
-use crate::admin::Ctx;
+use crate::admin::ctx::Ctx;
 use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::validate;
@@ -56,12 +56,12 @@ struct RemoveInput {
 
 pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option<ApiResult<Value>> {
     Some(match path {
-        "tpmEks/allow" => crate::admin::parse::<AllowInput>(body)
+        "tpmEks/allow" => crate::admin::ctx::parse::<AllowInput>(body)
             .and_then(|i| store.write(|tx| allow(tx, ctx, i))),
         "tpmEks/list" => {
-            crate::admin::parse::<ListInput>(body).and_then(|i| store.read(|tx| list(tx, i)))
+            crate::admin::ctx::parse::<ListInput>(body).and_then(|i| store.read(|tx| list(tx, i)))
         }
-        "tpmEks/remove" => crate::admin::parse::<RemoveInput>(body)
+        "tpmEks/remove" => crate::admin::ctx::parse::<RemoveInput>(body)
             .and_then(|i| store.write(|tx| remove(tx, ctx, i))),
         _ => return None,
     })
@@ -164,7 +164,7 @@ fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
             Ok((r.get::<_, String>(0)?, row(r)?))
         })?
         .collect::<Result<_, _>>()?;
-    Ok(crate::admin::page(rows, limit, |h| h.clone()))
+    Ok(crate::admin::ctx::page(rows, limit, |h| h.clone()))
 }
 
 fn remove(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: RemoveInput) -> ApiResult<Value> {

@@ -1,7 +1,8 @@
 //! The admin socket: `POST /api/compute/<group>/<method>` over a Unix socket, allowed to root,
 //! the service's own user and the configured admin group, and decided by the admin API.
 
-use crate::admin::{self, Ctx};
+use crate::admin::ctx::Ctx;
+use crate::admin::{self};
 use crate::appliance::app::App;
 use crate::appliance::rotation::Rotator;
 use crate::base::error::ApiError;
@@ -100,7 +101,7 @@ async fn admin(
                     action: Option<String>,
                     overlap_seconds: Option<i64>,
                 }
-                let i: Rotate = admin::parse(&body)?;
+                let i: Rotate = crate::admin::ctx::parse(&body)?;
                 let kind = crate::appliance::rotation::Kind::parse(&i.kind)?;
                 return rotator.rotate(
                     &app,

@@ -134,11 +134,11 @@ pub fn parse_csv(text: &str) -> Result<Vec<Machine>, String> {
     if out.is_empty() {
         return Err("the CSV has a header and no machine".into());
     }
-    if out.len() > crate::admin::MAX_BATCH_TOKENS {
+    if out.len() > crate::admin::tokens::MAX_BATCH_TOKENS {
         return Err(format!(
             "the CSV lists {} machines; one run mints at most {}",
             out.len(),
-            crate::admin::MAX_BATCH_TOKENS
+            crate::admin::tokens::MAX_BATCH_TOKENS
         ));
     }
     Ok(out)

@@ -190,4 +190,20 @@ mod tests {
             &placeholder
         ));
     }
+
+    #[test]
+    fn bearer_parses_only_the_canonical_form() {
+        let b = Bearer {
+            id: crate::base::ids::new_id("jt", 1),
+            secret: zeroize::Zeroizing::new([7u8; 32]),
+        };
+        let s = b.render();
+        let back = Bearer::parse(&s).unwrap();
+        assert_eq!(back.id, b.id);
+        assert_eq!(*back.secret, [7u8; 32]);
+        assert!(Bearer::parse(&s[1..]).is_none());
+        assert!(Bearer::parse(&format!("{}x", s.as_str())).is_none());
+        assert!(Bearer::parse(&s.replace('.', "_")).is_none());
+        assert!(Bearer::parse("bcjt_jt_x.y").is_none());
+    }
 }
