@@ -240,7 +240,7 @@ async fn serve(
     let tickets = crate::edge::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
     let join = crate::join::service::JoinService::start(app.site.clone(), keys)?;
     let _ = app.join.set(join.handle());
-    let gw = self::gateway(&app, &gateway_key, tickets.clone(), Some(join.handle()))?;
+    let gw = build_gateway(&app, &gateway_key, tickets.clone(), Some(join.handle()))?;
     drop(gateway_key);
     let mut tasks = tokio::task::JoinSet::new();
     // The network edge (gateway, HTTP, DHCP, TFTP) runs in a confined child unless privilege
@@ -346,7 +346,7 @@ async fn serve(
 
 /// The gateway of this process: its certificate (kept in the App for rotation), its tickets,
 /// and its relay to the JoinService (`None`: every join answers `INVALID_CONFIG`).
-pub fn gateway(
+pub fn build_gateway(
     app: &Arc<App>,
     gateway_key_pkcs8: &[u8],
     tickets: crate::edge::tickets::TicketRoot,

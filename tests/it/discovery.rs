@@ -79,7 +79,7 @@ pub(crate) fn boot(a: &Appliance, mac: &str) -> (String, PathBuf) {
 }
 
 /// The agent's exit: it must have succeeded (its stderr says why not); its stdout, the node id.
-fn succeeded(agent: Child) -> String {
+pub(crate) fn succeeded(agent: Child) -> String {
     let out = agent.wait_with_output().unwrap();
     assert!(
         out.status.success(),
@@ -89,7 +89,8 @@ fn succeeded(agent: Child) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-fn discovery_join(dir: &Path, claims: &Path, wait: u32) -> Child {
+/// `bca agent join --attestor discovery` from an unpacked per-boot archive.
+pub(crate) fn discovery_join(dir: &Path, claims: &Path, wait: u32) -> Child {
     let etc = dir.join("etc/bca-agent");
     Command::new(bin())
         .args([

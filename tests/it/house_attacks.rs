@@ -7,12 +7,13 @@
 //! Register it in tests/tests.rs: `#[path = "it/house_attacks.rs"] mod house_attacks;`
 
 use crate::common::*;
-use crate::discovery::{appliance, boot};
+use crate::discovery::{appliance, boot, discovery_join, succeeded};
 use crate::tpm::Swtpm;
+use crate::tpmjoin::tpm_join;
 use serde_json::{json, Value};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 
 fn mode(p: &Path) -> u32 {
     std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777
@@ -114,44 +115,6 @@ fn tenant_with_pool(a: &Appliance, name: &str) -> (String, String) {
         .unwrap()
         .to_string();
     (t, p)
-}
-
-/// `bca agent join --attestor discovery` from an unpacked per-boot archive.
-fn discovery_join(dir: &Path, claims: &Path, wait: u32) -> Child {
-    let etc = dir.join("etc/bca-agent");
-    Command::new(bin())
-        .args([
-            "agent",
-            "join",
-            "--attestor",
-            "discovery",
-            "--role",
-            "ramdisk",
-            "--config",
-        ])
-        .arg(etc.join("config.toml"))
-        .arg("--token-file")
-        .arg(etc.join("discovery-token"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--claims")
-        .arg(claims)
-        .args(["--wait-seconds", &wait.to_string(), "--retry-seconds", "1"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn succeeded(agent: Child) -> String {
-    let out = agent.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 fn pending(a: &Appliance, mac: &str) -> Option<Value> {
@@ -495,30 +458,6 @@ fn a_token_reclaim_closes_the_old_session() {
         (!is_connected(&a, &node)).then_some(())
     });
     stop(runner);
-}
-
-/// `bca agent join --attestor tpm` with a swtpm.
-fn tpm_join(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Output {
-    Command::new(bin())
-        .args([
-            "agent",
-            "join",
-            "--attestor",
-            "tpm",
-            "--tpm",
-            &tpm.tcti(),
-            "--config",
-        ])
-        .arg(dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--claims")
-        .arg(claims)
-        .args(extra)
-        .env_remove("BCD_JOIN_TOKEN")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
 }
 
 /// A TPM whose EK is already a node's: a ramdisk node may come back as a `node` (its role the

@@ -703,7 +703,7 @@ fn a_gateway_without_a_joinservice_answers_invalid_config() {
     let (app, keys) = bca::daemon::serve::prepare(&state).unwrap();
     let app = std::sync::Arc::new(app);
     let tickets = bca::edge::tickets::TicketRoot::derive(keys.node_ca.pkcs8());
-    let gw = bca::daemon::serve::gateway(&app, keys.gateway.pkcs8(), tickets, None).unwrap();
+    let gw = bca::daemon::serve::build_gateway(&app, keys.gateway.pkcs8(), tickets, None).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

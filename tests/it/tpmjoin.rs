@@ -37,7 +37,7 @@ fn tpm_join_cmd(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Comma
 }
 
 /// [`tpm_join_cmd`], run to its end.
-fn tpm_join(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Output {
+pub(crate) fn tpm_join(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Output {
     tpm_join_cmd(dir, claims, tpm, extra).output().unwrap()
 }
 
