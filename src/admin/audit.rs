@@ -2,13 +2,12 @@
 
 use crate::admin::ctx::page;
 use crate::admin::ctx::Ctx;
-use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::validate;
 use crate::store::Store;
-use rusqlite::{params, Transaction};
+use crate::store::Tx;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -65,7 +64,7 @@ pub fn parse_time(field: &str, s: &str) -> ApiResult<i64> {
         })
 }
 
-fn list(tx: &Transaction<'_>, i: AuditListInput) -> ApiResult<Value> {
+fn list(tx: &Tx<'_>, i: AuditListInput) -> ApiResult<Value> {
     if let Some(t) = &i.tenant_id {
         validate::tenant_id("tenantId", t)?;
     }
@@ -80,27 +79,13 @@ fn list(tx: &Transaction<'_>, i: AuditListInput) -> ApiResult<Value> {
     };
     let before = crate::admin::ctx::seq_cursor(i.cursor.as_deref(), "audit.list")?;
     let prefix = i.action.unwrap_or_default();
-    let mut st = tx.prepare(
-        "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit
-         WHERE seq < ?1 AND (?2 IS NULL OR tenant_id = ?2) AND substr(action, 1, length(?3)) = ?3
-           AND created_at >= ?4
-         ORDER BY seq DESC LIMIT ?5",
+    let rows = crate::store::events::audit_list(
+        tx,
+        before,
+        i.tenant_id.as_deref(),
+        &prefix,
+        since,
+        limit + 1,
     )?;
-    let rows = st
-        .query_map(params![before, i.tenant_id, prefix, since, limit + 1], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                json!({
-                    "seq": r.get::<_, i64>(0)?,
-                    "tenantId": r.get::<_, String>(1)?,
-                    "action": r.get::<_, String>(2)?,
-                    "actor": r.get::<_, String>(3)?,
-                    "target": r.get::<_, String>(4)?,
-                    "data": serde_json::from_str::<Value>(&r.get::<_, String>(5)?).unwrap_or(Value::Null),
-                    "createdAt": rfc3339(r.get(6)?),
-                }),
-            ))
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
     Ok(page(rows, limit, |seq| seq.to_string()))
 }

@@ -2,12 +2,10 @@
 //! copied under `<state-dir>/downloads` and its SHA-256 recorded.
 
 use crate::admin::ctx::Ctx;
-use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::downloads::{file_path, valid_version, ARCHES, MAX_SIZE};
 use crate::store::events::audit;
 use crate::store::Store;
-use rusqlite::{params, OptionalExtension};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -28,15 +26,11 @@ pub fn dispatch(
     body: &[u8],
 ) -> Option<ApiResult<Value>> {
     Some(match path {
-        "downloads/add" => crate::admin::ctx::parse::<AddInput>(body).and_then(|i| add(store, state_dir, ctx, i)),
+        "downloads/add" => {
+            crate::admin::ctx::parse::<AddInput>(body).and_then(|i| add(store, state_dir, ctx, i))
+        }
         "downloads/list" => store.read(|tx| {
-            let mut st = tx.prepare("SELECT product, version, arch, sha256, size, added_at FROM downloads ORDER BY product, version, arch")?;
-            let items = st
-                .query_map([], |r| {
-                    Ok(json!({"product": r.get::<_, String>(0)?, "version": r.get::<_, String>(1)?, "arch": r.get::<_, String>(2)?,
-                        "sha256": r.get::<_, String>(3)?, "size": r.get::<_, i64>(4)?, "addedAt": rfc3339(r.get(5)?)}))
-                })?
-                .collect::<Result<Vec<_>, _>>()?;
+            let items = crate::store::downloads::list(tx)?;
             Ok(json!({"items": items, "cursor": null}))
         }),
         _ => return None,
@@ -70,15 +64,7 @@ fn add(store: &Store, state_dir: &Path, ctx: &Ctx<'_>, i: AddInput) -> ApiResult
     let bytes = std::fs::read(src)
         .map_err(|e| ApiError::invalid_input(format!("cannot read {}: {e}", src.display())))?;
     let sha = crate::base::crypto::hex(&crate::base::crypto::sha256(&bytes));
-    let existing: Option<String> = store.read(|tx| {
-        Ok(tx
-            .query_row(
-                "SELECT sha256 FROM downloads WHERE product = 'bcd' AND version = ?1 AND arch = ?2",
-                [&i.version, &i.arch],
-                |r| r.get(0),
-            )
-            .optional()?)
-    })?;
+    let existing = store.read(|tx| crate::store::downloads::sha_of(tx, &i.version, &i.arch))?;
     match existing {
         Some(s) if s == sha => {}
         Some(s) => {
@@ -93,11 +79,21 @@ fn add(store: &Store, state_dir: &Path, ctx: &Ctx<'_>, i: AddInput) -> ApiResult
                 .map_err(ApiError::internal)?;
             crate::base::fsutil::write_atomic(&dest, &bytes, 0o644).map_err(ApiError::internal)?;
             store.write(|tx| {
-                tx.execute(
-                    "INSERT INTO downloads (product, version, arch, sha256, size, added_at, added_by) VALUES ('bcd', ?1, ?2, ?3, ?4, ?5, ?6)",
-                    params![i.version, i.arch, sha, bytes.len() as i64, ctx.now, ctx.caller],
+                crate::store::downloads::insert(
+                    tx,
+                    (&i.version, &i.arch),
+                    (&sha, bytes.len() as i64),
+                    (ctx.now, ctx.caller),
                 )?;
-                audit(tx, ctx.now, ctx.root_tenant, "downloads.add", ctx.caller, &format!("bcd/{}/linux-{}", i.version, i.arch), json!({"sha256": sha}))
+                audit(
+                    tx,
+                    ctx.now,
+                    ctx.root_tenant,
+                    "downloads.add",
+                    ctx.caller,
+                    &format!("bcd/{}/linux-{}", i.version, i.arch),
+                    json!({"sha256": sha}),
+                )
             })?;
         }
     }

@@ -6,12 +6,10 @@ use crate::domain::pool::Policy;
 use crate::domain::pool::Pool;
 use crate::store::events::audit;
 use crate::store::tenancy::pool_load;
-use crate::store::tenancy::pool_row;
 use crate::store::tenancy::pool_save;
 use crate::store::tenancy::tenant_must_exist;
-use crate::store::tenancy::POOL_COLS;
+use crate::store::{tenancy, Tx};
 use crate::{base::ids, domain::validate};
-use rusqlite::{params, OptionalExtension, Transaction};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -35,23 +33,13 @@ pub(super) struct PoolsCreateInput {
     policy: Policy,
 }
 
-pub(super) fn pools_create(
-    tx: &Transaction<'_>,
-    ctx: &Ctx<'_>,
-    i: PoolsCreateInput,
-) -> ApiResult<Value> {
+pub(super) fn pools_create(tx: &Tx<'_>, ctx: &Ctx<'_>, i: PoolsCreateInput) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     validate::name("name", &i.name)?;
     let agent = agent_value(i.agent)?;
     i.policy.validate()?;
     tenant_must_exist(tx, &i.tenant_id)?;
-    let dup: Option<String> = tx
-        .query_row(
-            "SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2",
-            [&i.tenant_id, &i.name],
-            |r| r.get(0),
-        )
-        .optional()?;
+    let dup = tenancy::pool_named(tx, &i.tenant_id, &i.name)?;
     if let Some(id) = dup {
         return Err(ApiError::already_exists(format!(
             "tenant {} has a pool named {} already ({id})",
@@ -69,11 +57,7 @@ pub(super) fn pools_create(
         created_at: ctx.now,
         updated_at: ctx.now,
     };
-    tx.execute(
-        "INSERT INTO pools (id, tenant_id, site_id, name, agent, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
-        params![p.id, p.tenant_id, p.site_id, p.name, p.agent, p.created_at],
-    )?;
-    pool_save(tx, &p)?;
+    tenancy::pool_insert(tx, &p)?;
     audit(
         tx,
         ctx.now,
@@ -96,7 +80,7 @@ pub(super) struct PoolsListInput {
     cursor: Option<String>,
 }
 
-pub(super) fn pools_list(tx: &Transaction<'_>, i: PoolsListInput) -> ApiResult<Value> {
+pub(super) fn pools_list(tx: &Tx<'_>, i: PoolsListInput) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     let limit = i.limit.unwrap_or(100);
     validate::range("limit", limit, 1, 200)?;
@@ -104,21 +88,16 @@ pub(super) fn pools_list(tx: &Transaction<'_>, i: PoolsListInput) -> ApiResult<V
         validate::id("cursor", c, "pool")?;
     }
     tenant_must_exist(tx, &i.tenant_id)?;
-    let mut st = tx.prepare(&format!(
-        "SELECT {POOL_COLS} FROM pools WHERE tenant_id = ?1 AND id > ?2 AND (?3 OR archived_at IS NULL) ORDER BY id LIMIT ?4"
-    ))?;
-    let rows = st
-        .query_map(
-            params![
-                i.tenant_id,
-                i.cursor.unwrap_or_default(),
-                i.include_archived,
-                limit + 1
-            ],
-            pool_row,
-        )?
-        .map(|p| p.map(|p| (p.id.clone(), p.to_json())))
-        .collect::<Result<Vec<_>, _>>()?;
+    let rows = tenancy::pools(
+        tx,
+        &i.tenant_id,
+        &i.cursor.unwrap_or_default(),
+        i.include_archived,
+        limit + 1,
+    )?
+    .into_iter()
+    .map(|p| (p.id.clone(), p.to_json()))
+    .collect();
     Ok(page(rows, limit, |id| id.clone()))
 }
 
@@ -139,11 +118,7 @@ pub(super) struct PoolsUpdateInput {
     policy: Option<Policy>,
 }
 
-pub(super) fn pools_update(
-    tx: &Transaction<'_>,
-    ctx: &Ctx<'_>,
-    i: PoolsUpdateInput,
-) -> ApiResult<Value> {
+pub(super) fn pools_update(tx: &Tx<'_>, ctx: &Ctx<'_>, i: PoolsUpdateInput) -> ApiResult<Value> {
     if let Some(n) = &i.name {
         validate::name("name", n)?;
     }
@@ -160,13 +135,7 @@ pub(super) fn pools_update(
     }
     if let Some(n) = i.name {
         if n != p.name {
-            let dup: Option<String> = tx
-                .query_row(
-                    "SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2",
-                    [&p.tenant_id, &n],
-                    |r| r.get(0),
-                )
-                .optional()?;
+            let dup = tenancy::pool_named(tx, &p.tenant_id, &n)?;
             if let Some(id) = dup {
                 return Err(ApiError::already_exists(format!(
                     "tenant {} has a pool named {n} already ({id})",
@@ -196,7 +165,7 @@ pub(super) fn pools_update(
     Ok(p.to_json())
 }
 
-pub(super) fn pools_archive(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: PoolRef) -> ApiResult<Value> {
+pub(super) fn pools_archive(tx: &Tx<'_>, ctx: &Ctx<'_>, i: PoolRef) -> ApiResult<Value> {
     let mut p = pool_load(tx, &i.tenant_id, &i.pool_id)?;
     if p.archived_at.is_none() {
         p.archived_at = Some(ctx.now);

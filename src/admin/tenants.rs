@@ -4,8 +4,8 @@ use crate::admin::ctx::Ctx;
 use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::store::events::audit;
+use crate::store::{tenancy, Tx};
 use crate::{base::ids, domain::validate};
-use rusqlite::{params, OptionalExtension, Transaction};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -20,16 +20,12 @@ pub(super) fn tenant_json(id: String, name: String, root: bool, created: i64) ->
 }
 
 pub(super) fn tenants_create(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     ctx: &Ctx<'_>,
     i: TenantsCreateInput,
 ) -> ApiResult<Value> {
     validate::name("name", &i.name)?;
-    let exists: Option<String> = tx
-        .query_row("SELECT id FROM tenants WHERE name = ?1", [&i.name], |r| {
-            r.get(0)
-        })
-        .optional()?;
+    let exists = tenancy::tenant_named(tx, &i.name)?;
     if let Some(id) = exists {
         return Err(ApiError::already_exists(format!(
             "a tenant named {} exists already ({id})",
@@ -37,10 +33,7 @@ pub(super) fn tenants_create(
         )));
     }
     let id = ids::new_id("tn", ctx.now * 1000);
-    tx.execute(
-        "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, ?2, 0, ?3)",
-        params![id, i.name, ctx.now],
-    )?;
+    tenancy::tenant_insert(tx, &id, &i.name, ctx.now)?;
     audit(
         tx,
         ctx.now,
@@ -57,17 +50,10 @@ pub(super) fn tenants_create(
 #[serde(deny_unknown_fields)]
 pub(super) struct Empty {}
 
-pub(super) fn tenants_list(tx: &Transaction<'_>, _: Empty) -> ApiResult<Value> {
-    let mut st = tx.prepare("SELECT id, name, is_root, created_at FROM tenants ORDER BY id")?;
-    let items = st
-        .query_map([], |r| {
-            Ok(tenant_json(
-                r.get(0)?,
-                r.get(1)?,
-                r.get::<_, i64>(2)? == 1,
-                r.get(3)?,
-            ))
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
+pub(super) fn tenants_list(tx: &Tx<'_>, _: Empty) -> ApiResult<Value> {
+    let items: Vec<Value> = tenancy::tenants(tx)?
+        .into_iter()
+        .map(|(id, name, root, created)| tenant_json(id, name, root, created))
+        .collect();
     Ok(json!({"items": items, "cursor": null}))
 }

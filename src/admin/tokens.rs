@@ -7,13 +7,10 @@ use crate::domain::token::Expect;
 use crate::domain::token::TokenRow;
 use crate::store::events::audit;
 use crate::store::events::publish;
-use crate::store::found;
 use crate::store::tenancy::pool_load;
 use crate::store::tenancy::tenant_must_exist;
-use crate::store::tenancy::token_row;
-use crate::store::tenancy::TOKEN_COLS;
+use crate::store::{tenancy, Tx};
 use crate::{base::crypto, base::ids, domain::validate};
-use rusqlite::{params, OptionalExtension, Transaction};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -32,7 +29,7 @@ pub struct JoinTokensCreateInput {
 }
 
 pub(super) fn join_tokens_create(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     ctx: &Ctx<'_>,
     i: JoinTokensCreateInput,
 ) -> ApiResult<Value> {
@@ -58,13 +55,7 @@ pub(super) fn join_tokens_create(
         "bca join token id v1",
         &[&i.tenant_id, ctx.caller, &i.idempotency_key],
     );
-    let existing = tx
-        .query_row(
-            &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
-            [&id],
-            token_row,
-        )
-        .optional()?;
+    let existing = tenancy::token_by_id(tx, &id)?;
     if let Some(t) = existing {
         if t.pool_id != i.pool_id
             || t.expect != i.expect
@@ -115,27 +106,7 @@ pub(super) fn join_tokens_create(
         expires_at: ctx.now + i.ttl_seconds,
         revoked_at: None,
     };
-    tx.execute(
-        "INSERT INTO join_tokens (id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json,
-         allow_reclaim, hosted, idempotency_key, created_by, created_at, expires_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-        params![
-            t.id,
-            t.tenant_id,
-            t.pool_id,
-            t.site_id,
-            t.role,
-            t.secret_sha256,
-            t.max_uses,
-            t.expect.as_ref().map(|e| serde_json::to_string(e).expect("serializes")),
-            t.allow_reclaim as i64,
-            t.hosted,
-            i.idempotency_key,
-            ctx.caller,
-            t.created_at,
-            t.expires_at
-        ],
-    )?;
+    tenancy::token_insert(tx, &t, &i.idempotency_key, ctx.caller)?;
     let mut data = json!({"tokenId": t.id, "poolId": t.pool_id, "pinned": t.expect.is_some()});
     if let Some(h) = &t.hosted {
         data["hosted"] = json!(h);
@@ -187,7 +158,7 @@ pub(super) struct BatchToken {
 /// audited and published on its own, as if created one by one. A key used before fails the whole
 /// batch (`ALREADY_EXISTS`): a bulk run must hand out a secret for every machine it names.
 pub(super) fn join_tokens_create_many(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     ctx: &Ctx<'_>,
     i: JoinTokensCreateManyInput,
 ) -> ApiResult<Value> {
@@ -246,7 +217,7 @@ pub(super) struct JoinTokensListInput {
 }
 
 pub(super) fn join_tokens_list(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     ctx: &Ctx<'_>,
     i: JoinTokensListInput,
 ) -> ApiResult<Value> {
@@ -258,24 +229,17 @@ pub(super) fn join_tokens_list(
         validate::id("cursor", c, "jt")?;
     }
     pool_load(tx, &i.tenant_id, &i.pool_id)?;
-    let mut st = tx.prepare(&format!(
-        "SELECT {TOKEN_COLS} FROM join_tokens WHERE tenant_id = ?1 AND pool_id = ?2 AND id > ?3
-         AND (?4 OR (revoked_at IS NULL AND uses_left > 0 AND expires_at > ?5)) ORDER BY id LIMIT ?6"
-    ))?;
-    let rows = st
-        .query_map(
-            params![
-                i.tenant_id,
-                i.pool_id,
-                i.cursor.unwrap_or_default(),
-                i.include_inactive,
-                ctx.now,
-                limit + 1
-            ],
-            token_row,
-        )?
-        .map(|t| t.map(|t| (t.id.clone(), t.to_json())))
-        .collect::<Result<Vec<_>, _>>()?;
+    let rows = tenancy::tokens(
+        tx,
+        (&i.tenant_id, &i.pool_id),
+        &i.cursor.unwrap_or_default(),
+        i.include_inactive,
+        ctx.now,
+        limit + 1,
+    )?
+    .into_iter()
+    .map(|t| (t.id.clone(), t.to_json()))
+    .collect();
     Ok(page(rows, limit, |id| id.clone()))
 }
 
@@ -288,26 +252,16 @@ pub(super) struct JoinTokensRevokeInput {
 }
 
 pub(super) fn join_tokens_revoke(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     ctx: &Ctx<'_>,
     i: JoinTokensRevokeInput,
 ) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     validate::pool_id("poolId", &i.pool_id)?;
     validate::id("tokenId", &i.token_id, "jt")?;
-    let mut t = found(
-        tx.query_row(
-            &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1 AND tenant_id = ?2 AND pool_id = ?3"),
-            [&i.token_id, &i.tenant_id, &i.pool_id],
-            token_row,
-        ),
-        || format!("join token {} not found in tenant {} and pool {}", i.token_id, i.tenant_id, i.pool_id),
-    )?;
+    let mut t = tenancy::token_load(tx, &i.tenant_id, &i.pool_id, &i.token_id)?;
     if t.revoked_at.is_none() {
-        tx.execute(
-            "UPDATE join_tokens SET revoked_at = ?2 WHERE id = ?1",
-            params![t.id, ctx.now],
-        )?;
+        tenancy::token_revoke(tx, &t.id, ctx.now)?;
         t.revoked_at = Some(ctx.now);
         let data = json!({"tokenId": t.id, "poolId": t.pool_id});
         publish(

@@ -8,12 +8,11 @@
 //! conflict (remove it first: a machine never moves pools silently). Each change is audited.
 
 use crate::admin::ctx::Ctx;
-use crate::base::clock::rfc3339;
 use crate::base::error::{ApiError, ApiResult};
 use crate::domain::validate;
 use crate::store::events::audit;
 use crate::store::Store;
-use rusqlite::{params, OptionalExtension, Transaction};
+use crate::store::Tx;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -67,30 +66,11 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
     })
 }
 
-const COLS: &str = "ek_sha256, tenant_id, pool_id, note, created_at, created_by";
-
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
-    Ok(json!({
-        "ekSha256": r.get::<_, String>(0)?,
-        "tenantId": r.get::<_, String>(1)?,
-        "poolId": r.get::<_, String>(2)?,
-        "note": r.get::<_, Option<String>>(3)?,
-        "createdAt": rfc3339(r.get(4)?),
-        "createdBy": r.get::<_, String>(5)?,
-    }))
+fn load(tx: &Tx<'_>, hash: &str) -> ApiResult<Option<Value>> {
+    crate::store::tpm_eks::get(tx, hash)
 }
 
-fn load(tx: &Transaction<'_>, hash: &str) -> ApiResult<Option<Value>> {
-    Ok(tx
-        .query_row(
-            &format!("SELECT {COLS} FROM tpm_eks WHERE ek_sha256 = ?1"),
-            [hash],
-            row,
-        )
-        .optional()?)
-}
-
-fn allow(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: AllowInput) -> ApiResult<Value> {
+fn allow(tx: &Tx<'_>, ctx: &Ctx<'_>, i: AllowInput) -> ApiResult<Value> {
     let hash = parse_hash("ekSha256", &i.ek_sha256)?;
     if let Some(n) = &i.note {
         if n.chars().count() > 256 || n.chars().any(char::is_control) {
@@ -124,9 +104,12 @@ fn allow(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: AllowInput) -> ApiResult<Value>
             existing["tenantId"].as_str().unwrap_or_default()
         )));
     }
-    tx.execute(
-        "INSERT INTO tpm_eks (ek_sha256, tenant_id, pool_id, note, created_at, created_by) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        params![hash, pool.tenant_id, pool.id, i.note, ctx.now, ctx.caller],
+    crate::store::tpm_eks::insert(
+        tx,
+        &hash,
+        (&pool.tenant_id, &pool.id),
+        i.note.as_deref(),
+        (ctx.now, ctx.caller),
     )?;
     audit(
         tx,
@@ -140,7 +123,7 @@ fn allow(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: AllowInput) -> ApiResult<Value>
     load(tx, &hash)?.ok_or_else(|| ApiError::internal("the row just written"))
 }
 
-fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
+fn list(tx: &Tx<'_>, i: ListInput) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     match &i.pool_id {
         // An unknown tenant or pool is named, not listed as empty.
@@ -155,25 +138,18 @@ fn list(tx: &Transaction<'_>, i: ListInput) -> ApiResult<Value> {
         Some(c) => parse_hash("cursor", c)?,
         None => String::new(),
     };
-    let mut st = tx.prepare(&format!(
-        "SELECT {COLS} FROM tpm_eks WHERE tenant_id = ?1 AND (?2 IS NULL OR pool_id = ?2) AND ek_sha256 > ?3
-         ORDER BY ek_sha256 LIMIT ?4"
-    ))?;
-    let rows: Vec<(String, Value)> = st
-        .query_map(params![i.tenant_id, i.pool_id, after, limit + 1], |r| {
-            Ok((r.get::<_, String>(0)?, row(r)?))
-        })?
-        .collect::<Result<_, _>>()?;
+    let rows =
+        crate::store::tpm_eks::list(tx, &i.tenant_id, i.pool_id.as_deref(), &after, limit + 1)?;
     Ok(crate::admin::ctx::page(rows, limit, |h| h.clone()))
 }
 
-fn remove(tx: &Transaction<'_>, ctx: &Ctx<'_>, i: RemoveInput) -> ApiResult<Value> {
+fn remove(tx: &Tx<'_>, ctx: &Ctx<'_>, i: RemoveInput) -> ApiResult<Value> {
     validate::tenant_id("tenantId", &i.tenant_id)?;
     let hash = parse_hash("ekSha256", &i.ek_sha256)?;
     let existing = load(tx, &hash)?
         .filter(|e| e["tenantId"] == i.tenant_id.as_str())
         .ok_or_else(|| ApiError::not_found(format!("EK {hash} is not on the allow-list")))?;
-    tx.execute("DELETE FROM tpm_eks WHERE ek_sha256 = ?1", [&hash])?;
+    crate::store::tpm_eks::remove(tx, &hash)?;
     audit(
         tx,
         ctx.now,

@@ -50,14 +50,7 @@ impl App {
             ));
         }
         let store = Arc::new(Store::open(&db, false)?);
-        let root_tenant = store
-            .read(|tx| {
-                Ok(
-                    tx.query_row("SELECT id FROM tenants WHERE is_root = 1", [], |r| {
-                        r.get::<_, String>(0)
-                    })?,
-                )
-            })
+        let root_tenant = crate::store::maintenance::root_tenant(&store)
             .map_err(|e| format!("the database has no root tenant: {e}"))?;
         let pki = PublicPki::load(&crate::pki::pki_dir(state_dir))?;
         let well_known = well_known(&config, &pki)?;

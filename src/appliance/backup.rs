@@ -68,8 +68,6 @@ fn copy_db(
     scratch: &Path,
     progress: &mut crate::base::progress::Progress,
 ) -> Result<Vec<u8>, String> {
-    let src = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .map_err(|e| format!("cannot open {}: {e}", db.display()))?;
     let tmp = tempfile::Builder::new()
         .prefix(".bca-backup-")
         .tempfile_in(scratch)
@@ -81,28 +79,7 @@ fn copy_db(
         })?;
     std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o600))
         .map_err(|e| e.to_string())?;
-    {
-        let mut dst = rusqlite::Connection::open(tmp.path()).map_err(|e| e.to_string())?;
-        let b = rusqlite::backup::Backup::new(&src, &mut dst).map_err(|e| e.to_string())?;
-        // 256 pages a step; the server's writers go on between steps.
-        loop {
-            use rusqlite::backup::StepResult;
-            match b
-                .step(256)
-                .map_err(|e| format!("the online backup failed: {e}"))?
-            {
-                StepResult::Done => break,
-                StepResult::More => {}
-                _ => std::thread::sleep(std::time::Duration::from_millis(5)),
-            }
-            let p = b.progress();
-            progress.set((p.pagecount - p.remaining).max(0) as u64);
-        }
-        drop(b);
-        // One file, no WAL beside it.
-        dst.execute_batch("PRAGMA journal_mode=DELETE;")
-            .map_err(|e| e.to_string())?;
-    }
+    crate::store::maintenance::copy_online(db, tmp.path(), progress)?;
     std::fs::read(tmp.path()).map_err(|e| e.to_string())
 }
 
@@ -165,11 +142,7 @@ pub fn backup(state_dir: &Path, out: &Path) -> ApiResult<Manifest> {
     collect(&state_dir.join("downloads"), "downloads", &mut public).map_err(ApiError::internal)?;
     members.extend(public);
     let db = state_dir.join("bca.db");
-    let pages: u64 =
-        rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .and_then(|c| c.query_row("PRAGMA page_count", [], |r| r.get::<_, i64>(0)))
-            .map(|n| n as u64)
-            .map_err(|e| ApiError::invalid_state(format!("cannot open {}: {e}", db.display())))?;
+    let pages = crate::store::maintenance::page_count(&db).map_err(ApiError::invalid_state)?;
     let mut progress = crate::base::progress::Progress::new("copying the database (pages)", pages);
     let scratch = out
         .parent()
@@ -323,15 +296,9 @@ pub fn restore(file: &Path, state_dir: &Path) -> ApiResult<Manifest> {
         progress.inc();
     }
     let db = staging.path().join("bca.db");
-    let check =
-        rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE)
-            .and_then(|c| {
-                c.execute_batch("PRAGMA journal_mode=WAL;")?;
-                c.query_row("PRAGMA integrity_check", [], |r| r.get::<_, String>(0))
-            })
-            .map_err(|e| {
-                ApiError::invalid_input(format!("the backup's database does not open: {e}"))
-            })?;
+    let check = crate::store::maintenance::restore_check(&db).map_err(|e| {
+        ApiError::invalid_input(format!("the backup's database does not open: {e}"))
+    })?;
     if check != "ok" {
         return Err(ApiError::invalid_input(format!(
             "the backup's database fails integrity_check: {check}"

@@ -37,15 +37,7 @@ pub fn lease(
     file: Option<&str>,
 ) -> Option<i64> {
     let now = crate::base::clock::now();
-    app.store
-        .write(|tx| {
-            tx.execute(
-                "INSERT INTO boot_leases (mac, ip, arch, stage, file, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                rusqlite::params![mac, ip, arch, stage, file, now],
-            )?;
-            Ok(tx.last_insert_rowid())
-        })
-        .ok()
+    crate::store::boot::lease_insert(&app.store, (mac, ip.as_deref()), arch, stage, file, now).ok()
 }
 
 /// A per-boot archive, once, and only to the address it was made for.
@@ -274,19 +266,7 @@ fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
     let mut g = dhcp_state(app);
     let st = g.as_mut()?;
     let ip = st.address_for(b, mac, now)?;
-    let committed = app.store.write(|tx| {
-        // An expired lease of another MAC on this address gives way.
-        tx.execute(
-            "DELETE FROM dhcp_leases WHERE ip = ?1 AND mac != ?2",
-            rusqlite::params![ip.to_string(), mac],
-        )?;
-        tx.execute(
-            "INSERT INTO dhcp_leases (mac, ip, expires_at) VALUES (?1, ?2, ?3)
-             ON CONFLICT (mac) DO UPDATE SET ip = excluded.ip, expires_at = excluded.expires_at",
-            rusqlite::params![mac, ip.to_string(), until],
-        )?;
-        Ok(())
-    });
+    let committed = crate::store::boot::dhcp_lease(&app.store, mac, &ip.to_string(), until);
     if let Err(e) = committed {
         tracing::error!(%mac, error = %e, "dhcp: the lease could not be committed; no ACK");
         return None;

@@ -9,7 +9,6 @@
 
 use crate::appliance::app::App;
 use crate::base::error::ApiResult;
-use crate::store::Store;
 use serde_json::{json, Value};
 
 /// No appliance of this release ran before 2026-01-01T00:00:00Z.
@@ -53,27 +52,13 @@ pub fn clock_findings(
     out
 }
 
-/// The time of the newest event and audit row (by their sequence: two index lookups, no scan).
-pub const NEWEST_ROW_SQL: &str =
-    "SELECT max(coalesce((SELECT created_at FROM events ORDER BY seq DESC LIMIT 1), 0),
-                coalesce((SELECT created_at FROM audit ORDER BY seq DESC LIMIT 1), 0))";
-
-/// The newest time the appliance wrote into its own tables.
-pub fn newest_row(store: &Store) -> Option<i64> {
-    store
-        .read(|tx| Ok(tx.query_row(NEWEST_ROW_SQL, [], |r| r.get::<_, i64>(0))?))
-        .ok()
-        .filter(|t| *t > 0)
-}
+pub use crate::store::maintenance::newest_row;
 
 /// The server's view of itself: `status` is `ok`, `degraded` (serving, with warnings) or
 /// `failing` (the database does not answer or the JoinService is gone).
 pub fn report(app: &App) -> ApiResult<Value> {
     let now = crate::base::clock::now();
-    let db_ok = app
-        .store
-        .read(|tx| Ok(tx.query_row("SELECT 1", [], |r| r.get::<_, i64>(0))?))
-        .is_ok();
+    let db_ok = crate::store::maintenance::ping(&app.store);
     let join_ok = app.join.get().is_some_and(|j| j.is_running());
     let m = crate::base::metrics::get();
     let warnings = clock_findings(newest_row(&app.store), m.median_skew(), now);

@@ -7,7 +7,6 @@ use crate::pki::bundle::KeyBundle;
 use crate::pki::{self, Pins, PublicPki};
 use crate::store::Store;
 use crate::{base::fsutil, base::ids};
-use rusqlite::params;
 use std::path::{Path, PathBuf};
 
 pub struct InitOptions {
@@ -201,13 +200,11 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
 
     let store = Store::open(&o.state_dir.join("bca.db"), true).map_err(ApiError::internal)?;
     store.write(|tx| {
-        tx.execute(
-            "INSERT INTO site (id, name, trust_domain, created_at) VALUES (?1, ?2, ?3, ?4)",
-            params![site_id, o.site, o.trust_domain, now],
-        )?;
-        tx.execute(
-            "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, 'root', 1, ?2)",
-            params![root_tenant, now],
+        crate::store::maintenance::site_create(
+            tx,
+            (&site_id, &o.site, &o.trust_domain),
+            &root_tenant,
+            now,
         )?;
         crate::store::events::audit(
             tx,

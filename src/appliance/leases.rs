@@ -15,19 +15,7 @@ pub struct DhcpState {
 
 impl DhcpState {
     pub fn load(store: &Store) -> Result<Self, String> {
-        let leases = store
-            .read(|tx| {
-                Ok(tx
-                    .prepare("SELECT mac, ip, expires_at FROM dhcp_leases")?
-                    .query_map([], |r| {
-                        Ok((
-                            r.get::<_, String>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, i64>(2)?,
-                        ))
-                    })?
-                    .collect::<Result<Vec<_>, _>>()?)
-            })
+        let leases = crate::store::boot::dhcp_leases(store)
             .map_err(|e| e.to_string())?
             .into_iter()
             .filter_map(|(m, ip, t)| Some((m, (ip.parse().ok()?, t))))

@@ -9,31 +9,12 @@
 
 use crate::base::error::ApiResult;
 use crate::config::RetentionConfig;
+use crate::store::maintenance::Cutoffs;
 use crate::store::Store;
-use rusqlite::{params, Transaction};
+use crate::store::Tx;
 use serde_json::json;
 
-/// What one pruning removed.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Pruned {
-    pub events: usize,
-    pub audit: usize,
-    pub join_requests: usize,
-    pub node_certs: usize,
-    pub boot_leases: usize,
-    pub discovery_tokens: usize,
-}
-
-impl Pruned {
-    fn total(&self) -> usize {
-        self.events
-            + self.audit
-            + self.join_requests
-            + self.node_certs
-            + self.boot_leases
-            + self.discovery_tokens
-    }
-}
+pub use crate::store::maintenance::Pruned;
 
 fn cutoff(now: i64, days: u32) -> Option<i64> {
     (days > 0).then(|| now - days as i64 * 86_400)
@@ -41,7 +22,7 @@ fn cutoff(now: i64, days: u32) -> Option<i64> {
 
 /// Applies the retention settings in one transaction; `None` while on hold.
 pub fn prune(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     cfg: &RetentionConfig,
     root_tenant: &str,
     now: i64,
@@ -49,47 +30,17 @@ pub fn prune(
     if cfg.hold {
         return Ok(None);
     }
-    let mut p = Pruned::default();
-    let audit_cut = cutoff(now, cfg.audit_days);
-    if let Some(c) = cutoff(now, cfg.events_days) {
-        p.events += tx.execute(
-            "DELETE FROM events WHERE created_at < ?1 AND substr(type, 1, 9) != 'security.'",
-            params![c],
-        )?;
-    }
-    if let Some(c) = audit_cut {
-        p.events += tx.execute(
-            "DELETE FROM events WHERE created_at < ?1 AND substr(type, 1, 9) = 'security.'",
-            params![c],
-        )?;
-        p.audit += tx.execute("DELETE FROM audit WHERE created_at < ?1", params![c])?;
-    }
-    if let Some(c) = cutoff(now, cfg.join_requests_days) {
-        p.join_requests += tx.execute(
-            "DELETE FROM join_requests WHERE state != 'pending'
-               AND coalesce(consumed_at, decided_at, expires_at) < ?1",
-            params![c],
-        )?;
-    }
-    if let Some(c) = cutoff(now, cfg.node_certs_days) {
-        p.node_certs += tx.execute(
-            "DELETE FROM node_certs WHERE not_after < ?1
-               AND serial NOT IN (SELECT serial FROM node_certs n
-                                  WHERE n.created_at = (SELECT max(created_at) FROM node_certs m
-                                                        WHERE m.node_id = n.node_id))",
-            params![c],
-        )?;
-    }
-    if let Some(c) = cutoff(now, cfg.boot_leases_days) {
-        p.boot_leases += tx.execute("DELETE FROM boot_leases WHERE created_at < ?1", params![c])?;
-    }
-    if let Some(c) = cutoff(now, cfg.discovery_tokens_days) {
-        // Spent, voided or expired before the cut-off; a live token is never pruned.
-        p.discovery_tokens += tx.execute(
-            "DELETE FROM discovery_tokens WHERE spent_at < ?1 OR voided_at < ?1 OR expires_at < ?1",
-            params![c],
-        )?;
-    }
+    let p = crate::store::maintenance::prune(
+        tx,
+        &Cutoffs {
+            events: cutoff(now, cfg.events_days),
+            audit: cutoff(now, cfg.audit_days),
+            join_requests: cutoff(now, cfg.join_requests_days),
+            node_certs: cutoff(now, cfg.node_certs_days),
+            boot_leases: cutoff(now, cfg.boot_leases_days),
+            discovery_tokens: cutoff(now, cfg.discovery_tokens_days),
+        },
+    )?;
     if p.total() > 0 {
         crate::store::events::audit(
             tx,

@@ -99,12 +99,6 @@ impl fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
-impl From<rusqlite::Error> for ApiError {
-    fn from(e: rusqlite::Error) -> Self {
-        ApiError::internal(format!("sqlite: {e}"))
-    }
-}
-
 pub type ApiResult<T> = Result<T, ApiError>;
 
 pub fn code_of(v: &serde_json::Value) -> Option<Code> {

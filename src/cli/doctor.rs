@@ -211,12 +211,9 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
 
     // The database, read-only.
     let db = state_dir.join("bca.db");
-    let newest = match rusqlite::Connection::open_with_flags(
-        &db,
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-    ) {
-        Ok(c) => {
-            match c.query_row("PRAGMA integrity_check", [], |row| row.get::<_, String>(0)) {
+    let newest = match crate::store::maintenance::inspect(&db) {
+        Ok((integrity, newest)) => {
+            match integrity {
                 Ok(s) if s == "ok" => r.line(
                     Level::Ok,
                     "database",
@@ -229,11 +226,7 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
                 ),
                 Err(e) => r.line(Level::Fail, "database", format!("{}: {e}", db.display())),
             }
-            c.query_row(crate::appliance::health::NEWEST_ROW_SQL, [], |row| {
-                row.get::<_, i64>(0)
-            })
-            .ok()
-            .filter(|t| *t > 0)
+            newest
         }
         Err(e) => {
             r.line(Level::Fail, "database", format!("{}: {e}", db.display()));

@@ -10,8 +10,8 @@
 use crate::base::error::ApiResult;
 use crate::join::issue::{adopt, certify, Decided, Ready, Signer, Subject};
 use crate::join::site::Site;
-use crate::store::nodes::revoke_all;
-use rusqlite::{params, Transaction};
+use crate::store::nodes::{revoke_all, Again, NewNode};
+use crate::store::Tx;
 use serde_json::{json, Value};
 
 /// Which node an admission lands on.
@@ -73,7 +73,7 @@ pub(crate) struct Admission<'a> {
 
 /// Writes an admission (inside the join's savepoint) and issues its certificate.
 pub(crate) fn write(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -84,29 +84,25 @@ pub(crate) fn write(
     let (node_id, generation, reclaim) = match a.target {
         Target::New { trust } => {
             let id = crate::base::ids::new_id("node", now * 1000);
-            crate::store::exec(
+            crate::store::nodes::insert(
                 tx,
-                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key,
-                 hardware_key_trusted, identity_generation, attestor, hostname, claims_json, created_at,
-                 updated_at, boot_mac, identifiers_by, tpm_ek_sha256)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, ?9, ?10, ?11, ?12, ?12, ?13, ?14, ?15)",
-                params![
-                    id,
-                    a.tenant_id,
-                    a.site_id,
-                    a.pool_id,
-                    a.role,
+                &NewNode {
+                    id: &id,
+                    tenant_id: a.tenant_id,
+                    site_id: a.site_id,
+                    pool_id: a.pool_id,
+                    role: a.role,
                     trust,
-                    r.key.as_ref().map(|k| k.hex.clone()),
-                    a.hardware_key_trusted as i64,
-                    a.attestor,
-                    r.claims.hostname,
-                    claims_json,
-                    now,
-                    a.record.boot_mac,
-                    a.record.identifiers_by.unwrap_or("token"),
-                    a.record.tpm_ek_sha256,
-                ],
+                    hardware_key: r.key.as_ref().map(|k| k.hex.as_str()),
+                    hardware_key_trusted: a.hardware_key_trusted,
+                    attestor: a.attestor,
+                    hostname: r.claims.hostname.as_deref(),
+                    claims_json: &claims_json,
+                    boot_mac: a.record.boot_mac.as_deref(),
+                    identifiers_by: a.record.identifiers_by.unwrap_or("token"),
+                    tpm_ek_sha256: a.record.tpm_ek_sha256.as_deref(),
+                },
+                now,
             )?;
             (id, 1, false)
         }
@@ -115,30 +111,22 @@ pub(crate) fn write(
             generation,
             trust,
         } => {
-            crate::store::exec(
+            crate::store::nodes::again(
                 tx,
-                "UPDATE nodes SET identity_generation = ?2, state = 'adopting', role = ?3,
-                 trust = COALESCE(?4, trust),
-                 rediscover = CASE WHEN ?5 THEN 0 ELSE rediscover END,
-                 hostname = CASE WHEN ?6 THEN ?7 ELSE hostname END,
-                 claims_json = CASE WHEN ?6 THEN ?8 ELSE claims_json END,
-                 identifiers_by = COALESCE(?9, identifiers_by),
-                 boot_mac = COALESCE(?10, boot_mac),
-                 updated_at = ?11
-                 WHERE id = ?1",
-                params![
-                    node_id,
+                &Again {
+                    node_id: &node_id,
                     generation,
-                    a.role,
+                    role: a.role,
                     trust,
-                    a.record.clear_rediscover,
-                    a.record.claims,
-                    r.claims.hostname,
-                    claims_json,
-                    a.record.identifiers_by,
-                    a.record.boot_mac,
-                    now,
-                ],
+                    clear_rediscover: a.record.clear_rediscover,
+                    claims: a
+                        .record
+                        .claims
+                        .then_some((r.claims.hostname.as_deref(), claims_json.as_str())),
+                    identifiers_by: a.record.identifiers_by,
+                    boot_mac: a.record.boot_mac.as_deref(),
+                },
+                now,
             )?;
             // The identity it replaces is revoked, and its live session ends with it.
             revoke_all(tx, a.tenant_id, &node_id, "reclaimed", now)?;
@@ -161,11 +149,7 @@ pub(crate) fn write(
         now,
     )?;
     if let Some(req) = a.consumes {
-        crate::store::exec(
-            tx,
-            "UPDATE join_requests SET state = 'consumed', consumed_at = ?2, node_id = ?3, updated_at = ?2 WHERE id = ?1",
-            params![req, now, node_id],
-        )?;
+        crate::store::requests::consume(tx, req, &node_id, now)?;
     }
     let mut data = json!({
         "nodeId": node_id,

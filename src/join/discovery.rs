@@ -34,7 +34,8 @@ use crate::join::requests::rejected;
 use crate::join::site::Site;
 use crate::proto::claims::loose_mac;
 use crate::proto::protocol::Outcome;
-use rusqlite::{params, OptionalExtension, Transaction};
+use crate::store::discovery::Token as TokenRow;
+use crate::store::Tx;
 use serde_json::json;
 
 /// What the boot server asks of the JoinService for a `boot.ipxe` request.
@@ -50,18 +51,12 @@ pub(crate) struct Mint {
 /// A new discovery token for the MAC, voiding the MAC's earlier ones (never one whose request an
 /// operator approved); or `LocalBoot` when the MAC belongs to an adopted node not marked for
 /// rediscovery.
-pub(crate) fn mint(tx: &Transaction<'_>, site: &Site, m: &Mint, now: i64) -> ApiResult<Outcome> {
+pub(crate) fn mint(tx: &Tx<'_>, site: &Site, m: &Mint, now: i64) -> ApiResult<Outcome> {
     let Some(mac) = loose_mac(&m.mac) else {
         return Ok(Outcome::Refused);
     };
     let epoch = m.boot_lease_epoch;
-    let local: Option<String> = crate::store::query_row(tx,
-            "SELECT id FROM nodes WHERE boot_mac = ?1 AND state = 'adopted' AND rediscover = 0 AND role != 'ramdisk'",
-            [&mac],
-            |r| r.get(0),
-        )
-        .optional()?;
-    if local.is_some() {
+    if crate::store::nodes::boots_local_disk(tx, &mac)? {
         return Ok(Outcome::LocalBoot);
     }
     if !m.mint {
@@ -69,73 +64,34 @@ pub(crate) fn mint(tx: &Transaction<'_>, site: &Site, m: &Mint, now: i64) -> Api
     }
     // The token of an approved request stays good: a boot of the same MAC (anyone's, a minute
     // later) must not void what an operator's approval is waiting for.
-    crate::store::exec(tx,
-        "UPDATE discovery_tokens SET voided_at = ?2 WHERE mac = ?1 AND spent_at IS NULL AND voided_at IS NULL
-         AND id NOT IN (SELECT token_id FROM join_requests WHERE state = 'approved' AND token_id IS NOT NULL)",
-        params![mac, now],
-    )?;
+    crate::store::discovery::void_for_mac(tx, &mac, now)?;
     let mut secret = zeroize::Zeroizing::new([0u8; 32]);
     crypto::fill_random(secret.as_mut());
     let bearer = Bearer {
         id: crate::base::ids::new_id("jt", now * 1000),
         secret,
     };
-    crate::store::exec(tx,
-        "INSERT INTO discovery_tokens (id, site_id, mac, secret_sha256, boot_lease_epoch, created_at, expires_at, sighted_ip)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-        params![
-            bearer.id,
-            site.config.site_id,
-            mac,
-            crypto::sha256(bearer.secret.as_ref()).to_vec(),
-            epoch,
-            now,
-            now + site.config.discovery.pending_ttl_seconds as i64,
-            m.sighted_ip
-        ],
+    crate::store::discovery::insert(
+        tx,
+        &crate::store::discovery::NewToken {
+            id: &bearer.id,
+            site_id: &site.config.site_id,
+            mac: &mac,
+            secret_sha256: &crypto::sha256(bearer.secret.as_ref()),
+            boot_lease_epoch: epoch,
+            expires_at: now + site.config.discovery.pending_ttl_seconds as i64,
+            sighted_ip: m.sighted_ip.as_deref(),
+        },
+        now,
     )?;
     Ok(Outcome::DiscoveryToken {
         token: bearer.render().to_string(),
     })
 }
 
-struct TokenRow {
-    mac: String,
-    secret_sha256: Vec<u8>,
-    boot_lease_epoch: Option<i64>,
-    expires_at: i64,
-    spent: bool,
-    voided: bool,
-    /// Minted for an address the network saw the MAC at.
-    sighted: bool,
-}
-
 /// The live (not retired) node holding a trusted hardware key.
-pub(crate) fn held_by(tx: &Transaction<'_>, key: &str) -> ApiResult<Option<HeldBy>> {
-    let row = crate::store::query_row(tx,
-            "SELECT id, tenant_id, pool_id, role, identity_generation, boot_mac, claims_json, identifiers_by, connected, rediscover
-             FROM nodes WHERE hardware_key = ?1 AND hardware_key_trusted = 1 AND state != 'retired'",
-            [key],
-            |x| {
-                Ok((
-                    HeldBy {
-                        id: x.get(0)?,
-                        tenant_id: x.get(1)?,
-                        pool_id: x.get(2)?,
-                        role: x.get(3)?,
-                        generation: x.get(4)?,
-                        boot_mac: x.get(5)?,
-                        claim_macs: Vec::new(),
-                        identifiers_by: x.get(7)?,
-                        connected: x.get::<_, i64>(8)? != 0,
-                        rediscover: x.get::<_, i64>(9)? != 0,
-                        pool_allows_discovery: false,
-                    },
-                    x.get::<_, String>(6)?,
-                ))
-            },
-        )
-        .optional()?;
+pub(crate) fn held_by(tx: &Tx<'_>, key: &str) -> ApiResult<Option<HeldBy>> {
+    let row = crate::store::nodes::held_by(tx, key)?;
     let Some((mut h, claims)) = row else {
         return Ok(None);
     };
@@ -156,7 +112,7 @@ pub(crate) fn held_by(tx: &Transaction<'_>, key: &str) -> ApiResult<Option<HeldB
 
 /// Stage 2 of a discovery join, inside its savepoint.
 pub(crate) fn admit(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -166,22 +122,7 @@ pub(crate) fn admit(
         return refused(Reason::Attestor, None);
     };
     expire(tx, now)?;
-    let row = crate::store::query_row(tx,
-            "SELECT mac, secret_sha256, boot_lease_epoch, expires_at, spent_at, voided_at, sighted_ip FROM discovery_tokens WHERE id = ?1",
-            [&bearer.id],
-            |x| {
-                Ok(TokenRow {
-                    mac: x.get(0)?,
-                    secret_sha256: x.get(1)?,
-                    boot_lease_epoch: x.get(2)?,
-                    expires_at: x.get(3)?,
-                    spent: x.get::<_, Option<i64>>(4)?.is_some(),
-                    voided: x.get::<_, Option<i64>>(5)?.is_some(),
-                    sighted: x.get::<_, Option<String>>(6)?.is_some(),
-                })
-            },
-        )
-        .optional()?;
+    let row = crate::store::discovery::get(tx, &bearer.id)?;
     let Some(t) = row else {
         return refused(Reason::DiscoveryUnknown, None);
     };
@@ -212,14 +153,7 @@ pub(crate) fn admit(
         .clone()
         .unwrap_or_else(|| format!("mac:{}:{}", cfg.site_id, t.mac));
     // A token that already stands for one machine's request is not taken for another's.
-    let reused: Option<String> = crate::store::query_row(
-        tx,
-        "SELECT id FROM join_requests WHERE token_id = ?1 AND machine_key != ?2 LIMIT 1",
-        params![bearer.id, machine_key],
-        |x| x.get(0),
-    )
-    .optional()?;
-    if reused.is_some() {
+    if crate::store::requests::token_taken_by_other(tx, &bearer.id, &machine_key)? {
         return refused(Reason::DiscoveryTokenReused, None);
     }
     let known = match &trusted {
@@ -237,12 +171,7 @@ pub(crate) fn admit(
     // machine that spoofs the MAC (a sighting is one UDP packet) from another changes nothing
     // either, not even an approved request's CSR.
     if let Some((id, ..)) = &current {
-        let (mac, ip): (Option<String>, Option<String>) = crate::store::query_row(
-            tx,
-            "SELECT mac, ip FROM join_requests WHERE id = ?1",
-            [id],
-            |x| Ok((x.get(0)?, x.get(1)?)),
-        )?;
+        let (mac, ip) = crate::store::requests::origin(tx, id)?;
         if mac.as_deref().is_some_and(|m| m != t.mac) {
             return refused(Reason::DiscoveryMacConflict, None);
         }
@@ -288,14 +217,21 @@ pub(crate) fn admit(
     }
     let claims_json = serde_json::to_string(&r.claims).expect("serializes");
     let pending_until = now + cfg.discovery.pending_ttl_seconds as i64;
+    let seen = crate::store::requests::Seen {
+        csr_sha256: &csr_hex,
+        claims_json: &claims_json,
+        ip: &r.peer_ip,
+        expires_at: pending_until,
+    };
     match current {
         Some((id, _, _, _)) => {
             // Pending, or approved for another CSR (the machine rebooted): pending again, refreshed.
-            crate::store::exec(tx,
-                "UPDATE join_requests SET state = 'pending', pool_id = NULL, decided_at = NULL, decided_by = NULL, reason = NULL,
-                 csr_sha256 = ?2, claims_json = ?3, ip = ?4, mac = ?5, boot_lease_epoch = ?6, updated_at = ?7, expires_at = ?8,
-                 token_id = ?9 WHERE id = ?1",
-                params![id, csr_hex, claims_json, r.peer_ip, t.mac, t.boot_lease_epoch, now, pending_until, bearer.id],
+            crate::store::requests::refresh_discovery(
+                tx,
+                &id,
+                &seen,
+                (&t.mac, t.boot_lease_epoch, &bearer.id),
+                now,
             )?;
             Ok(Decided::Deferred(deferral(
                 site,
@@ -306,26 +242,25 @@ pub(crate) fn admit(
         }
         None => {
             let id = crate::base::ids::new_id("jreq", now * 1000);
-            crate::store::exec(tx,
-                "INSERT INTO join_requests (id, site_id, attestor, machine_key, hardware_key, hardware_key_trusted, claims_json, mac, ip,
-                 vouched_by, boot_lease_epoch, csr_sha256, state, created_at, updated_at, expires_at, token_id)
-                 VALUES (?1, ?2, 'discovery', ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, 'pending', ?12, ?12, ?13, ?14)",
-                params![
-                    id,
-                    cfg.site_id,
-                    machine_key,
-                    r.key.as_ref().map(|k| k.hex.clone()),
-                    trusted.is_some() as i64,
-                    claims_json,
-                    t.mac,
-                    r.peer_ip,
-                    format!("boot-server:{}", cfg.site_id),
-                    t.boot_lease_epoch,
-                    csr_hex,
-                    now,
-                    pending_until,
-                    bearer.id
-                ],
+            let hardware_key = r.key.as_ref().map(|k| k.hex.as_str());
+            let vouched_by = format!("boot-server:{}", cfg.site_id);
+            crate::store::requests::insert(
+                tx,
+                &crate::store::requests::New {
+                    id: &id,
+                    site_id: &cfg.site_id,
+                    attestor: "discovery",
+                    machine_key: &machine_key,
+                    hardware_key,
+                    hardware_key_trusted: trusted.is_some(),
+                    seen,
+                    vouched_by: &vouched_by,
+                    mac: Some(&t.mac),
+                    boot_lease_epoch: t.boot_lease_epoch,
+                    token_id: Some(&bearer.id),
+                    ek_certified: None,
+                },
+                now,
             )?;
             crate::store::events::publish(
                 tx,
@@ -374,7 +309,7 @@ impl Vouched<'_> {
 /// with an approval.
 #[allow(clippy::too_many_arguments)]
 fn reclaim(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -414,7 +349,7 @@ fn reclaim(
 /// trusted key gives it up: the operator approved this machine, and the key names one node.
 #[allow(clippy::too_many_arguments)]
 fn admit_new(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -425,12 +360,7 @@ fn admit_new(
     now: i64,
 ) -> ApiResult<Decided> {
     if let Some(k) = r.key.as_ref().filter(|k| k.trusted) {
-        crate::store::exec(
-            tx,
-            "UPDATE nodes SET hardware_key_trusted = 0, updated_at = ?2
-             WHERE hardware_key = ?1 AND hardware_key_trusted = 1 AND state = 'retired'",
-            params![k.hex, now],
-        )?;
+        crate::store::nodes::release_retired_key(tx, &k.hex, now)?;
     }
     let record = Record {
         claims: true,
@@ -458,7 +388,7 @@ fn admit_new(
 /// admission path, the token spent, the request it answers consumed.
 #[allow(clippy::too_many_arguments)]
 fn issue(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -490,13 +420,8 @@ fn issue(
     Ok(decided)
 }
 
-fn spend(tx: &Transaction<'_>, token: &str, now: i64) -> ApiResult<()> {
-    crate::store::exec(
-        tx,
-        "UPDATE discovery_tokens SET spent_at = ?2 WHERE id = ?1 AND spent_at IS NULL",
-        params![token, now],
-    )?;
-    Ok(())
+fn spend(tx: &Tx<'_>, token: &str, now: i64) -> ApiResult<()> {
+    crate::store::discovery::spend(tx, token, now)
 }
 
 #[cfg(test)]

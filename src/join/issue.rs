@@ -13,7 +13,7 @@ use crate::pki::bundle::KeyBundle;
 use crate::proto::claims::{Claims, HardwareKey, Identifiers};
 use crate::proto::protocol::{JoinResponse, JoinResponseBody, JOIN_RESPONSE_PURPOSE};
 use crate::proto::x509::ak_statement;
-use rusqlite::{params, Transaction};
+use crate::store::Tx;
 use serde_json::json;
 use std::collections::HashMap;
 
@@ -185,17 +185,13 @@ pub(crate) fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided
 /// No acceptance checks yet: a node that just joined (`adopting`) is adopted at once, with its
 /// `node.adopted` event.
 pub(crate) fn adopt(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     tenant: &str,
     node_id: &str,
     pool_id: &str,
     now: i64,
 ) -> ApiResult<()> {
-    crate::store::exec(
-        tx,
-        "UPDATE nodes SET state = 'adopted' WHERE id = ?1 AND state = 'adopting'",
-        [node_id],
-    )?;
+    crate::store::nodes::mark_adopted(tx, node_id)?;
     crate::store::events::publish(
         tx,
         now,
@@ -233,7 +229,7 @@ pub(crate) struct Subject<'a> {
 /// Signs a node certificate for the CSR's key, records it in `node_certs`, and returns the signed
 /// response and the certificate's serial.
 pub(crate) fn certify(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     who: &Subject<'_>,
@@ -264,10 +260,19 @@ pub(crate) fn certify(
     let spki_hash = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
         &csr.public_point,
     )));
-    crate::store::exec(tx,
-        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![serial, who.node_id, who.generation, who.role, spki_hash, der, not_before, not_after, now],
+    crate::store::nodes::insert_cert(
+        tx,
+        &crate::store::nodes::NewCert {
+            serial: &serial,
+            node_id: who.node_id,
+            generation: who.generation,
+            role: who.role,
+            spki_sha256: &spki_hash,
+            der: &der,
+            not_before,
+            not_after,
+        },
+        now,
     )?;
     let body = JoinResponseBody {
         node_id: who.node_id.to_string(),

@@ -15,7 +15,8 @@ use crate::join::issue::Signer;
 use crate::join::site::Site;
 use crate::proto::csr::VerifiedCsr;
 use crate::proto::protocol::{renew_pop_message, Outcome, RenewRequest, RENEW_POP_PURPOSE};
-use rusqlite::{params, OptionalExtension, Transaction};
+use crate::store::nodes::Leaf;
+use crate::store::Tx;
 use serde_json::json;
 use std::collections::HashMap;
 
@@ -242,25 +243,11 @@ struct Caller {
     owner: Option<String>,
 }
 
-/// A stored certificate row and its node, as stage 2 reads them.
-struct Stored {
-    node_id: String,
-    serial: String,
-    generation: i64,
-    role: String,
-    not_after: i64,
-    revoked: bool,
-    state: String,
-    current_generation: i64,
-    attestor: String,
-    tenant: String,
-}
-
 /// Stage 2, inside the writer's transaction: the presented leaf (already the connection's
 /// certificate) must be a stored `node_certs` row before the proof counts; then the node's and
 /// the row's state, then what stage 1 found past the proof.
 pub(crate) fn process(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     p: &Prepared,
@@ -278,29 +265,8 @@ pub(crate) fn process(
         return refuse(tx, site, p, &caller, reason, now, limits);
     };
     // The row and its node at once: a certificate of a node that no longer exists is unknown.
-    let row = crate::store::query_row(
-        tx,
-        "SELECT c.node_id, c.serial, c.identity_generation, c.role, c.not_after, c.revoked_at,
-                n.state, n.identity_generation, n.attestor, n.tenant_id
-         FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?1 AND c.der = ?2",
-        params![leaf_serial, leaf_der],
-        |x| {
-            Ok(Stored {
-                node_id: x.get(0)?,
-                serial: x.get(1)?,
-                generation: x.get(2)?,
-                role: x.get(3)?,
-                not_after: x.get(4)?,
-                revoked: x.get::<_, Option<i64>>(5)?.is_some(),
-                state: x.get(6)?,
-                current_generation: x.get(7)?,
-                attestor: x.get(8)?,
-                tenant: x.get(9)?,
-            })
-        },
-    )
-    .optional()?;
-    let Some(Stored {
+    let row = crate::store::nodes::leaf(tx, leaf_serial, leaf_der)?;
+    let Some(Leaf {
         node_id,
         serial,
         generation,
@@ -311,6 +277,7 @@ pub(crate) fn process(
         current_generation,
         attestor,
         tenant,
+        ..
     }) = row
     else {
         return refuse(
@@ -373,7 +340,7 @@ pub(crate) fn process(
 }
 
 fn refuse(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     p: &Prepared,
     caller: &Caller,

@@ -30,7 +30,7 @@ use crate::pki::bundle::KeyBundle;
 use crate::pki::{self, CaKind};
 use crate::proto::claims::{self, Identifiers};
 use crate::proto::protocol::{Call, JoinRequest, Outcome};
-use rusqlite::Transaction;
+use crate::store::Tx;
 use serde_json::json;
 use std::collections::HashSet;
 use std::sync::{mpsc, Arc, Mutex};
@@ -122,13 +122,7 @@ impl JoinService {
         };
         // No session outlives a restart of the appliance.
         site.store
-            .write(|tx| {
-                Ok(crate::store::exec(
-                    tx,
-                    "UPDATE nodes SET connected = 0 WHERE connected = 1",
-                    [],
-                )?)
-            })
+            .write(crate::store::nodes::disconnect_all)
             .map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::sync_channel::<Job>(4096);
         let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -494,7 +488,7 @@ fn count(work: &Work, out: &Outcome) {
 }
 
 fn process(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     job: &Job,
@@ -533,27 +527,20 @@ fn process(
                 Proof::Tpm(p) => crate::join::tpm::spend_challenge(tx, p, now)?,
                 Proof::Bearer(_) => Ok(false),
             };
-            crate::store::exec(tx, "SAVEPOINT one_join", [])?;
-            let d = match (spent, &r.proof) {
-                (Err(reason), _) => refused(reason, None),
-                (Ok(certified), Proof::Tpm(p)) => {
-                    crate::join::tpm::admit(tx, site, signer, r, p, certified, now)
-                }
-                (Ok(_), _) if r.attestor == "discovery" => {
-                    crate::join::discovery::admit(tx, site, signer, r, now)
-                }
-                (Ok(_), _) => crate::join::token::admit(tx, site, signer, r, now),
-            };
-            match &d {
-                // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
-                Ok(Decided::Issued(_)) | Ok(Decided::Deferred(_)) => {
-                    crate::store::exec(tx, "RELEASE one_join", [])?;
-                }
-                _ => {
-                    crate::store::exec(tx, "ROLLBACK TO one_join", [])?;
-                    crate::store::exec(tx, "RELEASE one_join", [])?;
-                }
-            }
+            // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
+            let d = tx.savepoint(
+                |tx| match (spent, &r.proof) {
+                    (Err(reason), _) => refused(reason, None),
+                    (Ok(certified), Proof::Tpm(p)) => {
+                        crate::join::tpm::admit(tx, site, signer, r, p, certified, now)
+                    }
+                    (Ok(_), _) if r.attestor == "discovery" => {
+                        crate::join::discovery::admit(tx, site, signer, r, now)
+                    }
+                    (Ok(_), _) => crate::join::token::admit(tx, site, signer, r, now),
+                },
+                |d| matches!(d, Ok(Decided::Issued(_)) | Ok(Decided::Deferred(_))),
+            )?;
             // One join's failure (a constraint its writes broke) is its own: its savepoint is
             // rolled back and it is answered `UNAVAILABLE`; the rest of the batch commits.
             let d = match d {
@@ -577,7 +564,7 @@ fn process(
 /// `security.join.refused` within the rate limit; the caller learns nothing more.
 #[allow(clippy::too_many_arguments)]
 fn refusal(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     job: &Job,
     reason: Reason,

@@ -7,45 +7,16 @@
 
 use crate::base::error::ApiResult;
 use crate::proto::protocol::Outcome;
-use rusqlite::{params, OptionalExtension, Transaction};
+use crate::store::Tx;
 use serde_json::json;
-
-struct CertRow {
-    node: String,
-    generation: i64,
-    revoked: bool,
-    not_after: i64,
-    current_generation: i64,
-    state: String,
-    tenant: String,
-    connected: bool,
-}
 
 /// A `Hello` over mTLS with `leaf`: the certificate must be byte for byte a `node_certs` row,
 /// unrevoked, unexpired, of the node's current generation, and the node not retired.
-pub fn open(tx: &Transaction<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
+pub fn open(tx: &Tx<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
     let Some(l) = crate::proto::x509::parse_node_leaf(leaf) else {
         return Ok(Outcome::Refused);
     };
-    let row = crate::store::query_row(tx,
-            "SELECT c.node_id, c.identity_generation, c.revoked_at, c.not_after, n.identity_generation, n.state,
-                    n.tenant_id, n.connected
-             FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?1 AND c.der = ?2",
-            params![l.serial_hex, leaf],
-            |x| {
-                Ok(CertRow {
-                    node: x.get(0)?,
-                    generation: x.get(1)?,
-                    revoked: x.get::<_, Option<i64>>(2)?.is_some(),
-                    not_after: x.get(3)?,
-                    current_generation: x.get(4)?,
-                    state: x.get(5)?,
-                    tenant: x.get(6)?,
-                    connected: x.get::<_, i64>(7)? == 1,
-                })
-            },
-        )
-        .optional()?;
+    let row = crate::store::nodes::leaf(tx, &l.serial_hex, leaf)?;
     let Some(c) = row else {
         tracing::info!(serial = %l.serial_hex, "session refused: unknown certificate");
         return Ok(Outcome::Refused);
@@ -55,27 +26,19 @@ pub fn open(tx: &Transaction<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
         || c.generation != c.current_generation
         || c.state == "retired"
     {
-        tracing::info!(node = %c.node, "session refused: the certificate is revoked, expired or superseded, or the node retired");
+        tracing::info!(node = %c.node_id, "session refused: the certificate is revoked, expired or superseded, or the node retired");
         return Ok(Outcome::Refused);
     }
-    let (node, tenant, connected) = (c.node, c.tenant, c.connected);
-    crate::store::exec(
-        tx,
-        "UPDATE nodes SET connected = 1, last_seen = ?2 WHERE id = ?1",
-        params![node, now],
-    )?;
+    let (node, tenant, connected) = (c.node_id, c.tenant, c.connected);
+    crate::store::nodes::mark_connected(tx, &node, now)?;
     if !connected {
         crate::store::events::publish(tx, now, &tenant, "node.connected", json!({"nodeId": node}))?;
     }
     Ok(Outcome::SessionOpened { node_id: node })
 }
 
-pub fn seen(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
-    crate::store::exec(
-        tx,
-        "UPDATE nodes SET last_seen = ?2 WHERE id = ?1",
-        params![node, now],
-    )?;
+pub fn seen(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
+    crate::store::nodes::mark_seen(tx, node, now)?;
     Ok(Outcome::Done)
 }
 
@@ -93,20 +56,8 @@ pub fn closed_all(site: &crate::join::site::Site, nodes: &[String]) -> ApiResult
     })
 }
 
-pub fn closed(tx: &Transaction<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
-    let tenant: Option<String> = crate::store::query_row(
-        tx,
-        "SELECT tenant_id FROM nodes WHERE id = ?1 AND connected = 1",
-        [node],
-        |x| x.get(0),
-    )
-    .optional()?;
-    if let Some(t) = tenant {
-        crate::store::exec(
-            tx,
-            "UPDATE nodes SET connected = 0, last_seen = ?2 WHERE id = ?1",
-            params![node, now],
-        )?;
+pub fn closed(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Outcome> {
+    if let Some(t) = crate::store::nodes::mark_disconnected(tx, node, now)? {
         crate::store::events::publish(tx, now, &t, "node.disconnected", json!({"nodeId": node}))?;
     }
     Ok(Outcome::Done)

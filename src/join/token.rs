@@ -3,19 +3,18 @@
 //! admission rules (`domain::admission`).
 
 use crate::base::error::ApiResult;
-use crate::domain::admission::{self, AdmitInput, Kind, KnownNode, Reason};
+use crate::domain::admission::{self, AdmitInput, Kind, Reason};
 use crate::domain::token::TokenRow;
 use crate::join::admit::{write, Admission, Record, Target};
 use crate::join::issue::{refused, Decided, Proof, Ready, Signer};
 use crate::join::site::Site;
-use crate::store::tenancy::TOKEN_COLS;
-use rusqlite::{OptionalExtension, Transaction};
+use crate::store::Tx;
 use serde_json::json;
 
 /// Stage 2 of a `join-token` join, inside its savepoint: the token checked and one use
 /// consumed, the admission rules applied, the node written and its certificate issued.
 pub(crate) fn admit(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -25,13 +24,7 @@ pub(crate) fn admit(
     let Proof::Bearer(bearer) = &r.proof else {
         return refused(Reason::Attestor, None);
     };
-    let token: Option<TokenRow> = crate::store::query_row(
-        tx,
-        &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
-        [&bearer.id],
-        crate::store::tenancy::token_row,
-    )
-    .optional()?;
+    let token: Option<TokenRow> = crate::store::tenancy::token_by_id(tx, &bearer.id)?;
     let Some(token) = token else {
         return refused(Reason::Unknown, None);
     };
@@ -40,31 +33,10 @@ pub(crate) fn admit(
         return refused(reason, tenant);
     }
     let tenant = Some(token.tenant_id.as_str());
-    crate::store::exec(
-        tx,
-        "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?1 AND uses_left > 0",
-        [&token.id],
-    )?;
+    crate::store::tenancy::token_spend_use(tx, &token.id)?;
     let pool = crate::store::tenancy::pool_by_id(tx, &token.pool_id)?;
     let known = match r.key.as_ref().filter(|k| k.trusted) {
-        Some(k) => crate::store::query_row(tx,
-                "SELECT id, tenant_id, site_id, pool_id, role, state, trust, identity_generation FROM nodes
-                 WHERE hardware_key = ?1 AND hardware_key_trusted = 1",
-                [&k.hex],
-                |row| {
-                    Ok(KnownNode {
-                        id: row.get(0)?,
-                        tenant_id: row.get(1)?,
-                        site_id: row.get(2)?,
-                        pool_id: row.get(3)?,
-                        role: row.get(4)?,
-                        state: row.get(5)?,
-                        trust: row.get(6)?,
-                        identity_generation: row.get(7)?,
-                    })
-                },
-            )
-            .optional()?,
+        Some(k) => crate::store::nodes::by_trusted_key(tx, &k.hex)?,
         None => None,
     };
     let decision = admission::admit(&AdmitInput {

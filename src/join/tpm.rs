@@ -40,7 +40,7 @@ use crate::join::site::Site;
 use crate::proto::protocol::{
     tpm_join_qualifying, Outcome, TpmChallenge, TpmChallengeRequest, TpmEvidence,
 };
-use rusqlite::{params, OptionalExtension, Transaction};
+use crate::store::Tx;
 use serde_json::json;
 
 /// How long a challenge may be answered.
@@ -134,34 +134,21 @@ pub(crate) fn prepare_challenge(
 }
 
 /// Stage 2 of a challenge: recorded, answered.
-pub(crate) fn challenge(
-    tx: &Transaction<'_>,
-    p: &PreparedChallenge,
-    now: i64,
-) -> ApiResult<Outcome> {
-    crate::store::exec(
-        tx,
-        "DELETE FROM tpm_challenges WHERE expires_at <= ?1",
-        [now],
-    )?;
-    // Room for this one: the source's oldest, then the oldest of all, evicted past the limits.
-    crate::store::exec(
-        tx,
-        "DELETE FROM tpm_challenges WHERE id IN (SELECT id FROM tpm_challenges WHERE source = ?1
-         ORDER BY rowid DESC LIMIT -1 OFFSET ?2)",
-        params![p.source, MAX_CHALLENGES_PER_SOURCE - 1],
-    )?;
-    crate::store::exec(
-        tx,
-        "DELETE FROM tpm_challenges WHERE id IN (SELECT id FROM tpm_challenges
-         ORDER BY rowid DESC LIMIT -1 OFFSET ?1)",
-        [MAX_OPEN_CHALLENGES - 1],
-    )?;
+pub(crate) fn challenge(tx: &Tx<'_>, p: &PreparedChallenge, now: i64) -> ApiResult<Outcome> {
     let id = crate::base::ids::new_id("tpmc", now * 1000);
-    crate::store::exec(tx,
-        "INSERT INTO tpm_challenges (id, source, ek_sha256, ak_name, secret_sha256, ek_certified, created_at, expires_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-        params![id, p.source, p.ek_sha256, crypto::hex(&p.ak_name), p.secret_sha256.to_vec(), p.ek_certified as i64, now, now + CHALLENGE_TTL],
+    crate::store::tpm::insert_challenge(
+        tx,
+        &crate::store::tpm::NewChallenge {
+            id: &id,
+            source: &p.source,
+            ek_sha256: &p.ek_sha256,
+            ak_name_hex: &crypto::hex(&p.ak_name),
+            secret_sha256: &p.secret_sha256,
+            ek_certified: p.ek_certified,
+            expires_at: now + CHALLENGE_TTL,
+        },
+        (MAX_CHALLENGES_PER_SOURCE, MAX_OPEN_CHALLENGES),
+        now,
     )?;
     Ok(Outcome::Challenge {
         challenge: TpmChallenge {
@@ -217,44 +204,23 @@ pub(crate) fn prepare_join(
 /// the one the machine activated. Runs before the join's savepoint: a refused join spends it too.
 /// `Ok(true)` when the challenge found the EK certified by the EK CA bundle.
 pub(crate) fn spend_challenge(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     p: &TpmProof,
     now: i64,
 ) -> ApiResult<Result<bool, Reason>> {
-    type Row = (String, String, Vec<u8>, i64, i64);
-    let row: Option<Row> = crate::store::query_row(tx,
-            "SELECT ek_sha256, ak_name, secret_sha256, expires_at, ek_certified FROM tpm_challenges WHERE id = ?1",
-            [&p.challenge_id],
-            |x| Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?)),
-        )
-        .optional()?;
     // Spent means gone: a second answer finds nothing.
-    let Some((ek, ak, secret, expires_at, certified)) = row else {
+    let Some(c) = crate::store::tpm::take_challenge(tx, &p.challenge_id)? else {
         return Ok(Err(Reason::TpmChallenge));
     };
-    crate::store::exec(
-        tx,
-        "DELETE FROM tpm_challenges WHERE id = ?1",
-        [&p.challenge_id],
-    )?;
-    let ok = now < expires_at
-        && ek == p.ek_sha256
-        && ak == crypto::hex(&p.ak_name)
-        && crypto::ct_eq(&secret, &p.secret_sha256);
+    let ok = now < c.expires_at
+        && c.ek_sha256 == p.ek_sha256
+        && c.ak_name_hex == crypto::hex(&p.ak_name)
+        && crypto::ct_eq(&c.secret_sha256, &p.secret_sha256);
     Ok(if ok {
-        Ok(certified == 1)
+        Ok(c.ek_certified)
     } else {
         Err(Reason::TpmChallenge)
     })
-}
-
-/// A node the EK admitted before (not retired).
-struct KnownNode {
-    id: String,
-    tenant_id: String,
-    pool_id: String,
-    role: String,
-    generation: i64,
 }
 
 /// Where an EK on no allow-list stands with the operator.
@@ -269,7 +235,7 @@ enum Enrollment {
 
 /// Stage 2 of a `tpm` join, inside its savepoint (the challenge already spent).
 pub(crate) fn admit(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -281,39 +247,12 @@ pub(crate) fn admit(
     if r.role != "node" && r.role != "ramdisk" {
         return refused(Reason::TpmRoleMismatch, None);
     }
-    let allowed: Option<String> = crate::store::query_row(
-        tx,
-        "SELECT pool_id FROM tpm_eks WHERE ek_sha256 = ?1",
-        [&p.ek_sha256],
-        |x| x.get(0),
-    )
-    .optional()?;
-    let known: Option<KnownNode> = crate::store::query_row(
-        tx,
-        "SELECT id, tenant_id, pool_id, role, identity_generation FROM nodes
-         WHERE tpm_ek_sha256 = ?1 AND state != 'retired' ORDER BY created_at DESC LIMIT 1",
-        [&p.ek_sha256],
-        |x| {
-            Ok(KnownNode {
-                id: x.get(0)?,
-                tenant_id: x.get(1)?,
-                pool_id: x.get(2)?,
-                role: x.get(3)?,
-                generation: x.get(4)?,
-            })
-        },
-    )
-    .optional()?;
+    let allowed = crate::store::tpm::allowed_pool(tx, &p.ek_sha256)?;
+    let known = crate::store::nodes::by_ek(tx, &p.ek_sha256)?;
     // A machine whose node was retired is cut off from the bundle's blanket trust: its EK goes
     // to an operator (an allow-list entry, the operator's own word, still admits it; deleting
     // the retired node lifts the block).
-    let retired = known.is_none()
-        && crate::store::query_row(
-            tx,
-            "SELECT EXISTS(SELECT 1 FROM nodes WHERE tpm_ek_sha256 = ?1 AND state = 'retired')",
-            [&p.ek_sha256],
-            |x| x.get::<_, bool>(0),
-        )?;
+    let retired = known.is_none() && crate::store::nodes::ek_retired(tx, &p.ek_sha256)?;
     // The allow-list first, then the EK CA bundle's pool, then the node this EK already is
     // (admitted once, by whichever way: retire it to cut the machine off), then an operator.
     let ca_pool = cfg
@@ -362,14 +301,8 @@ pub(crate) fn admit(
             // A machine whose hardware key is already another node's joins as that node only by
             // a token reclaim; here it is refused rather than given a second identity.
             if let Some(h) = &trusted {
-                let taken: Option<String> = crate::store::query_row(
-                    tx,
-                    "SELECT id FROM nodes WHERE hardware_key = ?1 AND hardware_key_trusted = 1",
-                    [h],
-                    |x| x.get(0),
-                )
-                .optional()?;
-                if taken.is_some() {
+                let taken = crate::store::nodes::trusted_key_taken(tx, h)?;
+                if taken {
                     return refused(Reason::Reclaim, tenant);
                 }
             }
@@ -413,7 +346,7 @@ pub(crate) fn admit(
 
 /// An EK on no allow-list: a join request keyed by the EK's hash, decided by an operator.
 fn enroll(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     site: &Site,
     signer: &Signer,
     r: &Ready,
@@ -435,6 +368,12 @@ fn enroll(
     let claims_json = serde_json::to_string(&r.claims).expect("serializes");
     let pending_until = now + cfg.discovery.pending_ttl_seconds as i64;
     let trusted = r.key.as_ref().is_some_and(|k| k.trusted);
+    let seen = crate::store::requests::Seen {
+        csr_sha256: &csr_hex,
+        claims_json: &claims_json,
+        ip: &r.peer_ip,
+        expires_at: pending_until,
+    };
     let id = match current {
         Some((id, state, Some(pool_id), csr)) if state == "approved" && csr == csr_hex => {
             return Ok(Enrollment::Approved {
@@ -443,22 +382,15 @@ fn enroll(
             });
         }
         Some((id, _, _, _)) => {
-            crate::store::exec(tx,
-                "UPDATE join_requests SET state = 'pending', pool_id = NULL, decided_at = NULL, decided_by = NULL, reason = NULL,
-                 csr_sha256 = ?2, claims_json = ?3, ip = ?4, updated_at = ?5, expires_at = ?6, ek_certified = ?7 WHERE id = ?1",
-                params![id, csr_hex, claims_json, r.peer_ip, now, pending_until, ek_certified as i64],
-            )?;
+            crate::store::requests::refresh_tpm(tx, &id, &seen, ek_certified, now)?;
             id
         }
         None => {
             // Unknown EKs cost an operator's attention: a bounded queue, in all and per source.
-            let pending: Vec<String> = tx
-                .prepare(
-                    "SELECT ip FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'",
-                )?
-                .query_map([], |x| x.get::<_, Option<String>>(0))?
-                .map(|ip| ip.map(|ip| ip.map(|ip| source_key(&ip)).unwrap_or_default()))
-                .collect::<Result<_, _>>()?;
+            let pending: Vec<String> = crate::store::requests::pending_tpm_ips(tx)?
+                .into_iter()
+                .map(|ip| ip.map(|ip| source_key(&ip)).unwrap_or_default())
+                .collect();
             let mine = source_key(&r.peer_ip);
             if pending.len() >= MAX_PENDING_REQUESTS
                 || pending.iter().filter(|s| **s == mine).count() >= MAX_PENDING_PER_SOURCE
@@ -466,24 +398,25 @@ fn enroll(
                 return refused(Reason::TpmEnrollmentLimit, None).map(Enrollment::Decided);
             }
             let id = crate::base::ids::new_id("jreq", now * 1000);
-            crate::store::exec(tx,
-                "INSERT INTO join_requests (id, site_id, attestor, machine_key, hardware_key, hardware_key_trusted, claims_json, ip,
-                 vouched_by, csr_sha256, state, created_at, updated_at, expires_at, ek_certified)
-                 VALUES (?1, ?2, 'tpm', ?3, ?4, ?5, ?6, ?7, ?8, ?9, 'pending', ?10, ?10, ?11, ?12)",
-                params![
-                    id,
-                    cfg.site_id,
-                    machine_key,
-                    r.key.as_ref().map(|k| k.hex.clone()),
-                    trusted as i64,
-                    claims_json,
-                    r.peer_ip,
-                    format!("tpm-ek:{}", p.ek_sha256),
-                    csr_hex,
-                    now,
-                    pending_until,
-                    ek_certified as i64
-                ],
+            let hardware_key = r.key.as_ref().map(|k| k.hex.as_str());
+            let vouched_by = format!("tpm-ek:{}", p.ek_sha256);
+            crate::store::requests::insert(
+                tx,
+                &crate::store::requests::New {
+                    id: &id,
+                    site_id: &cfg.site_id,
+                    attestor: "tpm",
+                    machine_key: &machine_key,
+                    hardware_key,
+                    hardware_key_trusted: trusted,
+                    seen,
+                    vouched_by: &vouched_by,
+                    mac: None,
+                    boot_lease_epoch: None,
+                    token_id: None,
+                    ek_certified: Some(ek_certified),
+                },
+                now,
             )?;
             crate::store::events::publish(
                 tx,

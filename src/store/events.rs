@@ -1,18 +1,14 @@
 //! The event stream and the audit trail: one row each, written inside the caller's transaction.
 
+use crate::base::clock::rfc3339;
 use crate::base::error::ApiResult;
 use crate::base::ids;
-use rusqlite::{params, Transaction};
-use serde_json::Value;
+use crate::store::Tx;
+use rusqlite::params;
+use serde_json::{json, Value};
 
 /// Publishes an event to a tenant's stream.
-pub fn publish(
-    tx: &Transaction<'_>,
-    now: i64,
-    tenant: &str,
-    kind: &str,
-    data: Value,
-) -> ApiResult<()> {
+pub fn publish(tx: &Tx<'_>, now: i64, tenant: &str, kind: &str, data: Value) -> ApiResult<()> {
     let id = ids::new_id("ev", now * 1000);
     crate::store::exec(
         tx,
@@ -24,7 +20,7 @@ pub fn publish(
 
 /// Writes an audit row.
 pub fn audit(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     now: i64,
     tenant: &str,
     action: &str,
@@ -37,4 +33,70 @@ pub fn audit(
         params![tenant, action, actor, target, data.to_string(), now],
     )?;
     Ok(())
+}
+
+/// Events before `before` (a `seq`), of a tenant or all, whose type starts with `prefix`, newest
+/// first, at most `limit`: `(seq, event)` as `events.list` shows it.
+pub fn list(
+    tx: &Tx<'_>,
+    before: i64,
+    tenant: Option<&str>,
+    prefix: &str,
+    limit: i64,
+) -> ApiResult<Vec<(i64, Value)>> {
+    let mut st = tx.c().prepare(
+        "SELECT seq, id, tenant_id, type, data, created_at FROM events
+         WHERE seq < ?1 AND (?2 IS NULL OR tenant_id = ?2) AND substr(type, 1, length(?3)) = ?3
+         ORDER BY seq DESC LIMIT ?4",
+    )?;
+    let rows = st
+        .query_map(params![before, tenant, prefix, limit], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                json!({
+                    "id": r.get::<_, String>(1)?,
+                    "tenantId": r.get::<_, String>(2)?,
+                    "type": r.get::<_, String>(3)?,
+                    "data": serde_json::from_str::<Value>(&r.get::<_, String>(4)?).unwrap_or(Value::Null),
+                    "createdAt": rfc3339(r.get(5)?),
+                }),
+            ))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Audit rows before `before`, of a tenant or all, whose action starts with `prefix`, at or
+/// after `since`, newest first, at most `limit`: `(seq, row)` as `audit.list` shows it.
+pub fn audit_list(
+    tx: &Tx<'_>,
+    before: i64,
+    tenant: Option<&str>,
+    prefix: &str,
+    since: i64,
+    limit: i64,
+) -> ApiResult<Vec<(i64, Value)>> {
+    let mut st = tx.c().prepare(
+        "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit
+         WHERE seq < ?1 AND (?2 IS NULL OR tenant_id = ?2) AND substr(action, 1, length(?3)) = ?3
+           AND created_at >= ?4
+         ORDER BY seq DESC LIMIT ?5",
+    )?;
+    let rows = st
+        .query_map(params![before, tenant, prefix, since, limit], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                json!({
+                    "seq": r.get::<_, i64>(0)?,
+                    "tenantId": r.get::<_, String>(1)?,
+                    "action": r.get::<_, String>(2)?,
+                    "actor": r.get::<_, String>(3)?,
+                    "target": r.get::<_, String>(4)?,
+                    "data": serde_json::from_str::<Value>(&r.get::<_, String>(5)?).unwrap_or(Value::Null),
+                    "createdAt": rfc3339(r.get(6)?),
+                }),
+            ))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
 }

@@ -1,6 +1,12 @@
 //! The store: one SQLite database in WAL mode, migrated forward by the numbered files in
 //! `migrations/`, with every write going through [`Store::write`].
 //!
+//! The code above the store never names the engine: it gets a [`Tx`] from [`Store::write`] or
+//! [`Store::read`] and calls the operations the store's modules define on it (`store::nodes`,
+//! `store::tenancy`, `store::requests`, ...). Every SQL statement of the appliance lives in this
+//! folder, and a second engine slots in behind `Tx` without touching the callers (the layering
+//! test, `tests/it/layers.rs`, fails on `rusqlite` or SQL anywhere else in `src/`).
+//!
 //! Invariants:
 //! - A write runs inside one transaction that rolls back when dropped and commits only when the
 //!   closure returns `Ok` (the kanidm pattern): an error leaves the database as it was.
@@ -13,10 +19,16 @@ use rusqlite::{Connection, OpenFlags, Transaction};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
+pub mod boot;
+pub mod discovery;
 pub mod downloads;
 pub mod events;
+pub mod maintenance;
 pub mod nodes;
+pub mod requests;
 pub mod tenancy;
+pub mod tpm;
+pub mod tpm_eks;
 
 /// Every migration, in order. A migration is never edited once released: add a new file.
 pub const MIGRATIONS: &[(&str, &str)] = &[
@@ -48,6 +60,40 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
 
 pub struct Store {
     conn: Mutex<Connection>,
+}
+
+/// One transaction of the store: a write (`BEGIN IMMEDIATE`) or a read. The callers above the
+/// store reach the database only through the operations defined on it.
+pub struct Tx<'c>(Transaction<'c>);
+
+impl<'c> Tx<'c> {
+    /// The engine's transaction, for the store's own modules.
+    pub(in crate::store) fn c(&self) -> &Transaction<'c> {
+        &self.0
+    }
+
+    /// Runs `f` in a savepoint: kept when `keep` says so of its result, rolled back otherwise (a
+    /// refused join keeps nothing it wrote, the rest of its batch commits). The outer `Err` is
+    /// the savepoint's own failure; the inner result is `f`'s.
+    pub fn savepoint<T>(
+        &self,
+        f: impl FnOnce(&Self) -> ApiResult<T>,
+        keep: impl FnOnce(&ApiResult<T>) -> bool,
+    ) -> ApiResult<ApiResult<T>> {
+        exec(self, "SAVEPOINT one_join", [])?;
+        let out = f(self);
+        if !keep(&out) {
+            exec(self, "ROLLBACK TO one_join", [])?;
+        }
+        exec(self, "RELEASE one_join", [])?;
+        Ok(out)
+    }
+}
+
+impl From<rusqlite::Error> for ApiError {
+    fn from(e: rusqlite::Error) -> Self {
+        ApiError::internal(format!("sqlite: {e}"))
+    }
 }
 
 impl Store {
@@ -88,18 +134,18 @@ impl Store {
 
     /// Runs `f` in one write transaction (`BEGIN IMMEDIATE`): committed when `f` returns `Ok`,
     /// rolled back otherwise.
-    pub fn write<T>(&self, f: impl FnOnce(&Transaction<'_>) -> ApiResult<T>) -> ApiResult<T> {
+    pub fn write<T>(&self, f: impl FnOnce(&Tx<'_>) -> ApiResult<T>) -> ApiResult<T> {
         let mut conn = self.lock();
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let tx = Tx(conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?);
         let out = f(&tx)?;
-        tx.commit()?;
+        tx.0.commit()?;
         Ok(out)
     }
 
     /// Runs `f` in a read transaction.
-    pub fn read<T>(&self, f: impl FnOnce(&Transaction<'_>) -> ApiResult<T>) -> ApiResult<T> {
+    pub fn read<T>(&self, f: impl FnOnce(&Tx<'_>) -> ApiResult<T>) -> ApiResult<T> {
         let mut conn = self.lock();
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Deferred)?;
+        let tx = Tx(conn.transaction_with_behavior(rusqlite::TransactionBehavior::Deferred)?);
         f(&tx)
     }
 }
@@ -128,26 +174,29 @@ fn migrate(conn: &mut Connection) -> Result<(), String> {
 
 /// `execute` through the connection's statement cache: the hot paths (joins, renewals, sessions,
 /// events) do not parse their SQL again for every row.
-pub fn exec(
-    tx: &Transaction<'_>,
+pub(in crate::store) fn exec(
+    tx: &Tx<'_>,
     sql: &str,
     params: impl rusqlite::Params,
 ) -> rusqlite::Result<usize> {
-    tx.prepare_cached(sql)?.execute(params)
+    tx.0.prepare_cached(sql)?.execute(params)
 }
 
 /// `query_row` through the statement cache.
-pub fn query_row<T>(
-    tx: &Transaction<'_>,
+pub(in crate::store) fn query_row<T>(
+    tx: &Tx<'_>,
     sql: &str,
     params: impl rusqlite::Params,
     f: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
 ) -> rusqlite::Result<T> {
-    tx.prepare_cached(sql)?.query_row(params, f)
+    tx.0.prepare_cached(sql)?.query_row(params, f)
 }
 
 /// Maps "no row" to `NOT_FOUND` with the given message.
-pub fn found<T>(r: rusqlite::Result<T>, what: impl FnOnce() -> String) -> ApiResult<T> {
+pub(in crate::store) fn found<T>(
+    r: rusqlite::Result<T>,
+    what: impl FnOnce() -> String,
+) -> ApiResult<T> {
     match r {
         Ok(v) => Ok(v),
         Err(rusqlite::Error::QueryReturnedNoRows) => Err(ApiError::not_found(what())),
@@ -172,11 +221,11 @@ mod tests {
         drop(Store::open(&p, true).unwrap());
         let s = Store::open(&p, false).unwrap();
         let v: i64 = s
-            .read(|tx| Ok(tx.query_row("PRAGMA user_version", [], |r| r.get(0))?))
+            .read(|tx| Ok(tx.c().query_row("PRAGMA user_version", [], |r| r.get(0))?))
             .unwrap();
         assert_eq!(v as usize, MIGRATIONS.len());
         let mode: String = s
-            .read(|tx| Ok(tx.query_row("PRAGMA journal_mode", [], |r| r.get(0))?))
+            .read(|tx| Ok(tx.c().query_row("PRAGMA journal_mode", [], |r| r.get(0))?))
             .unwrap();
         assert_eq!(mode, "wal");
     }
@@ -186,12 +235,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = Store::open(&dir.path().join("db"), true).unwrap();
         let r: ApiResult<()> = s.write(|tx| {
-            tx.execute("INSERT INTO site VALUES ('site_x','a','b',1)", [])?;
+            tx.c()
+                .execute("INSERT INTO site VALUES ('site_x','a','b',1)", [])?;
             Err(ApiError::invalid_input("no"))
         });
         assert!(r.is_err());
         let n: i64 = s
-            .read(|tx| Ok(tx.query_row("SELECT count(*) FROM site", [], |r| r.get(0))?))
+            .read(|tx| {
+                Ok(tx
+                    .c()
+                    .query_row("SELECT count(*) FROM site", [], |r| r.get(0))?)
+            })
             .unwrap();
         assert_eq!(n, 0);
     }

@@ -1,20 +1,25 @@
 //! Node certificates: revoking every live one of a node (a reclaim, `nodes/revoke-identity`,
 //! `nodes/delete`), each with its `security.certificate-revoked` event.
 
+use crate::base::clock::rfc3339;
 use crate::base::error::ApiResult;
-use rusqlite::{params, Transaction};
-use serde_json::json;
+use crate::domain::admission::{HeldBy, KnownNode};
+use crate::store::found;
+use crate::store::Tx;
+use rusqlite::{params, OptionalExtension};
+use serde_json::{json, Value};
 
 /// Revokes every unrevoked certificate of `node_id` (`reason`, with a
 /// `security.certificate-revoked` event for each).
 pub fn revoke_all(
-    tx: &Transaction<'_>,
+    tx: &Tx<'_>,
     tenant: &str,
     node_id: &str,
     reason: &str,
     now: i64,
 ) -> ApiResult<Vec<String>> {
     let serials: Vec<String> = tx
+        .c()
         .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
         .query_map([node_id], |row| row.get(0))?
         .collect::<Result<_, _>>()?;
@@ -33,4 +38,430 @@ pub fn revoke_all(
         )?;
     }
     Ok(serials)
+}
+
+/// No session outlives a restart of the appliance: every node disconnected.
+pub fn disconnect_all(tx: &Tx<'_>) -> ApiResult<()> {
+    crate::store::exec(tx, "UPDATE nodes SET connected = 0 WHERE connected = 1", [])?;
+    Ok(())
+}
+
+/// The node holding a trusted hardware key (retired or not), as the token admission weighs it.
+pub fn by_trusted_key(tx: &Tx<'_>, hex: &str) -> ApiResult<Option<KnownNode>> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT id, tenant_id, site_id, pool_id, role, state, trust, identity_generation FROM nodes
+         WHERE hardware_key = ?1 AND hardware_key_trusted = 1",
+        [hex],
+        |row| {
+            Ok(KnownNode {
+                id: row.get(0)?,
+                tenant_id: row.get(1)?,
+                site_id: row.get(2)?,
+                pool_id: row.get(3)?,
+                role: row.get(4)?,
+                state: row.get(5)?,
+                trust: row.get(6)?,
+                identity_generation: row.get(7)?,
+            })
+        },
+    )
+    .optional()?)
+}
+
+/// Whether any node holds this hardware key as trusted.
+pub fn trusted_key_taken(tx: &Tx<'_>, hex: &str) -> ApiResult<bool> {
+    Ok(by_trusted_key(tx, hex)?.is_some())
+}
+
+/// The live (not retired) node holding a trusted hardware key, as discovery weighs it, with its
+/// recorded claims (JSON). `claim_macs` and `pool_allows_discovery` are left for the caller.
+pub fn held_by(tx: &Tx<'_>, key: &str) -> ApiResult<Option<(HeldBy, String)>> {
+    Ok(crate::store::query_row(tx,
+            "SELECT id, tenant_id, pool_id, role, identity_generation, boot_mac, claims_json, identifiers_by, connected, rediscover
+             FROM nodes WHERE hardware_key = ?1 AND hardware_key_trusted = 1 AND state != 'retired'",
+            [key],
+            |x| {
+                Ok((
+                    HeldBy {
+                        id: x.get(0)?,
+                        tenant_id: x.get(1)?,
+                        pool_id: x.get(2)?,
+                        role: x.get(3)?,
+                        generation: x.get(4)?,
+                        boot_mac: x.get(5)?,
+                        claim_macs: Vec::new(),
+                        identifiers_by: x.get(7)?,
+                        connected: x.get::<_, i64>(8)? != 0,
+                        rediscover: x.get::<_, i64>(9)? != 0,
+                        pool_allows_discovery: false,
+                    },
+                    x.get::<_, String>(6)?,
+                ))
+            },
+        )
+        .optional()?)
+}
+
+/// A retired node that still holds a trusted hardware key gives it up (a new node takes it).
+pub fn release_retired_key(tx: &Tx<'_>, hex: &str, now: i64) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET hardware_key_trusted = 0, updated_at = ?2
+         WHERE hardware_key = ?1 AND hardware_key_trusted = 1 AND state = 'retired'",
+        params![hex, now],
+    )?;
+    Ok(())
+}
+
+/// The newest live node a TPM's EK admitted.
+pub struct EkNode {
+    pub id: String,
+    pub tenant_id: String,
+    pub pool_id: String,
+    pub role: String,
+    pub generation: i64,
+}
+
+pub fn by_ek(tx: &Tx<'_>, ek_sha256: &str) -> ApiResult<Option<EkNode>> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT id, tenant_id, pool_id, role, identity_generation FROM nodes
+         WHERE tpm_ek_sha256 = ?1 AND state != 'retired' ORDER BY created_at DESC LIMIT 1",
+        [ek_sha256],
+        |x| {
+            Ok(EkNode {
+                id: x.get(0)?,
+                tenant_id: x.get(1)?,
+                pool_id: x.get(2)?,
+                role: x.get(3)?,
+                generation: x.get(4)?,
+            })
+        },
+    )
+    .optional()?)
+}
+
+/// Whether a retired node holds this EK.
+pub fn ek_retired(tx: &Tx<'_>, ek_sha256: &str) -> ApiResult<bool> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT EXISTS(SELECT 1 FROM nodes WHERE tpm_ek_sha256 = ?1 AND state = 'retired')",
+        [ek_sha256],
+        |x| x.get::<_, bool>(0),
+    )?)
+}
+
+/// Whether the MAC belongs to an adopted OS node not marked for rediscovery (it boots its disk).
+pub fn boots_local_disk(tx: &Tx<'_>, mac: &str) -> ApiResult<bool> {
+    Ok(crate::store::query_row(tx,
+            "SELECT id FROM nodes WHERE boot_mac = ?1 AND state = 'adopted' AND rediscover = 0 AND role != 'ramdisk'",
+            [mac],
+            |r| r.get::<_, String>(0),
+        )
+        .optional()?
+        .is_some())
+}
+
+/// A new node's row, identity generation 1, `adopting`.
+pub struct NewNode<'a> {
+    pub id: &'a str,
+    pub tenant_id: &'a str,
+    pub site_id: &'a str,
+    pub pool_id: &'a str,
+    pub role: &'a str,
+    pub trust: &'a str,
+    pub hardware_key: Option<&'a str>,
+    pub hardware_key_trusted: bool,
+    pub attestor: &'a str,
+    pub hostname: Option<&'a str>,
+    pub claims_json: &'a str,
+    pub boot_mac: Option<&'a str>,
+    pub identifiers_by: &'a str,
+    pub tpm_ek_sha256: Option<&'a str>,
+}
+
+/// The appliance's one node `INSERT`.
+pub fn insert(tx: &Tx<'_>, n: &NewNode<'_>, now: i64) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, trust, hardware_key,
+         hardware_key_trusted, identity_generation, attestor, hostname, claims_json, created_at,
+         updated_at, boot_mac, identifiers_by, tpm_ek_sha256)
+         VALUES (?1, ?2, ?3, ?4, ?5, 'adopting', ?6, ?7, ?8, 1, ?9, ?10, ?11, ?12, ?12, ?13, ?14, ?15)",
+        params![
+            n.id,
+            n.tenant_id,
+            n.site_id,
+            n.pool_id,
+            n.role,
+            n.trust,
+            n.hardware_key,
+            n.hardware_key_trusted as i64,
+            n.attestor,
+            n.hostname,
+            n.claims_json,
+            now,
+            n.boot_mac,
+            n.identifiers_by,
+            n.tpm_ek_sha256,
+        ],
+    )?;
+    Ok(())
+}
+
+/// A node again (a reclaim): its next generation, `adopting`; `None` (or `false`) keeps what
+/// the row had.
+pub struct Again<'a> {
+    pub node_id: &'a str,
+    pub generation: i64,
+    pub role: &'a str,
+    pub trust: Option<&'a str>,
+    pub clear_rediscover: bool,
+    /// The join's hostname and claims (JSON), to record.
+    pub claims: Option<(Option<&'a str>, &'a str)>,
+    pub identifiers_by: Option<&'a str>,
+    pub boot_mac: Option<&'a str>,
+}
+
+/// The reclaim's `UPDATE` (its certificates are revoked by [`revoke_all`]).
+pub fn again(tx: &Tx<'_>, a: &Again<'_>, now: i64) -> ApiResult<()> {
+    let (hostname, claims_json) = a.claims.unwrap_or((None, ""));
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET identity_generation = ?2, state = 'adopting', role = ?3,
+         trust = COALESCE(?4, trust),
+         rediscover = CASE WHEN ?5 THEN 0 ELSE rediscover END,
+         hostname = CASE WHEN ?6 THEN ?7 ELSE hostname END,
+         claims_json = CASE WHEN ?6 THEN ?8 ELSE claims_json END,
+         identifiers_by = COALESCE(?9, identifiers_by),
+         boot_mac = COALESCE(?10, boot_mac),
+         updated_at = ?11
+         WHERE id = ?1",
+        params![
+            a.node_id,
+            a.generation,
+            a.role,
+            a.trust,
+            a.clear_rediscover,
+            a.claims.is_some(),
+            hostname,
+            claims_json,
+            a.identifiers_by,
+            a.boot_mac,
+            now,
+        ],
+    )?;
+    Ok(())
+}
+
+/// An `adopting` node adopted; `false` when it was not `adopting`.
+pub fn mark_adopted(tx: &Tx<'_>, node_id: &str) -> ApiResult<bool> {
+    Ok(crate::store::exec(
+        tx,
+        "UPDATE nodes SET state = 'adopted' WHERE id = ?1 AND state = 'adopting'",
+        [node_id],
+    )? == 1)
+}
+
+/// A certificate issued to a node.
+pub struct NewCert<'a> {
+    pub serial: &'a str,
+    pub node_id: &'a str,
+    pub generation: i64,
+    pub role: &'a str,
+    pub spki_sha256: &'a str,
+    pub der: &'a [u8],
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+pub fn insert_cert(tx: &Tx<'_>, c: &NewCert<'_>, now: i64) -> ApiResult<()> {
+    crate::store::exec(tx,
+        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        params![c.serial, c.node_id, c.generation, c.role, c.spki_sha256, c.der, c.not_before, c.not_after, now],
+    )?;
+    Ok(())
+}
+
+/// A stored certificate (found byte for byte) and its node, as a session or a renewal weighs it.
+pub struct Leaf {
+    pub node_id: String,
+    pub serial: String,
+    pub generation: i64,
+    pub role: String,
+    pub not_after: i64,
+    pub revoked: bool,
+    pub state: String,
+    pub current_generation: i64,
+    pub attestor: String,
+    pub tenant: String,
+    pub connected: bool,
+}
+
+/// The `node_certs` row with this serial and exactly these bytes, with its node; `None` when the
+/// certificate (or its node) is unknown.
+pub fn leaf(tx: &Tx<'_>, serial: &str, der: &[u8]) -> ApiResult<Option<Leaf>> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT c.node_id, c.serial, c.identity_generation, c.role, c.not_after, c.revoked_at,
+                n.state, n.identity_generation, n.attestor, n.tenant_id, n.connected
+         FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?1 AND c.der = ?2",
+        params![serial, der],
+        |x| {
+            Ok(Leaf {
+                node_id: x.get(0)?,
+                serial: x.get(1)?,
+                generation: x.get(2)?,
+                role: x.get(3)?,
+                not_after: x.get(4)?,
+                revoked: x.get::<_, Option<i64>>(5)?.is_some(),
+                state: x.get(6)?,
+                current_generation: x.get(7)?,
+                attestor: x.get(8)?,
+                tenant: x.get(9)?,
+                connected: x.get::<_, i64>(10)? == 1,
+            })
+        },
+    )
+    .optional()?)
+}
+
+/// A session opened: connected, seen now.
+pub fn mark_connected(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET connected = 1, last_seen = ?2 WHERE id = ?1",
+        params![node, now],
+    )?;
+    Ok(())
+}
+
+/// A heartbeat: seen now.
+pub fn mark_seen(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET last_seen = ?2 WHERE id = ?1",
+        params![node, now],
+    )?;
+    Ok(())
+}
+
+/// A session closed: the node's tenant when it was connected (and is now not), else `None`.
+pub fn mark_disconnected(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Option<String>> {
+    let tenant: Option<String> = crate::store::query_row(
+        tx,
+        "SELECT tenant_id FROM nodes WHERE id = ?1 AND connected = 1",
+        [node],
+        |x| x.get(0),
+    )
+    .optional()?;
+    if tenant.is_some() {
+        crate::store::exec(
+            tx,
+            "UPDATE nodes SET connected = 0, last_seen = ?2 WHERE id = ?1",
+            params![node, now],
+        )?;
+    }
+    Ok(tenant)
+}
+
+const SHOWN: &str = "id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted, identity_generation,
+    attestor, hostname, claims_json, created_at, updated_at, retired_at, connected, last_seen, rediscover, boot_mac";
+
+fn shown_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
+    let mut v = json!({
+        "id": r.get::<_, String>(0)?, "tenantId": r.get::<_, String>(1)?, "siteId": r.get::<_, String>(2)?,
+        "poolId": r.get::<_, String>(3)?, "role": r.get::<_, String>(4)?, "state": r.get::<_, String>(5)?,
+        "trust": r.get::<_, String>(6)?, "hardwareKey": r.get::<_, Option<String>>(7)?,
+        "hardwareKeyTrusted": r.get::<_, i64>(8)? == 1, "identityGeneration": r.get::<_, i64>(9)?,
+        "attestor": r.get::<_, String>(10)?, "hostname": r.get::<_, Option<String>>(11)?,
+        "claims": serde_json::from_str::<Value>(&r.get::<_, String>(12)?).unwrap_or(Value::Null),
+        "createdAt": rfc3339(r.get(13)?), "updatedAt": rfc3339(r.get(14)?),
+    });
+    if let Some(t) = r.get::<_, Option<i64>>(15)? {
+        v["retiredAt"] = json!(rfc3339(t));
+    }
+    v["connected"] = json!(r.get::<_, i64>(16)? == 1);
+    v["rediscover"] = json!(r.get::<_, i64>(18)? == 1);
+    v["bootMac"] = json!(r.get::<_, Option<String>>(19)?);
+    v["lastSeen"] = json!(r.get::<_, Option<i64>>(17)?.map(rfc3339));
+    Ok(v)
+}
+
+/// A node of `tenant` as `nodes.get` shows it, or `NOT_FOUND`.
+pub fn shown(tx: &Tx<'_>, tenant: &str, node: &str) -> ApiResult<Value> {
+    found(
+        tx.c().query_row(
+            &format!("SELECT {SHOWN} FROM nodes WHERE id = ?1 AND tenant_id = ?2"),
+            [node, tenant],
+            shown_row,
+        ),
+        || format!("node {node} not found in tenant {tenant}"),
+    )
+}
+
+/// A node's certificates, as `nodes.get` shows them.
+pub fn certificates(tx: &Tx<'_>, node: &str) -> ApiResult<Vec<Value>> {
+    let mut st = tx.c().prepare(
+        "SELECT serial, identity_generation, role, not_before, not_after, revoked_at, revoke_reason FROM node_certs
+         WHERE node_id = ?1 ORDER BY created_at, serial",
+    )?;
+    let out = st
+        .query_map([node], |r| {
+            Ok(json!({
+                "serial": r.get::<_, String>(0)?, "identityGeneration": r.get::<_, i64>(1)?, "role": r.get::<_, String>(2)?,
+                "notBefore": rfc3339(r.get(3)?), "notAfter": rfc3339(r.get(4)?),
+                "revokedAt": r.get::<_, Option<i64>>(5)?.map(rfc3339), "revokeReason": r.get::<_, Option<String>>(6)?,
+            }))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(out)
+}
+
+/// A tenant's nodes (of one pool, or all; retired ones too when asked) after `cursor`, at most
+/// `limit`: `(id, node)` as `nodes.list` shows them.
+pub fn list(
+    tx: &Tx<'_>,
+    (tenant, pool): (&str, Option<&str>),
+    cursor: &str,
+    include_retired: bool,
+    limit: i64,
+) -> ApiResult<Vec<(String, Value)>> {
+    let mut st = tx.c().prepare(&format!(
+        "SELECT {SHOWN} FROM nodes WHERE tenant_id = ?1 AND (?2 IS NULL OR pool_id = ?2) AND id > ?3
+         AND (?4 OR state != 'retired') ORDER BY id LIMIT ?5"
+    ))?;
+    let rows = st
+        .query_map(
+            params![tenant, pool, cursor, include_retired, limit],
+            shown_row,
+        )?
+        .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
+        .collect::<Result<_, _>>()?;
+    Ok(rows)
+}
+
+pub fn retire(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
+    tx.c().execute(
+        "UPDATE nodes SET state = 'retired', retired_at = ?2, updated_at = ?2 WHERE id = ?1",
+        params![node, now],
+    )?;
+    Ok(())
+}
+
+/// A node's row gone (its certificates with it).
+pub fn delete(tx: &Tx<'_>, node: &str) -> ApiResult<()> {
+    tx.c().execute("DELETE FROM nodes WHERE id = ?1", [node])?;
+    Ok(())
+}
+
+/// An operator's rediscovery mark set or cleared.
+pub fn set_rediscover(tx: &Tx<'_>, node: &str, on: bool, now: i64) -> ApiResult<()> {
+    tx.c().execute(
+        "UPDATE nodes SET rediscover = ?2, updated_at = ?3 WHERE id = ?1",
+        params![node, on as i64, now],
+    )?;
+    Ok(())
 }

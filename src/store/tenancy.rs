@@ -5,7 +5,8 @@ use crate::domain::pool::{KubernetesPolicy, Policy, Pool};
 use crate::domain::token::TokenRow;
 use crate::domain::validate;
 use crate::store::found;
-use rusqlite::{params, OptionalExtension, Transaction};
+use crate::store::Tx;
+use rusqlite::{params, OptionalExtension};
 
 pub const POOL_COLS: &str =
     "id, tenant_id, site_id, name, agent, join_attestors, k8s_platform_operated, archived_at, created_at, updated_at";
@@ -32,11 +33,11 @@ pub fn pool_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Pool> {
 }
 
 /// The pool `pool` of `tenant`, or `NOT_FOUND` (also when it belongs to another tenant).
-pub fn pool_load(tx: &Transaction<'_>, tenant: &str, pool: &str) -> ApiResult<Pool> {
+pub fn pool_load(tx: &Tx<'_>, tenant: &str, pool: &str) -> ApiResult<Pool> {
     validate::tenant_id("tenantId", tenant)?;
     validate::pool_id("poolId", pool)?;
     found(
-        tx.query_row(
+        tx.c().query_row(
             &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1 AND tenant_id = ?2"),
             [pool, tenant],
             pool_row,
@@ -46,7 +47,7 @@ pub fn pool_load(tx: &Transaction<'_>, tenant: &str, pool: &str) -> ApiResult<Po
 }
 
 /// The pool by id alone, for the JoinService (which then checks the tenant itself).
-pub fn pool_by_id(tx: &Transaction<'_>, pool: &str) -> ApiResult<Option<Pool>> {
+pub fn pool_by_id(tx: &Tx<'_>, pool: &str) -> ApiResult<Option<Pool>> {
     Ok(crate::store::query_row(
         tx,
         &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1"),
@@ -56,8 +57,8 @@ pub fn pool_by_id(tx: &Transaction<'_>, pool: &str) -> ApiResult<Option<Pool>> {
     .optional()?)
 }
 
-pub fn pool_save(tx: &Transaction<'_>, p: &Pool) -> ApiResult<()> {
-    tx.execute(
+pub fn pool_save(tx: &Tx<'_>, p: &Pool) -> ApiResult<()> {
+    tx.c().execute(
         "UPDATE pools SET name = ?2, agent = ?3, join_attestors = ?4, k8s_platform_operated = ?5, archived_at = ?6, updated_at = ?7 WHERE id = ?1",
         params![
             p.id,
@@ -94,8 +95,8 @@ pub fn token_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TokenRow> {
     })
 }
 
-pub fn tenant_must_exist(tx: &Transaction<'_>, tenant: &str) -> ApiResult<()> {
-    let n: i64 = tx.query_row(
+pub fn tenant_must_exist(tx: &Tx<'_>, tenant: &str) -> ApiResult<()> {
+    let n: i64 = tx.c().query_row(
         "SELECT count(*) FROM tenants WHERE id = ?1",
         [tenant],
         |r| r.get(0),
@@ -103,5 +104,171 @@ pub fn tenant_must_exist(tx: &Transaction<'_>, tenant: &str) -> ApiResult<()> {
     if n == 0 {
         return Err(ApiError::not_found(format!("tenant {tenant} not found")));
     }
+    Ok(())
+}
+
+/// A join token by id.
+pub fn token_by_id(tx: &Tx<'_>, id: &str) -> ApiResult<Option<TokenRow>> {
+    Ok(crate::store::query_row(
+        tx,
+        &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1"),
+        [id],
+        token_row,
+    )
+    .optional()?)
+}
+
+/// One use of a token consumed (none when none is left).
+pub fn token_spend_use(tx: &Tx<'_>, id: &str) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?1 AND uses_left > 0",
+        [id],
+    )?;
+    Ok(())
+}
+
+/// The id of the tenant with this name.
+pub fn tenant_named(tx: &Tx<'_>, name: &str) -> ApiResult<Option<String>> {
+    Ok(tx
+        .c()
+        .query_row("SELECT id FROM tenants WHERE name = ?1", [name], |r| {
+            r.get(0)
+        })
+        .optional()?)
+}
+
+/// A new (not root) tenant.
+pub fn tenant_insert(tx: &Tx<'_>, id: &str, name: &str, now: i64) -> ApiResult<()> {
+    tx.c().execute(
+        "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, ?2, 0, ?3)",
+        params![id, name, now],
+    )?;
+    Ok(())
+}
+
+/// A tenant as listed: id, name, root or not, created at.
+pub type TenantRow = (String, String, bool, i64);
+
+pub fn tenants(tx: &Tx<'_>) -> ApiResult<Vec<TenantRow>> {
+    let mut st = tx
+        .c()
+        .prepare("SELECT id, name, is_root, created_at FROM tenants ORDER BY id")?;
+    let items = st
+        .query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? == 1, r.get(3)?))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(items)
+}
+
+/// The id of the tenant's pool with this name.
+pub fn pool_named(tx: &Tx<'_>, tenant: &str, name: &str) -> ApiResult<Option<String>> {
+    Ok(tx
+        .c()
+        .query_row(
+            "SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2",
+            [tenant, name],
+            |r| r.get(0),
+        )
+        .optional()?)
+}
+
+/// A new pool (its policy written by [`pool_save`]).
+pub fn pool_insert(tx: &Tx<'_>, p: &Pool) -> ApiResult<()> {
+    tx.c().execute(
+        "INSERT INTO pools (id, tenant_id, site_id, name, agent, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
+        params![p.id, p.tenant_id, p.site_id, p.name, p.agent, p.created_at],
+    )?;
+    pool_save(tx, p)
+}
+
+/// A tenant's pools after `cursor`, archived ones too when asked, at most `limit`.
+pub fn pools(
+    tx: &Tx<'_>,
+    tenant: &str,
+    cursor: &str,
+    include_archived: bool,
+    limit: i64,
+) -> ApiResult<Vec<Pool>> {
+    let mut st = tx.c().prepare(&format!(
+        "SELECT {POOL_COLS} FROM pools WHERE tenant_id = ?1 AND id > ?2 AND (?3 OR archived_at IS NULL) ORDER BY id LIMIT ?4"
+    ))?;
+    let rows = st
+        .query_map(params![tenant, cursor, include_archived, limit], pool_row)?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// A new join token (its secret's hash only), minted by `created_by` under `idempotency_key`.
+pub fn token_insert(
+    tx: &Tx<'_>,
+    t: &TokenRow,
+    idempotency_key: &str,
+    created_by: &str,
+) -> ApiResult<()> {
+    tx.c().execute(
+        "INSERT INTO join_tokens (id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json,
+         allow_reclaim, hosted, idempotency_key, created_by, created_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+        params![
+            t.id,
+            t.tenant_id,
+            t.pool_id,
+            t.site_id,
+            t.role,
+            t.secret_sha256,
+            t.max_uses,
+            t.expect.as_ref().map(|e| serde_json::to_string(e).expect("serializes")),
+            t.allow_reclaim as i64,
+            t.hosted,
+            idempotency_key,
+            created_by,
+            t.created_at,
+            t.expires_at
+        ],
+    )?;
+    Ok(())
+}
+
+/// A pool's tokens after `cursor` (the inactive ones too when asked), at most `limit`.
+pub fn tokens(
+    tx: &Tx<'_>,
+    (tenant, pool): (&str, &str),
+    cursor: &str,
+    include_inactive: bool,
+    now: i64,
+    limit: i64,
+) -> ApiResult<Vec<TokenRow>> {
+    let mut st = tx.c().prepare(&format!(
+        "SELECT {TOKEN_COLS} FROM join_tokens WHERE tenant_id = ?1 AND pool_id = ?2 AND id > ?3
+         AND (?4 OR (revoked_at IS NULL AND uses_left > 0 AND expires_at > ?5)) ORDER BY id LIMIT ?6"
+    ))?;
+    let rows = st
+        .query_map(
+            params![tenant, pool, cursor, include_inactive, now, limit],
+            token_row,
+        )?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// A token of this tenant and pool, or `NOT_FOUND`.
+pub fn token_load(tx: &Tx<'_>, tenant: &str, pool: &str, id: &str) -> ApiResult<TokenRow> {
+    found(
+        tx.c().query_row(
+            &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1 AND tenant_id = ?2 AND pool_id = ?3"),
+            [id, tenant, pool],
+            token_row,
+        ),
+        || format!("join token {id} not found in tenant {tenant} and pool {pool}"),
+    )
+}
+
+pub fn token_revoke(tx: &Tx<'_>, id: &str, now: i64) -> ApiResult<()> {
+    tx.c().execute(
+        "UPDATE join_tokens SET revoked_at = ?2 WHERE id = ?1",
+        params![id, now],
+    )?;
     Ok(())
 }

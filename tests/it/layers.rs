@@ -233,3 +233,74 @@ fn the_attestors_never_import_each_other() {
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// What names the database engine in a source text: the `rusqlite` crate, or SQL (a statement's
+/// opening words, in any case, with what follows them).
+fn engine_words(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    if text.contains("rusqlite") {
+        found.push("rusqlite".to_string());
+    }
+    let upper = text.to_ascii_uppercase();
+    let words: Vec<&str> = upper
+        .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+        .filter(|w| !w.is_empty())
+        .collect();
+    for w in words.windows(4) {
+        let sql = matches!(
+            w,
+            ["SELECT", _, "FROM", _]
+                | ["INSERT", "INTO", _, _]
+                | ["DELETE", "FROM", _, "WHERE"]
+                | ["UPDATE", _, "SET", _]
+                | ["PRAGMA", _, _, _]
+        );
+        if sql {
+            found.push(w.join(" "));
+        }
+    }
+    found
+}
+
+/// The one storage interface: above `src/store/`, no code names the engine or writes SQL; it
+/// calls the store's operations on `store::Tx`, so a second engine slots in behind them.
+#[test]
+fn no_code_above_the_store_names_the_engine_or_writes_sql() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let mut bad = Vec::new();
+    for f in files {
+        if layer_of(&src, &f) == "store" {
+            continue;
+        }
+        for w in engine_words(&std::fs::read_to_string(&f).unwrap()) {
+            bad.push(format!("  {} -> {w}", f.display()));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "the engine named above the store (see ARCHITECTURE.md, \"Boundaries\"):\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The reader of engine words finds what would break the rule, and passes prose.
+#[test]
+fn the_engine_reader_sees_sql_and_the_crate() {
+    let leaks = engine_words(
+        "use rusqlite::params;\nfn f(tx: &T) { tx.execute(\"update nodes set state = 'x'\", []); }\n\
+         const Q: &str = \"SELECT id FROM tenants\";\n",
+    );
+    assert_eq!(
+        leaks,
+        [
+            "rusqlite",
+            "UPDATE NODES SET STATE",
+            "SELECT ID FROM TENANTS"
+        ]
+    );
+    assert!(
+        engine_words("//! Select a pool from the list; update the node, then set it.\n").is_empty()
+    );
+}
