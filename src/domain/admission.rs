@@ -185,6 +185,10 @@ pub struct Admission {
     pub role: String,
     /// `platform`, `tenant-owned` or `tenant-controlled`.
     pub trust: String,
+    /// The node's hardware key counts as the machine's: trusted, over a product UUID or a
+    /// serial. A machine admitted only by its token's `expect` binding (placeholder hardware)
+    /// joins with an untrusted key: never a reclaim, and never reclaimed by a later join.
+    pub key_trusted: bool,
 }
 
 pub struct AdmitInput<'a> {
@@ -215,8 +219,8 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
             return Err(Reason::Expect);
         }
     }
-    let trusted = i.key.is_some_and(|k| k.trusted);
-    if (!trusted || !i.ids.has_primary()) && t.expect.is_none() {
+    let trusted = key_counts(i.key, i.ids);
+    if !trusted && t.expect.is_none() {
         return Err(Reason::PlaceholderHardware);
     }
     let pool = i.pool.ok_or(Reason::Pool)?;
@@ -266,7 +270,19 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
         }
         _ => Kind::New,
     };
-    Ok(Admission { kind, role, trust })
+    Ok(Admission {
+        kind,
+        role,
+        trust,
+        key_trusted: trusted,
+    })
+}
+
+/// Whether a `join-token` join's hardware key stands for the machine: trusted (two identifiers
+/// or more) and over a product UUID or a serial. A key of MACs alone (placeholder UUID and
+/// serials) does not: a NIC moves between machines.
+pub fn key_counts(key: Option<&HardwareKey>, ids: &Identifiers) -> bool {
+    key.is_some_and(|k| k.trusted) && ids.has_primary()
 }
 
 /// A live node that holds a discovery join's trusted hardware key, as the `discovery` attestor

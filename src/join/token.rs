@@ -35,7 +35,11 @@ pub(crate) fn admit(
     let tenant = Some(token.tenant_id.as_str());
     crate::store::tenancy::token_spend_use(tx, &token.id)?;
     let pool = crate::store::tenancy::pool_by_id(tx, &token.pool_id)?;
-    let known = match r.key.as_ref().filter(|k| k.trusted) {
+    let known = match r
+        .key
+        .as_ref()
+        .filter(|_| admission::key_counts(r.key.as_ref(), &r.ids))
+    {
         Some(k) => crate::store::nodes::by_trusted_key(tx, &k.hex)?,
         None => None,
     };
@@ -77,7 +81,7 @@ pub(crate) fn admit(
             identifiers_by: Some("token"),
             ..Default::default()
         },
-        hardware_key_trusted: r.key.as_ref().is_some_and(|k| k.trusted),
+        hardware_key_trusted: adm.key_trusted,
         statements: Vec::new(),
         ttl: crate::join::issue::cert_ttl(cfg, &adm.role, "join-token"),
         node_key: "unattested",

@@ -1118,3 +1118,94 @@ fn an_operators_template_under_the_boot_root_replaces_the_built_in_script() {
     let missing = String::from_utf8(missing).unwrap();
     assert!(missing.contains("needs ?mac="), "{missing}");
 }
+
+/// Issue 28, item 8: discovery honours the pool's `policy.joinAttestors`. Approving a machine
+/// into a pool whose attestors exclude `discovery` is `INVALID_STATE`; a pool that stops
+/// allowing it after the approval refuses the join (`join:pool-attestor`), and the token and
+/// the approval are left as they were.
+#[test]
+fn discovery_honours_the_pools_join_attestors() {
+    let a = appliance("always");
+    let pool = a.pool("intake");
+    let tokens_only = a.cli_json(&[
+        "pools",
+        "create",
+        "--name",
+        "tokens-only",
+        "--join-attestors",
+        "join-token",
+    ])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mac = "52:54:00:5e:a7:01";
+    let (_, dir) = boot(&a, mac);
+    let claims = vm_claims(&a, mac);
+    // A long retry: the decisions below are all made before the agent asks again.
+    let etc = dir.join("etc/bca-agent");
+    let agent = Command::new(bin())
+        .args([
+            "agent",
+            "join",
+            "--attestor",
+            "discovery",
+            "--role",
+            "ramdisk",
+            "--config",
+        ])
+        .arg(etc.join("config.toml"))
+        .arg("--token-file")
+        .arg(etc.join("discovery-token"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--claims")
+        .arg(&claims)
+        .args(["--wait-seconds", "60", "--retry-seconds", "6"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let req = wait_for("a pending request", 20, || pending(&a, mac));
+    let id = req["id"].as_str().unwrap().to_string();
+    let (code, msg) = a.cli_err(&["join-requests", "approve", &id, "--pool", &tokens_only]);
+    assert_eq!(code, "INVALID_STATE", "{msg}");
+    assert!(
+        msg.contains("does not allow the discovery attestor"),
+        "{msg}"
+    );
+    assert_eq!(pending(&a, mac).unwrap()["state"], "pending");
+    let approved = a.cli_json(&["join-requests", "approve", &id, "--pool", &pool]);
+    assert_eq!(approved["state"], "approved");
+    a.cli_json(&[
+        "pools",
+        "update",
+        &pool,
+        "--join-attestors",
+        "join-token,tpm",
+    ]);
+    let out = agent.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim(),
+        "ACCESS_DENIED: Join refused"
+    );
+    let (_, ev) = a.last_event("security.join.refused").unwrap();
+    assert_eq!(ev["reason"], "join:pool-attestor");
+    assert_eq!(ev["attestor"], "discovery");
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 0);
+    assert_eq!(
+        a.count("SELECT count(*) FROM discovery_tokens WHERE spent_at IS NOT NULL"),
+        0
+    );
+    let all = a.cli_json(&["join-requests", "list", "--state", "approved"]);
+    assert!(all["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["id"] == json!(id)));
+}

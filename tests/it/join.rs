@@ -824,3 +824,45 @@ print(json.dumps(out))
         assert!(!text.contains("CA:FALSE"), "{name}: {text}");
     }
 }
+
+/// Issue 28, item 7: a machine whose UUID and serials are placeholders but which has two MACs is
+/// admitted only by its token's `expect` binding, with an untrusted key: a later join of the
+/// same machine, even with `allowReclaim`, is a new node, never a reclaim of the first.
+#[test]
+fn placeholder_hardware_under_expect_joins_untrusted_and_never_reclaims() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let pool = a.pool("placeholders");
+    let m = json!({
+        "productUuid": "03000200-0400-0500-0006-000700080009",
+        "serials": {"product": "To Be Filled By O.E.M.", "board": "Default string"},
+        "macs": ["00:1b:21:aa:00:01", "00:1b:21:aa:00:02"],
+        "hostname": "placeholder-1",
+    });
+    // Without a binding, placeholder hardware is refused, and nothing is written.
+    let (_, plain) = a.token(&pool, json!({}));
+    let (raw, _, _) = sim.join(&plain, &m);
+    assert_eq!(raw, refused_bytes());
+    assert_eq!(
+        a.last_event("security.join.refused").unwrap().1["reason"],
+        "join:placeholder-hardware"
+    );
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 0);
+    let expect = json!({"expect": {"mac": "00:1b:21:aa:00:01"}, "allowReclaim": true});
+    let (_, t1) = a.token(&pool, expect.clone());
+    let first = sim.admitted(&t1, &m);
+    let node = a.cli_json(&["nodes", "get", &first.node_id]);
+    assert_eq!(node["hardwareKeyTrusted"], false);
+    let (_, joined) = a.last_event("node.joined").unwrap();
+    assert_eq!(joined["hardwareKeyTrusted"], false);
+    let (_, t2) = a.token(&pool, expect);
+    let second = sim.admitted(&t2, &m);
+    assert_ne!(second.node_id, first.node_id);
+    assert_eq!(a.last_event("node.joined").unwrap().1["reclaim"], false);
+    // The first node keeps its identity: nothing of it was revoked.
+    assert_eq!(
+        a.count("SELECT count(*) FROM node_certs WHERE revoked_at IS NOT NULL"),
+        0
+    );
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 2);
+}
