@@ -253,15 +253,22 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
             owned_trust(&pool.tenant_id, i.root_tenant).to_string(),
         )
     };
+    let mut role = role;
     let kind = match (trusted, i.known) {
         (true, Some(n)) => {
             let same =
                 n.tenant_id == t.tenant_id && n.site_id == t.site_id && n.pool_id == t.pool_id;
-            if !t.allow_reclaim || !same || n.role != role || n.state == "retired" {
+            // An OS node again, hosted or not: `node` and `node-tenant` are one machine's roles
+            // (a `ramdisk` becomes an OS node only through a `provisioned` token).
+            let os_node = |r: &str| r == "node" || r == "node-tenant";
+            if !t.allow_reclaim || !same || !os_node(&n.role) || n.state == "retired" {
                 return Err(Reason::Reclaim);
             }
+            // A hosted reclaim lowers a node to `tenant-controlled` (a `node-tenant`
+            // certificate); a reclaim never raises a tenant-controlled node back.
             if tenant_controlled || n.trust == "tenant-controlled" {
                 trust = "tenant-controlled".into();
+                role = "node-tenant".into();
             }
             Kind::Reclaim {
                 node_id: n.id.clone(),
@@ -641,14 +648,49 @@ mod tests {
             run(&t, Some(&pool()), &ids, Some(&retired)),
             Err(Reason::Reclaim)
         );
-        let other_role = KnownNode {
-            role: "node-tenant".into(),
-            ..known
+        // A ramdisk becomes an OS node only through a `provisioned` token.
+        let ramdisk = KnownNode {
+            role: "ramdisk".into(),
+            ..known.clone()
         };
         assert_eq!(
-            run(&t, Some(&pool()), &ids, Some(&other_role)),
+            run(&t, Some(&pool()), &ids, Some(&ramdisk)),
             Err(Reason::Reclaim)
         );
+        // A tenant-controlled node stays so: a plain token's reclaim never raises it.
+        let tenant_controlled = KnownNode {
+            role: "node-tenant".into(),
+            trust: "tenant-controlled".into(),
+            ..known.clone()
+        };
+        let a = run(&t, Some(&pool()), &ids, Some(&tenant_controlled)).unwrap();
+        assert_eq!(
+            (a.role.as_str(), a.trust.as_str()),
+            ("node-tenant", "tenant-controlled")
+        );
+        // A hosted reclaim lowers a platform node to tenant-controlled, unless the platform
+        // operates the pool.
+        let hosted = TokenRow {
+            hosted: Some("kubernetes".into()),
+            ..t.clone()
+        };
+        let a = run(&hosted, Some(&pool()), &ids, Some(&known)).unwrap();
+        assert!(matches!(a.kind, Kind::Reclaim { .. }));
+        assert_eq!(
+            (a.role.as_str(), a.trust.as_str()),
+            ("node-tenant", "tenant-controlled")
+        );
+        let operated = Pool {
+            policy: Policy {
+                join_attestors: None,
+                kubernetes: Some(KubernetesPolicy {
+                    platform_operated: true,
+                }),
+            },
+            ..pool()
+        };
+        let a = run(&hosted, Some(&operated), &ids, Some(&known)).unwrap();
+        assert_eq!((a.role.as_str(), a.trust.as_str()), ("node", "platform"));
     }
 
     #[test]

@@ -866,3 +866,120 @@ fn placeholder_hardware_under_expect_joins_untrusted_and_never_reclaims() {
     );
     assert_eq!(a.count("SELECT count(*) FROM nodes"), 2);
 }
+
+/// Issue 28, item 6: a reclaim through a hosted token lowers an existing `platform` node to
+/// `tenant-controlled` with a `node-tenant` certificate (same node, next generation, the old
+/// certificate revoked); in the root tenant's `platformOperated` pool it keeps `platform`; in
+/// another tenant's pool, `platformOperated` or not, it never yields `platform`. All through the
+/// real gateway.
+#[test]
+fn a_hosted_reclaim_lowers_a_platform_node_unless_the_platform_operates_the_pool() {
+    let a = Appliance::start();
+    let sim = Sim::new(&a);
+    let hosted = json!({"hosted": "kubernetes", "allowReclaim": true});
+
+    // The root tenant's pool: a platform node, then a hosted reclaim.
+    let pool = a.pool("k8s-reclaim");
+    let m = machine();
+    let (_, t1) = a.token(&pool, json!({}));
+    let first = sim.admitted(&t1, &m);
+    assert_eq!(first.role, "node");
+    let node = a.cli_json(&["nodes", "get", &first.node_id]);
+    assert_eq!(node["trust"], "platform");
+    let (_, t2) = a.token(&pool, hosted.clone());
+    let second = sim.admitted(&t2, &m);
+    assert_eq!(second.node_id, first.node_id);
+    assert_eq!(second.role, "node-tenant");
+    let node = a.cli_json(&["nodes", "get", &first.node_id]);
+    assert_eq!(
+        (node["trust"].as_str(), node["role"].as_str()),
+        (Some("tenant-controlled"), Some("node-tenant"))
+    );
+    assert_eq!(node["identityGeneration"], 2);
+    let certs = node["certificates"].as_array().unwrap();
+    let old = certs.iter().find(|c| c["identityGeneration"] == 1).unwrap();
+    let new = certs.iter().find(|c| c["identityGeneration"] == 2).unwrap();
+    assert_eq!(old["revokeReason"], "reclaimed");
+    assert_eq!(
+        (new["role"].as_str(), new["revokedAt"].is_null()),
+        (Some("node-tenant"), true)
+    );
+    let (_, joined) = a.last_event("node.joined").unwrap();
+    assert_eq!(
+        (joined["reclaim"].as_bool(), joined["role"].as_str()),
+        (Some(true), Some("node-tenant"))
+    );
+    // A plain token's reclaim never raises it back.
+    let (_, t3) = a.token(&pool, json!({"allowReclaim": true}));
+    let third = sim.admitted(&t3, &m);
+    assert_eq!(
+        (third.node_id.as_str(), third.role.as_str()),
+        (first.node_id.as_str(), "node-tenant")
+    );
+
+    // The root tenant's platformOperated pool: the hosted reclaim keeps `platform`.
+    let operated = a.cli_json(&[
+        "pools",
+        "create",
+        "--name",
+        "k8s-operated",
+        "--k8s-platform-operated",
+    ])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let m2 = machine();
+    let (_, t4) = a.token(&operated, json!({}));
+    let n2 = sim.admitted(&t4, &m2);
+    let (_, t5) = a.token(&operated, hosted.clone());
+    let again = sim.admitted(&t5, &m2);
+    assert_eq!(
+        (again.node_id.as_str(), again.role.as_str()),
+        (n2.node_id.as_str(), "node")
+    );
+    let node = a.cli_json(&["nodes", "get", &n2.node_id]);
+    assert_eq!(
+        (node["trust"].as_str(), node["identityGeneration"].as_i64()),
+        (Some("platform"), Some(2))
+    );
+
+    // Another tenant's platformOperated pool never yields `platform`.
+    let tenant = a.cli_json(&["tenants", "create", "--name", "acme-k8s"])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let tpool = a.cli_json(&[
+        "pools",
+        "create",
+        "--tenant",
+        &tenant,
+        "--name",
+        "acme-k8s",
+        "--k8s-platform-operated",
+    ])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mint = |extra: Value| {
+        let mut body = json!({"tenantId": tenant, "poolId": tpool, "ttlSeconds": 3600,
+            "idempotencyKey": format!("k-{}", rand_hex(8))});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        a.api_ok("joinTokens/create", body)["token"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let m3 = machine();
+    let n3 = sim.admitted(&mint(json!({})), &m3);
+    let node = a.cli_json(&["nodes", "get", &n3.node_id, "--tenant", &tenant]);
+    assert_eq!(node["trust"], "tenant-owned");
+    let again = sim.admitted(&mint(hosted), &m3);
+    assert_eq!(
+        (again.node_id.as_str(), again.role.as_str()),
+        (n3.node_id.as_str(), "node-tenant")
+    );
+    let node = a.cli_json(&["nodes", "get", &n3.node_id, "--tenant", &tenant]);
+    assert_eq!(node["trust"], "tenant-controlled");
+}
