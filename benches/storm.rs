@@ -255,6 +255,7 @@ fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
             attestor: String::new(),
             role: "node".into(),
             tpm: None,
+            x509pop: None,
         }),
         ..Default::default()
     };

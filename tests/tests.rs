@@ -47,3 +47,5 @@ mod tls;
 mod tpm;
 #[path = "it/tpmjoin.rs"]
 mod tpmjoin;
+#[path = "it/x509pop.rs"]
+mod x509pop;

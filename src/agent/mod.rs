@@ -7,6 +7,7 @@
 pub mod nodekey;
 pub mod run;
 pub mod tlsclient;
+pub mod x509pop;
 
 use crate::agent::nodekey::NodeKey;
 use crate::base::crypto::{self, SigningKey};
@@ -53,7 +54,7 @@ pub struct JoinOptions {
     pub token_file: Option<PathBuf>,
     /// The token itself (for in-process callers such as `bca dev --sim`).
     pub token: Option<Zeroizing<String>>,
-    /// Empty (`join-token`), `discovery` or `tpm`.
+    /// Empty (`join-token`), `discovery`, `tpm` or `x509pop` (an expired identity comes back).
     pub attestor: String,
     /// With `tpm`: the machine's TPM (default `device:/dev/tpmrm0`).
     pub tpm: Option<String>,
@@ -426,6 +427,9 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
             o.role
         )));
     }
+    if o.attestor == "x509pop" {
+        return rejoin_x509pop(o);
+    }
     if identity_path.exists() && !o.reset {
         if let Some(id) = std::fs::read(&identity_path)
             .ok()
@@ -520,6 +524,7 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
                 attestor: o.attestor.clone(),
                 role: o.role.clone(),
                 tpm: evidence,
+                x509pop: None,
             }),
             ..Default::default()
         };
@@ -590,8 +595,27 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     Ok(body.node_id)
 }
 
+/// `bca agent join --attestor x509pop`: the identity in the data directory, expired, comes back
+/// (`x509pop`); nothing else of a join applies.
+fn rejoin_x509pop(o: &JoinOptions) -> ApiResult<String> {
+    if o.reset
+        || o.token_file.is_some()
+        || o.token.is_some()
+        || o.claims.is_some()
+        || o.tpm.is_some()
+        || o.no_enroll
+    {
+        return Err(ApiError::invalid_input(
+            "--attestor x509pop brings back the identity in --data-dir with the key of its expired certificate: it takes no token, claims, --tpm, --no-enroll or --reset",
+        ));
+    }
+    let mut cfg = AgentConfig::load(&o.config)?;
+    apply_learned(&mut cfg, &o.data_dir);
+    crate::agent::x509pop::rejoin(&cfg, &o.data_dir)
+}
+
 /// The gateway's error as the agent reports it.
-fn wire_error(e: protocol::WireError) -> ApiError {
+pub(crate) fn wire_error(e: protocol::WireError) -> ApiError {
     let code = serde_json::from_value::<Code>(serde_json::Value::String(e.code.clone()))
         .unwrap_or(Code::Internal);
     ApiError::new(code, e.message)

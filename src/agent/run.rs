@@ -154,7 +154,7 @@ pub async fn renew(
 
 /// The AK's `TPM2_Certify` of the new TPM-held `key` over the CSR's SHA-256, once the TPM
 /// derives the AK the current certificate names: otherwise the renewal fails here, unsent.
-fn attest_key(
+pub(crate) fn attest_key(
     cur: &Loaded,
     key: &NodeKey,
     csr: &[u8],
@@ -245,7 +245,21 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
             let cur = load_identity(&o.data_dir)?;
             let now = crate::base::clock::now();
             if cur.not_after <= now {
-                return Err(expired(cur.not_after));
+                // Expired while offline: come back by `x509pop`, once; then the way back is a
+                // new join, by hand.
+                let advice = crate::agent::x509pop::expired_advice(&cur, now);
+                let (c, d) = (cfg.clone(), o.data_dir.clone());
+                match tokio::task::spawn_blocking(move || crate::agent::x509pop::rejoin(&c, &d)).await {
+                    Ok(Ok(node)) => {
+                        tracing::info!(%node, "the expired certificate was replaced by an x509pop re-join");
+                        agent::apply_learned(&mut cfg, &o.data_dir);
+                        continue;
+                    }
+                    Ok(Err(e)) => {
+                        return Err(ApiError::invalid_state(format!("{advice}; the x509pop re-join failed: {}", e.message)))
+                    }
+                    Err(e) => return Err(ApiError::internal(e)),
+                }
             }
             let config = match &tls {
                 Some((chain, pin, c)) if *chain == cur.chain_der && *pin == cfg.serving_ca_spki_pin => c.clone(),
@@ -289,13 +303,6 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
             }
         }
     })
-}
-
-pub fn expired(at: i64) -> ApiError {
-    ApiError::invalid_state(format!(
-        "the certificate expired at {}; join again as root: bca agent join --reset --yes, then bca agent join",
-        crate::base::clock::rfc3339(at)
-    ))
 }
 
 async fn session(
@@ -429,9 +436,11 @@ pub fn doctor(config: &Path, data_dir: &Path, tpm: Option<&crate::tpm::Tcti>) ->
         Err(e) => line(false, "pins", e.message),
     }
     match load_identity(data_dir) {
-        Ok(l) if l.not_after <= crate::base::clock::now() => {
-            line(false, "identity", expired(l.not_after).message)
-        }
+        Ok(l) if l.not_after <= crate::base::clock::now() => line(
+            false,
+            "identity",
+            crate::agent::x509pop::expired_advice(&l, crate::base::clock::now()),
+        ),
         Ok(l) => line(
             true,
             "identity",

@@ -189,6 +189,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         sessions: Default::default(),
         discovery: Default::default(),
         tpm_attestor: Default::default(),
+        x509pop: Default::default(),
         boot: Default::default(),
         retention: Default::default(),
         health: Default::default(),

@@ -356,9 +356,11 @@ pub enum AgentCmd {
         /// Read the token from this file (owner-only, at most 4 KiB); it is deleted after the join.
         #[arg(long)]
         token_file: Option<PathBuf>,
-        /// join-token (default), discovery (a PXE-booted ramdisk, with role ramdisk), or tpm (no
-        /// token: the machine's TPM proves it, and holds the node key).
-        #[arg(long, default_value = "join-token", value_parser = ["join-token", "discovery", "tpm"])]
+        /// join-token (default), discovery (a PXE-booted ramdisk, with role ramdisk), tpm (no
+        /// token: the machine's TPM proves it, and holds the node key), or x509pop (no token: the
+        /// identity in --data-dir, whose certificate expired while offline, comes back by proving
+        /// its key, within 7 days of the expiry, where the appliance runs x509pop).
+        #[arg(long, default_value = "join-token", value_parser = ["join-token", "discovery", "tpm", "x509pop"])]
         attestor: String,
         /// With --attestor tpm: the machine's TPM, device:/dev/tpmrm0 (the default) or
         /// swtpm:host=…,port=….

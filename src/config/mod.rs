@@ -76,6 +76,8 @@ pub struct Config {
     #[serde(default)]
     pub tpm_attestor: TpmAttestorConfig,
     #[serde(default)]
+    pub x509pop: X509PopConfig,
+    #[serde(default)]
     pub boot: BootConfig,
     #[serde(default)]
     pub retention: RetentionConfig,
@@ -83,6 +85,32 @@ pub struct Config {
     pub health: HealthConfig,
     #[serde(default)]
     pub privsep: PrivsepConfig,
+}
+
+/// The `x509pop` attestor: a node whose certificate expired while it was offline comes back by
+/// proving the key of its last certificate (docs/x509pop.md).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct X509PopConfig {
+    /// Off by default: an expired certificate then has no way back but a new join.
+    #[serde(default)]
+    pub enabled: bool,
+    /// How long after its certificate expired a node may still come back (at most 7 days).
+    #[serde(default = "default_x509pop_window")]
+    pub max_expired_seconds: u32,
+}
+
+fn default_x509pop_window() -> u32 {
+    7 * 86_400
+}
+
+impl Default for X509PopConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_expired_seconds: default_x509pop_window(),
+        }
+    }
 }
 
 /// Privilege separation (`privsep`): the gateway's TLS and frames are parsed in a child
@@ -401,6 +429,9 @@ impl Config {
         }
         if !(1..=300).contains(&self.sessions.heartbeat_seconds) {
             return Err("sessions.heartbeat_seconds must be 1 to 300".into());
+        }
+        if !(1..=7 * 86_400).contains(&self.x509pop.max_expired_seconds) {
+            return Err("x509pop.max_expired_seconds must be 1 to 604800".into());
         }
         self.retention.validate()?;
         if !(30..=900).contains(&self.join.seal_max_skew_seconds) {

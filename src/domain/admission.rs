@@ -69,6 +69,28 @@ pub enum Reason {
     TpmRoleMismatch,
     /// Too many unknown EKs wait for an operator (in all, or from this source).
     TpmEnrollmentLimit,
+    /// `[x509pop] enabled` is off.
+    X509PopDisabled,
+    /// The evidence is not well-formed: base64, the challenge's length, a node certificate.
+    X509PopMalformed,
+    /// The certificate is not byte for byte a `node_certs` row of a node that exists.
+    X509PopUnknown,
+    /// The node holds a newer certificate than the one presented.
+    X509PopNotNewest,
+    /// The certificate has not expired, or the node holds an unexpired one: renew instead.
+    X509PopNotExpired,
+    /// The certificate expired longer ago than `[x509pop] max_expired_seconds`.
+    X509PopExpiredTooLong,
+    X509PopRevoked,
+    /// The certificate is of an earlier identity generation (the node was reclaimed since).
+    X509PopGeneration,
+    /// The signature is not the certificate's key's, over this challenge, CSR and node.
+    X509PopPop,
+    /// The challenge is unknown, spent or expired, or not the one signed.
+    X509PopChallenge,
+    X509PopRetired,
+    /// The certificate names a TPM AK and the new key is not proven to be that TPM's.
+    X509PopKeyAttestation,
 }
 
 impl Reason {
@@ -78,6 +100,8 @@ impl Reason {
             "discovery"
         } else if self.as_str().starts_with("tpm:") {
             "tpm"
+        } else if self.as_str().starts_with("x509pop:") {
+            "x509pop"
         } else {
             "join-token"
         }
@@ -122,8 +146,60 @@ impl Reason {
             Reason::TpmRejected => "tpm:rejected",
             Reason::TpmRoleMismatch => "tpm:role-mismatch",
             Reason::TpmEnrollmentLimit => "tpm:enrollment-limit",
+            Reason::X509PopDisabled => "x509pop:disabled",
+            Reason::X509PopMalformed => "x509pop:malformed",
+            Reason::X509PopUnknown => "x509pop:unknown",
+            Reason::X509PopNotNewest => "x509pop:not-newest",
+            Reason::X509PopNotExpired => "x509pop:not-expired",
+            Reason::X509PopExpiredTooLong => "x509pop:expired-too-long",
+            Reason::X509PopRevoked => "x509pop:revoked",
+            Reason::X509PopGeneration => "x509pop:generation",
+            Reason::X509PopPop => "x509pop:pop",
+            Reason::X509PopChallenge => "x509pop:challenge",
+            Reason::X509PopRetired => "x509pop:retired",
+            Reason::X509PopKeyAttestation => "x509pop:key-attestation",
         }
     }
+}
+
+/// What the store knows of the certificate an `x509pop` re-join presents (matched byte for byte
+/// to its `node_certs` row) and of its node.
+pub struct X509PopCert {
+    pub retired: bool,
+    pub generation: i64,
+    pub current_generation: i64,
+    pub revoked: bool,
+    pub not_after: i64,
+    /// The certificate is the node's last issued.
+    pub newest: bool,
+    /// The node holds a certificate that is neither revoked nor expired.
+    pub node_has_live: bool,
+}
+
+/// The seed's `x509pop` rules for a certificate whose key the machine proved: the node not
+/// retired; the certificate of its current identity generation, unrevoked, its newest, expired,
+/// and not longer than `max_expired` ago; the node holding no live certificate, so a copy of an
+/// old key can never split off a second copy of a live node.
+pub fn x509pop_check(c: &X509PopCert, now: i64, max_expired: i64) -> Result<(), Reason> {
+    if c.retired {
+        return Err(Reason::X509PopRetired);
+    }
+    if c.generation != c.current_generation {
+        return Err(Reason::X509PopGeneration);
+    }
+    if c.revoked {
+        return Err(Reason::X509PopRevoked);
+    }
+    if !c.newest {
+        return Err(Reason::X509PopNotNewest);
+    }
+    if c.not_after > now || c.node_has_live {
+        return Err(Reason::X509PopNotExpired);
+    }
+    if now - c.not_after > max_expired {
+        return Err(Reason::X509PopExpiredTooLong);
+    }
+    Ok(())
 }
 
 /// Roles an agent may ask a join token for, and the token role that admits each.
@@ -826,5 +902,46 @@ mod tests {
         ));
         assert_eq!(owned_trust("tn_root", "tn_root"), "platform");
         assert_eq!(owned_trust("tn_a", "tn_root"), "tenant-owned");
+    }
+
+    #[test]
+    fn x509pop_admits_only_the_newest_expired_certificate_of_a_live_identity() {
+        let now = 1_000_000;
+        let ok = X509PopCert {
+            retired: false,
+            generation: 2,
+            current_generation: 2,
+            revoked: false,
+            not_after: now - 100,
+            newest: true,
+            node_has_live: false,
+        };
+        assert_eq!(x509pop_check(&ok, now, 604_800), Ok(()));
+        let with = |f: &dyn Fn(&mut X509PopCert)| {
+            let mut c = X509PopCert { ..ok };
+            f(&mut c);
+            x509pop_check(&c, now, 604_800)
+        };
+        assert_eq!(with(&|c| c.retired = true), Err(Reason::X509PopRetired));
+        assert_eq!(with(&|c| c.generation = 1), Err(Reason::X509PopGeneration));
+        assert_eq!(with(&|c| c.revoked = true), Err(Reason::X509PopRevoked));
+        assert_eq!(with(&|c| c.newest = false), Err(Reason::X509PopNotNewest));
+        assert_eq!(
+            with(&|c| c.not_after = now + 1),
+            Err(Reason::X509PopNotExpired)
+        );
+        assert_eq!(
+            with(&|c| c.node_has_live = true),
+            Err(Reason::X509PopNotExpired)
+        );
+        // Expiring at `now` is expired; 7 days and one second ago is too long.
+        assert_eq!(with(&|c| c.not_after = now), Ok(()));
+        assert_eq!(with(&|c| c.not_after = now - 604_800), Ok(()));
+        assert_eq!(
+            with(&|c| c.not_after = now - 604_801),
+            Err(Reason::X509PopExpiredTooLong)
+        );
+        assert_eq!(Reason::X509PopChallenge.attestor(), "x509pop");
+        assert_eq!(Reason::X509PopNotNewest.as_str(), "x509pop:not-newest");
     }
 }

@@ -423,8 +423,9 @@ impl Gateway {
                 Next::Close,
             );
         }
-        // A join, and the first round of a `tpm` join, count against the source's join rate.
-        if (req.join.is_some() || req.tpm_challenge.is_some())
+        // A join, and the first round of a `tpm` or `x509pop` join, count against the source's
+        // join rate.
+        if (req.join.is_some() || req.tpm_challenge.is_some() || req.x509pop_challenge.is_some())
             && !self.sources.join_allowed(
                 crate::base::limits::source_of(source),
                 self.cfg.joins_per_source_per_minute,
@@ -452,6 +453,14 @@ impl Gateway {
                 .await
                 .unwrap_or(Outcome::InvalidConfig);
             return (Reply::from_challenge_outcome(out), Next::Close);
+        }
+        if req.x509pop_challenge.is_some() {
+            // Issued by the JoinService, never here: the gateway is the untrusted hop.
+            let out = self
+                .call(Call::X509PopChallenge { peer })
+                .await
+                .unwrap_or(Outcome::InvalidConfig);
+            return (Reply::from_x509pop_challenge_outcome(out), Next::Close);
         }
         if let Some(renew) = req.renew {
             return (self.renew(renew, tls, peer).await, Next::Close);

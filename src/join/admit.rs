@@ -25,6 +25,9 @@ pub(crate) enum Target<'a> {
         generation: i64,
         trust: Option<&'a str>,
     },
+    /// The same node and identity generation, its row unchanged (an `x509pop` re-join after
+    /// its certificate expired: nothing else of it is live, so nothing is revoked).
+    Same { node_id: String, generation: i64 },
 }
 
 /// What the node's row records of the machine at this admission. On a reclaim, `None` (or
@@ -133,6 +136,10 @@ pub(crate) fn write(
             site.sessions.close(&node_id);
             (node_id, generation, true)
         }
+        Target::Same {
+            node_id,
+            generation,
+        } => (node_id, generation, false),
     };
     let (response, serial) = certify(
         tx,

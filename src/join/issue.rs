@@ -112,6 +112,8 @@ impl Signer {
 pub(crate) enum Proof {
     Bearer(Bearer),
     Tpm(Box<crate::join::issue::TpmProof>),
+    /// An `x509pop` re-join: the expired certificate and what stage 1 found of its proof.
+    X509Pop(Box<X509PopProof>),
 }
 
 pub(crate) struct Ready {
@@ -183,7 +185,7 @@ pub(crate) fn refused(reason: Reason, tenant: Option<&str>) -> ApiResult<Decided
 }
 
 /// No acceptance checks yet: a node that just joined (`adopting`) is adopted at once, with its
-/// `node.adopted` event.
+/// `node.adopted` event (a node that was not `adopting` publishes nothing).
 pub(crate) fn adopt(
     tx: &Tx<'_>,
     tenant: &str,
@@ -191,7 +193,9 @@ pub(crate) fn adopt(
     pool_id: &str,
     now: i64,
 ) -> ApiResult<()> {
-    crate::store::nodes::mark_adopted(tx, node_id)?;
+    if !crate::store::nodes::mark_adopted(tx, node_id)? {
+        return Ok(());
+    }
     crate::store::events::publish(
         tx,
         now,
@@ -290,6 +294,19 @@ pub(crate) fn certify(
     Ok((signer.respond(&body), serial))
 }
 
+/// What an `x509pop` re-join presented and stage 1 checked. Nothing in it names a node until
+/// stage 2 has matched the certificate to a stored `node_certs` row.
+pub(crate) struct X509PopProof {
+    pub(crate) challenge_id: String,
+    pub(crate) challenge_sha256: [u8; 32],
+    pub(crate) leaf_der: Vec<u8>,
+    pub(crate) leaf: crate::proto::x509::NodeLeaf,
+    /// The signature verifies under the certificate's key, over this challenge, CSR and node.
+    pub(crate) pop_ok: bool,
+    /// The key attestation's verdict (the certificate's `urn:bc:tpm-ak:` statement).
+    pub(crate) attestation: Result<(), KeyAttestationFailure>,
+}
+
 /// What a `tpm` join proved in stage 1: the EK, the AK, and the challenge it answered.
 pub(crate) struct TpmProof {
     pub(crate) challenge_id: String,
@@ -307,6 +324,65 @@ impl TpmProof {
     pub(crate) fn statement(&self) -> String {
         ak_statement(&self.ak_name)
     }
+}
+
+/// Why a new key is not proven to live in the TPM a certificate's statement names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyAttestationFailure {
+    /// The statement is there and the request carries no attestation.
+    Missing,
+    /// The attestation's AK is not the one the statement names, or not an AK bca accepts.
+    Ak,
+    /// The AK's certification does not verify, is not over the CSR's SHA-256, or certifies a key
+    /// that could leave its TPM.
+    Certify,
+    /// The certified key is not the CSR's.
+    Mismatch,
+}
+
+/// When a certificate names a TPM AK (`urn:bc:tpm-ak:`), a new key for it (a renewal's, an
+/// `x509pop` re-join's) must be certified by that AK over the CSR's SHA-256, a key made in the
+/// TPM that never leaves it. The statements come from the stored certificate, never from the
+/// request, so they can be neither dropped nor downgraded.
+pub(crate) fn check_key_attestation(
+    statements: &[String],
+    attestation: Option<&crate::proto::protocol::KeyAttestation>,
+    csr: &crate::proto::csr::VerifiedCsr,
+) -> Result<(), KeyAttestationFailure> {
+    use KeyAttestationFailure as F;
+    let Some(want_ak) = statements
+        .iter()
+        .find(|s| s.starts_with("urn:bc:tpm-ak:"))
+        .map(|s| crate::proto::x509::statement_ak_name(s).ok_or(F::Ak))
+    else {
+        return Ok(());
+    };
+    let want_ak = want_ak?;
+    let a = attestation.ok_or(F::Missing)?;
+    let ak_public = evidence_field(&a.ak_public).ok_or(F::Ak)?;
+    let ak = crate::tpm::public_key_of(&ak_public).map_err(|_| F::Ak)?;
+    if ak.name != want_ak {
+        return Err(F::Ak);
+    }
+    crate::tpm::parse_public(&ak_public)
+        .and_then(|p| crate::tpm::attest::check_ak(&p))
+        .map_err(|_| F::Ak)?;
+    let field = |s: &str| evidence_field(s).ok_or(F::Certify);
+    let certified = crate::tpm::attest::verify_certify(
+        &ak_public,
+        &field(&a.attest)?,
+        &field(&a.signature)?,
+        &csr.sha256,
+        &field(&a.key_public)?,
+    )
+    .map_err(|e| {
+        tracing::debug!(error = %e, "the key attestation fails");
+        F::Certify
+    })?;
+    if certified.spki != crypto::p256_spki_from_point(&csr.public_point) {
+        return Err(F::Mismatch);
+    }
+    Ok(())
 }
 
 /// One base64 field of TPM evidence (a join's or a renewal's): not empty, at most 4 KiB decoded.

@@ -2,7 +2,7 @@
 //! attestors whose evidence it turns into admissions (bearer tokens, discovery, TPM), renewal and
 //! session rows. It sees the `Site`, never the serving appliance.
 //!
-//! `service` dispatches to the attestors (`token`, `discovery`, `tpm`) and to `renewal` and
+//! `service` dispatches to the attestors (`token`, `discovery`, `tpm`, `x509pop`) and to `renewal` and
 //! `sessions`; they share the kernel (`issue`), the one admission writer (`admit`), the join
 //! requests (`requests`) and the `site`, and never import each other (`tests/it/layers.rs`).
 
@@ -16,3 +16,4 @@ pub mod sessions;
 pub mod site;
 pub mod token;
 pub mod tpm;
+pub mod x509pop;

@@ -186,52 +186,20 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
     p
 }
 
-/// When the leaf names a TPM AK (`urn:bc:tpm-ak:`), the new key must be certified by that AK
-/// over the CSR's SHA-256, a key made in the TPM that never leaves it: the statement comes from
-/// the leaf (matched to its `node_certs` row in stage 2), never from the request, so it can be
-/// neither dropped nor downgraded.
+/// The renewal's reasons for a failing key attestation.
 fn check_key_attestation(
     r: &RenewRequest,
     leaf: &crate::proto::x509::NodeLeaf,
     csr: &VerifiedCsr,
 ) -> Result<(), RenewReason> {
-    let Some(want_ak) = leaf
-        .statements
-        .iter()
-        .find(|s| s.starts_with("urn:bc:tpm-ak:"))
-        .map(|s| crate::proto::x509::statement_ak_name(s).ok_or(RenewReason::KeyAttestationAk))
-    else {
-        return Ok(());
-    };
-    let want_ak = want_ak?;
-    let a = r
-        .key_attestation
-        .as_ref()
-        .ok_or(RenewReason::KeyAttestationMissing)?;
-    let field = |s: &str, why| crate::join::issue::evidence_field(s).ok_or(why);
-    let ak_public = field(&a.ak_public, RenewReason::KeyAttestationAk)?;
-    let ak = crate::tpm::public_key_of(&ak_public).map_err(|_| RenewReason::KeyAttestationAk)?;
-    if ak.name != want_ak {
-        return Err(RenewReason::KeyAttestationAk);
-    }
-    crate::tpm::parse_public(&ak_public)
-        .and_then(|p| crate::tpm::attest::check_ak(&p))
-        .map_err(|_| RenewReason::KeyAttestationAk)?;
-    let certified = crate::tpm::attest::verify_certify(
-        &ak_public,
-        &field(&a.attest, RenewReason::NodeKeyAttestation)?,
-        &field(&a.signature, RenewReason::NodeKeyAttestation)?,
-        &csr.sha256,
-        &field(&a.key_public, RenewReason::NodeKeyAttestation)?,
-    )
-    .map_err(|e| {
-        tracing::debug!(error = %e, "renewal: the key attestation fails");
-        RenewReason::NodeKeyAttestation
-    })?;
-    if certified.spki != crypto::p256_spki_from_point(&csr.public_point) {
-        return Err(RenewReason::NodeKeyMismatch);
-    }
-    Ok(())
+    use crate::join::issue::KeyAttestationFailure as F;
+    crate::join::issue::check_key_attestation(&leaf.statements, r.key_attestation.as_ref(), csr)
+        .map_err(|f| match f {
+            F::Missing => RenewReason::KeyAttestationMissing,
+            F::Ak => RenewReason::KeyAttestationAk,
+            F::Certify => RenewReason::NodeKeyAttestation,
+            F::Mismatch => RenewReason::NodeKeyMismatch,
+        })
 }
 
 /// Who a refused renewal's event is about: the node whose stored certificate was presented and

@@ -62,6 +62,7 @@ enum Prepared {
 enum Work {
     Join(Prepared),
     TpmChallenge(Result<Box<crate::join::tpm::PreparedChallenge>, Reason>),
+    X509PopChallenge(Result<Box<crate::join::x509pop::PreparedChallenge>, Reason>),
     Renew(Box<crate::join::renewal::Prepared>),
     SessionOpen(Vec<u8>),
     SessionSeen(String),
@@ -225,6 +226,16 @@ impl JoinHandle {
                 self.submit(Work::TpmChallenge(prepared), String::new())
                     .await
             }
+            Call::X509PopChallenge { peer } => {
+                tracing::debug!(%peer, "x509pop challenge");
+                let prepared = crate::join::x509pop::prepare_challenge(
+                    self.inner.site.config.x509pop.enabled,
+                    crate::join::tpm::source_key(&peer),
+                )
+                .map(Box::new);
+                self.submit(Work::X509PopChallenge(prepared), String::new())
+                    .await
+            }
             Call::Renew {
                 request,
                 peer_leaf,
@@ -307,12 +318,13 @@ impl JoinHandle {
         // Recorded in refusal events: a peer's control characters are kept inert (`text`).
         let role = crate::base::text::escape(&request.role.chars().take(32).collect::<String>())
             .into_owned();
+        let cfg = &self.inner.site.config;
         let prepared = prepare(
             &self.inner.signer,
             &request,
             peer,
             now,
-            self.inner.site.config.join.seal_max_skew_seconds as i64,
+            (cfg.join.seal_max_skew_seconds as i64, cfg.x509pop.enabled),
         );
         let mut guard = InFlight {
             set: &self.inner.in_flight,
@@ -326,6 +338,9 @@ impl JoinHandle {
             let machine = match &r.proof {
                 Proof::Tpm(p) => Some(format!("tpm-challenge:{}", p.challenge_id)),
                 Proof::Bearer(_) => r.key.as_ref().filter(|k| k.trusted).map(|k| k.hex.clone()),
+                // Two re-joins of one node are serialised by the writer: the second finds the
+                // first's certificate newer and live.
+                Proof::X509Pop(_) => None,
             };
             if let Some(k) = machine {
                 let mut set = self
@@ -346,12 +361,20 @@ impl JoinHandle {
     }
 }
 
-/// Stage 1: every check that needs no database, in the seed's order.
-fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64) -> Prepared {
+/// Stage 1: every check that needs no database, in the seed's order. `(max_skew, x509pop)`: the
+/// seal's clock window and whether the `x509pop` attestor runs.
+fn prepare(
+    signer: &Signer,
+    r: &JoinRequest,
+    peer: &str,
+    now: i64,
+    (max_skew, x509pop): (i64, bool),
+) -> Prepared {
     let attestor = match r.attestor.as_str() {
         "" | "join-token" => "join-token",
         "discovery" => "discovery",
         "tpm" => "tpm",
+        "x509pop" => "x509pop",
         _ => {
             return Prepared::Refused {
                 attestor: Reason::Attestor.attestor(),
@@ -387,6 +410,11 @@ fn prepare(signer: &Signer, r: &JoinRequest, peer: &str, now: i64, max_skew: i64
     let proof = if attestor == "tpm" {
         match crate::join::tpm::prepare_join(r.tpm.as_ref(), &csr) {
             Ok(p) => Proof::Tpm(Box::new(p)),
+            Err(reason) => return refuse(reason, Some(csr.sha256), hk),
+        }
+    } else if attestor == "x509pop" {
+        match crate::join::x509pop::prepare_join(x509pop, r.x509pop.as_ref(), &csr) {
+            Ok(p) => Proof::X509Pop(Box::new(p)),
             Err(reason) => return refuse(reason, Some(csr.sha256), hk),
         }
     } else {
@@ -501,6 +529,10 @@ fn process(
         Work::TpmChallenge(Err(reason)) => {
             return refusal(tx, site, job, *reason, None, None, None, now, limits)
         }
+        Work::X509PopChallenge(Ok(p)) => return crate::join::x509pop::challenge(tx, p, now),
+        Work::X509PopChallenge(Err(reason)) => {
+            return refusal(tx, site, job, *reason, None, None, None, now, limits)
+        }
         Work::Renew(p) => return crate::join::renewal::process(tx, site, signer, p, now, limits),
         Work::SessionOpen(leaf) => return crate::join::sessions::open(tx, leaf, now),
         Work::SessionSeen(node) => return crate::join::sessions::seen(tx, node, now),
@@ -522,9 +554,12 @@ fn process(
             hardware_key.clone(),
         ),
         Prepared::Ready(r) => {
-            // A `tpm` join spends its challenge whatever the outcome.
+            // A `tpm` or `x509pop` join spends its challenge whatever the outcome.
             let spent = match &r.proof {
                 Proof::Tpm(p) => crate::join::tpm::spend_challenge(tx, p, now)?,
+                Proof::X509Pop(p) => {
+                    crate::join::x509pop::spend_challenge(tx, p, now)?.map(|()| false)
+                }
                 Proof::Bearer(_) => Ok(false),
             };
             // A deferral keeps what it wrote (the join request); a refusal keeps nothing.
@@ -533,6 +568,9 @@ fn process(
                     (Err(reason), _) => refused(reason, None),
                     (Ok(certified), Proof::Tpm(p)) => {
                         crate::join::tpm::admit(tx, site, signer, r, p, certified, now)
+                    }
+                    (Ok(_), Proof::X509Pop(p)) => {
+                        crate::join::x509pop::admit(tx, site, signer, r, p, now)
                     }
                     (Ok(_), _) if r.attestor == "discovery" => {
                         crate::join::discovery::admit(tx, site, signer, r, now)
@@ -581,6 +619,7 @@ fn refusal(
         Work::Join(Prepared::Ready(r)) => r.attestor,
         Work::Join(Prepared::Refused { attestor, .. }) => attestor,
         Work::TpmChallenge(_) => "tpm",
+        Work::X509PopChallenge(_) => "x509pop",
         _ => reason.attestor(),
     };
     if let Some(suppressed) = limits.admit(attestor, reason.as_str(), now) {

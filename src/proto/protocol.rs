@@ -74,6 +74,9 @@ pub struct Request {
     /// The first round of a `tpm` join: the appliance's credential-activation challenge.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm_challenge: Option<TpmChallengeRequest>,
+    /// The first round of an `x509pop` re-join: a single-use challenge from the JoinService.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub x509pop_challenge: Option<Empty>,
 }
 
 impl Request {
@@ -85,6 +88,7 @@ impl Request {
             + self.heartbeat.is_some() as usize
             + self.ping.is_some() as usize
             + self.tpm_challenge.is_some() as usize
+            + self.x509pop_challenge.is_some() as usize
     }
 }
 
@@ -109,6 +113,50 @@ pub struct JoinRequest {
     /// The `tpm` attestor's evidence (the second round of a `tpm` join).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm: Option<TpmEvidence>,
+    /// The `x509pop` attestor's evidence (the second round of an `x509pop` re-join).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub x509pop: Option<X509PopEvidence>,
+}
+
+/// The JoinService's `x509pop` challenge: 32 random bytes, answered once within its life.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct X509PopChallenge {
+    pub challenge_id: String,
+    /// The 32 bytes, base64.
+    pub challenge: String,
+    pub expires_in_seconds: u32,
+}
+
+/// A machine coming back after its certificate expired: the certificate it last held, and the
+/// signature of that certificate's key (purpose [`X509POP_PURPOSE`]) over [`x509pop_message`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct X509PopEvidence {
+    pub challenge_id: String,
+    /// The challenge's 32 bytes as the JoinService sent them, base64.
+    pub challenge: String,
+    /// The expired leaf, base64 DER.
+    pub certificate: String,
+    /// Base64 DER ECDSA signature.
+    pub signature: String,
+    /// Required when the certificate names a TPM AK (`urn:bc:tpm-ak:`), as at renewal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_attestation: Option<KeyAttestation>,
+}
+
+pub const X509POP_PURPOSE: &str = "bca x509pop v1";
+
+/// What an `x509pop` signature signs: the challenge, the new CSR's SHA-256 and the node id, so a
+/// relaying hop can neither swap the CSR nor replay the answer for another node.
+pub fn x509pop_message(challenge: &[u8], csr_sha256: &[u8; 32], node_id: &str) -> Vec<u8> {
+    let mut m = Vec::with_capacity(challenge.len() + 34 + node_id.len());
+    m.extend_from_slice(challenge);
+    m.push(0);
+    m.extend_from_slice(csr_sha256);
+    m.push(0);
+    m.extend_from_slice(node_id.as_bytes());
+    m
 }
 
 /// What a machine sends to be challenged: its EK and bca's AK, each a marshaled `TPM2B_PUBLIC`
@@ -233,6 +281,8 @@ pub struct Reply {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm_challenge: Option<TpmChallenge>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub x509pop_challenge: Option<X509PopChallenge>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<WireError>,
 }
 
@@ -316,6 +366,8 @@ pub enum Call {
         request: TpmChallengeRequest,
         peer: String,
     },
+    #[serde(rename_all = "camelCase")]
+    X509PopChallenge { peer: String },
     /// `peer_leaf`: the mTLS client certificate the gateway verified (base64 DER).
     #[serde(rename_all = "camelCase")]
     Renew {
@@ -375,6 +427,9 @@ pub enum Outcome {
     Challenge {
         challenge: TpmChallenge,
     },
+    X509PopChallenge {
+        challenge: X509PopChallenge,
+    },
     Done,
 }
 
@@ -417,6 +472,18 @@ impl Reply {
             Outcome::Challenge { challenge } => Reply {
                 v: 1,
                 tpm_challenge: Some(challenge),
+                ..Default::default()
+            },
+            other => Reply::from_outcome(other),
+        }
+    }
+
+    /// The answer to an `x509pop` challenge request: refused like a join.
+    pub fn from_x509pop_challenge_outcome(o: Outcome) -> Self {
+        match o {
+            Outcome::X509PopChallenge { challenge } => Reply {
+                v: 1,
+                x509pop_challenge: Some(challenge),
                 ..Default::default()
             },
             other => Reply::from_outcome(other),

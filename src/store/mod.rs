@@ -29,6 +29,7 @@ pub mod requests;
 pub mod tenancy;
 pub mod tpm;
 pub mod tpm_eks;
+pub mod x509pop;
 
 /// Every migration, in order. A migration is never edited once released: add a new file.
 pub const MIGRATIONS: &[(&str, &str)] = &[
@@ -55,6 +56,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     (
         "0006_discovery_trust",
         include_str!("../../migrations/0006_discovery_trust.sql"),
+    ),
+    (
+        "0007_x509pop",
+        include_str!("../../migrations/0007_x509pop.sql"),
     ),
 ];
 

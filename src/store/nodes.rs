@@ -297,6 +297,8 @@ pub struct Leaf {
     pub current_generation: i64,
     pub attestor: String,
     pub tenant: String,
+    pub pool_id: String,
+    pub key_trusted: bool,
     pub connected: bool,
 }
 
@@ -306,7 +308,8 @@ pub fn leaf(tx: &Tx<'_>, serial: &str, der: &[u8]) -> ApiResult<Option<Leaf>> {
     Ok(crate::store::query_row(
         tx,
         "SELECT c.node_id, c.serial, c.identity_generation, c.role, c.not_after, c.revoked_at,
-                n.state, n.identity_generation, n.attestor, n.tenant_id, n.connected
+                n.state, n.identity_generation, n.attestor, n.tenant_id, n.connected, n.pool_id,
+                n.hardware_key_trusted
          FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?1 AND c.der = ?2",
         params![serial, der],
         |x| {
@@ -322,10 +325,33 @@ pub fn leaf(tx: &Tx<'_>, serial: &str, der: &[u8]) -> ApiResult<Option<Leaf>> {
                 attestor: x.get(8)?,
                 tenant: x.get(9)?,
                 connected: x.get::<_, i64>(10)? == 1,
+                pool_id: x.get(11)?,
+                key_trusted: x.get::<_, i64>(12)? == 1,
             })
         },
     )
     .optional()?)
+}
+
+/// The serial of the node's newest certificate (the last issued), whatever its state.
+pub fn newest_cert(tx: &Tx<'_>, node_id: &str) -> ApiResult<Option<String>> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT serial FROM node_certs WHERE node_id = ?1 ORDER BY created_at DESC, rowid DESC LIMIT 1",
+        [node_id],
+        |x| x.get(0),
+    )
+    .optional()?)
+}
+
+/// Whether the node holds a certificate that is neither revoked nor expired at `now`.
+pub fn has_live_cert(tx: &Tx<'_>, node_id: &str, now: i64) -> ApiResult<bool> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT EXISTS (SELECT 1 FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL AND not_after > ?2)",
+        params![node_id, now],
+        |x| x.get::<_, i64>(0),
+    )? == 1)
 }
 
 /// A session opened: connected, seen now.

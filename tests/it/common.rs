@@ -438,6 +438,7 @@ impl Sim {
                 attestor: attestor.into(),
                 role: role.into(),
                 tpm: None,
+                x509pop: None,
             }),
             ..Default::default()
         };

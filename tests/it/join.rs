@@ -620,6 +620,7 @@ fn josekit_seals_are_accepted_and_bca_seals_open_in_josekit() {
             attestor: "join-token".into(),
             role: "node".into(),
             tpm: None,
+            x509pop: None,
         }),
         ..Default::default()
     };

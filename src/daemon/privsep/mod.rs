@@ -450,6 +450,7 @@ async fn broker(
                         let call = match serde_json::from_slice::<Call>(&p) {
                             Ok(c @ (Call::Join { .. }
                             | Call::TpmChallenge { .. }
+                            | Call::X509PopChallenge { .. }
                             | Call::Renew { .. }
                             | Call::SessionOpen { .. }
                             | Call::SessionSeen { .. }

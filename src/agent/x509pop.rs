@@ -1,0 +1,125 @@
+//! Coming back after the certificate expired while the machine was offline: the `x509pop`
+//! attestor. The agent asks the appliance for a challenge, makes a new key (in the TPM when the
+//! old one was there, attested by the AK the certificate names, as at renewal), and signs with
+//! the key of its expired certificate the challenge, the new CSR's SHA-256 and its node id. The
+//! answer is a certificate for the same node and role; it is written as a renewal is
+//! (`run::write_renewed`), so a crash at any point leaves a loadable identity.
+//!
+//! `bca agent join --attestor x509pop` does it by hand; `bca agent run` does it by itself when
+//! it finds its certificate expired.
+
+use crate::agent::nodekey::NodeKey;
+use crate::agent::run::Loaded;
+use crate::agent::{self, Identity};
+use crate::base::crypto;
+use crate::base::error::{ApiError, ApiResult};
+use crate::proto::agent_config::AgentConfig;
+use crate::proto::protocol::{
+    x509pop_message, Empty, JoinRequest, Request, X509PopEvidence, X509POP_PURPOSE,
+};
+use std::path::Path;
+
+/// How long after its expiry a certificate may still bring its node back (the seed's 7 days; an
+/// appliance may allow less, `[x509pop] max_expired_seconds`).
+pub const MAX_EXPIRED: i64 = 7 * 86_400;
+
+/// Re-joins with the expired identity in `data_dir`; returns the node id. Pins the answer
+/// teaches are saved as a renewal's are.
+pub fn rejoin(cfg: &AgentConfig, data_dir: &Path) -> ApiResult<String> {
+    let cur = crate::agent::run::load_identity(data_dir)?;
+    let now = crate::base::clock::now();
+    if cur.not_after > now {
+        return Err(ApiError::invalid_state(format!(
+            "the certificate is valid until {}: it renews (bca agent run); x509pop is for one that expired",
+            crate::base::clock::rfc3339(cur.not_after)
+        )));
+    }
+    // The next key is made where the current one lives, and a TPM-held one is attested before
+    // anything is sent.
+    let key = match cur.key.tpm() {
+        None => NodeKey::generate(),
+        Some(k) => {
+            let tcti: crate::tpm::Tcti = k.tcti().parse().map_err(ApiError::internal)?;
+            NodeKey::generate_in(&tcti)?
+        }
+    };
+    let csr = key.csr()?;
+    let key_attestation = match key.tpm() {
+        Some(_) => Some(crate::agent::run::attest_key(&cur, &key, &csr)?),
+        None => None,
+    };
+    let ask = Request {
+        v: 1,
+        x509pop_challenge: Some(Empty {}),
+        ..Default::default()
+    };
+    let reply = agent::exchange(cfg, &serde_json::to_vec(&ask).expect("serializes"))?;
+    if let Some(e) = reply.error {
+        return Err(agent::wire_error(e));
+    }
+    let ch = reply
+        .x509pop_challenge
+        .ok_or_else(|| ApiError::internal("the gateway's answer carries no challenge"))?;
+    let challenge = crypto::b64_decode(&ch.challenge)
+        .filter(|c| c.len() == 32)
+        .ok_or_else(|| ApiError::internal("the appliance's challenge is malformed"))?;
+    let msg = x509pop_message(&challenge, &crypto::sha256(&csr), &cur.identity.node_id);
+    let request = Request {
+        v: 1,
+        join: Some(JoinRequest {
+            sealed_token: String::new(),
+            csr: crypto::b64(&csr),
+            claims: Default::default(),
+            attestor: "x509pop".into(),
+            role: cur.identity.role.clone(),
+            tpm: None,
+            x509pop: Some(X509PopEvidence {
+                challenge_id: ch.challenge_id,
+                challenge: ch.challenge,
+                certificate: crypto::b64(&cur.chain_der[0]),
+                signature: crypto::b64(&cur.key.sign(X509POP_PURPOSE, &msg)?),
+                key_attestation,
+            }),
+        }),
+        ..Default::default()
+    };
+    let reply = agent::exchange(cfg, &serde_json::to_vec(&request).expect("serializes"))?;
+    if let Some(e) = reply.error {
+        return Err(agent::wire_error(e));
+    }
+    let resp = reply
+        .join_response
+        .ok_or_else(|| ApiError::internal("the gateway's answer carries no response"))?;
+    let body = agent::verify_response_for(cfg, &resp, &csr, &key.spki_der(), &cur.identity.role)?;
+    if body.node_id != cur.identity.node_id {
+        return Err(ApiError::access_denied("the answer names another node"));
+    }
+    if let Some(learned) = agent::pins_learned(cfg, &resp, &body) {
+        agent::save_learned(data_dir, &learned)?;
+    }
+    crate::agent::run::write_renewed(
+        data_dir,
+        &key,
+        Identity {
+            certificate_chain: body.certificate_chain,
+            ..cur.identity.clone()
+        },
+    )?;
+    Ok(body.node_id)
+}
+
+/// What `doctor` and `run` say of an expired certificate: whether `x509pop` can still bring it
+/// back, and the way back otherwise.
+pub fn expired_advice(cur: &Loaded, now: i64) -> String {
+    let at = crate::base::clock::rfc3339(cur.not_after);
+    if now - cur.not_after <= MAX_EXPIRED {
+        format!(
+            "the certificate expired at {at} (until {}, bca agent run re-joins by itself where the appliance runs x509pop; by hand: bca agent join --attestor x509pop); join again as root: bca agent join --reset --yes, then bca agent join",
+            crate::base::clock::rfc3339(cur.not_after + MAX_EXPIRED)
+        )
+    } else {
+        format!(
+            "the certificate expired at {at}, more than 7 days ago (too long for x509pop); join again as root: bca agent join --reset --yes, then bca agent join"
+        )
+    }
+}

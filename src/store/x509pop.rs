@@ -1,0 +1,55 @@
+//! The `x509pop` attestor's rows: its challenges (60 s, used once, only a hash kept).
+
+use crate::base::error::ApiResult;
+use crate::store::Tx;
+use rusqlite::{params, OptionalExtension};
+
+/// Records a challenge, first dropping the expired ones and making room under the limits: the
+/// source's oldest past `per_source`, then the oldest of all past `open`.
+pub fn insert_challenge(
+    tx: &Tx<'_>,
+    (id, source, secret_sha256): (&str, &str, &[u8]),
+    expires_at: i64,
+    (per_source, open): (i64, i64),
+    now: i64,
+) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "DELETE FROM x509pop_challenges WHERE expires_at <= ?1",
+        [now],
+    )?;
+    crate::store::exec(
+        tx,
+        "DELETE FROM x509pop_challenges WHERE id IN (SELECT id FROM x509pop_challenges
+         WHERE source = ?1 ORDER BY rowid DESC LIMIT -1 OFFSET ?2)",
+        params![source, per_source - 1],
+    )?;
+    crate::store::exec(
+        tx,
+        "DELETE FROM x509pop_challenges WHERE id IN (SELECT id FROM x509pop_challenges
+         ORDER BY rowid DESC LIMIT -1 OFFSET ?1)",
+        [open - 1],
+    )?;
+    crate::store::exec(
+        tx,
+        "INSERT INTO x509pop_challenges (id, source, secret_sha256, created_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![id, source, secret_sha256, now, expires_at],
+    )?;
+    Ok(())
+}
+
+/// Takes a challenge: read and deleted (spent means gone). `(secret_sha256, expires_at)`.
+pub fn take_challenge(tx: &Tx<'_>, id: &str) -> ApiResult<Option<(Vec<u8>, i64)>> {
+    let row = crate::store::query_row(
+        tx,
+        "SELECT secret_sha256, expires_at FROM x509pop_challenges WHERE id = ?1",
+        [id],
+        |x| Ok((x.get(0)?, x.get(1)?)),
+    )
+    .optional()?;
+    if row.is_some() {
+        crate::store::exec(tx, "DELETE FROM x509pop_challenges WHERE id = ?1", [id])?;
+    }
+    Ok(row)
+}
