@@ -256,6 +256,7 @@ fn machine(i: usize, token: &str, enc: &[u8]) -> Machine {
             role: "node".into(),
             tpm: None,
             x509pop: None,
+            node_id: None,
         }),
         ..Default::default()
     };

@@ -1,6 +1,8 @@
 //! One integration-test binary (one link on 2 cores), a module per area. Every test runs the real
 //! `bca` binary against a real `bca serve` on a temporary state directory.
 
+#[path = "it/acceptance.rs"]
+mod acceptance;
 #[path = "it/adopt.rs"]
 mod adopt;
 #[path = "it/boot.rs"]
@@ -33,6 +35,8 @@ mod layers;
 mod operate;
 #[path = "it/privsep.rs"]
 mod privsep;
+#[path = "it/provision.rs"]
+mod provision;
 #[path = "it/pxe.rs"]
 mod pxe;
 #[path = "it/renew.rs"]

@@ -36,6 +36,15 @@ struct ListInput {
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ProvisionInput {
+    tenant_id: String,
+    node_id: String,
+    /// Default 7200 (2 hours), 60 to 86400.
+    ttl_seconds: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct NodeRef {
     tenant_id: String,
     node_id: String,
@@ -99,13 +108,45 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
                 Ok(v)
             })
         }),
+        "nodes/provisionToken" => parse::<ProvisionInput>(body).and_then(|i| {
+            validate::tenant_id("tenantId", &i.tenant_id)?;
+            validate::id("nodeId", &i.node_id, "node")?;
+            let ttl = i.ttl_seconds.unwrap_or(7200);
+            validate::range("ttlSeconds", ttl, 60, 86_400)?;
+            store.write(|tx| provision_token(tx, ctx, &i.tenant_id, &i.node_id, ttl))
+        }),
         "nodes/rediscover" => parse::<RediscoverInput>(body).and_then(|i| {
             validate::tenant_id("tenantId", &i.tenant_id)?;
             validate::id("nodeId", &i.node_id, "node")?;
             store.write(|tx| {
                 load(tx, &i.tenant_id, &i.node_id)?;
+                if i.rediscover {
+                    // Back to the ramdisk: a deploy's token for this node is void.
+                    void_provisioned(tx, ctx, &i.node_id)?;
+                }
                 crate::store::nodes::set_rediscover(tx, &i.node_id, i.rediscover, ctx.now)?;
                 audit(tx, ctx.now, &i.tenant_id, "nodes.rediscover", ctx.caller, &i.node_id, json!({"rediscover": i.rediscover}))?;
+                load(tx, &i.tenant_id, &i.node_id)
+            })
+        }),
+        "nodes/adopt" => parse::<NodeRef>(body).and_then(|i| {
+            validate_ref(&i)?;
+            store.write(|tx| {
+                let v = load(tx, &i.tenant_id, &i.node_id)?;
+                if v["state"] != "adopting" {
+                    return Err(ApiError::invalid_state(format!(
+                        "node {} is {}: only an adopting node runs its acceptance checks",
+                        i.node_id,
+                        v["state"].as_str().unwrap_or_default()
+                    )));
+                }
+                let result = crate::join::acceptance::run(tx, &i.node_id, ctx.now)?;
+                let data = json!({
+                    "nodeId": i.node_id,
+                    "adopted": matches!(result, Some(Ok(()))),
+                    "failedCheck": result.and_then(|r| r.err()).map(|f| f.check),
+                });
+                audit(tx, ctx.now, &i.tenant_id, "nodes.adopt", ctx.caller, &i.node_id, data)?;
                 load(tx, &i.tenant_id, &i.node_id)
             })
         }),
@@ -135,6 +176,121 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
         }
     }
     Some(out)
+}
+
+/// Revokes the node's spendable `provisioned` tokens, each with its event and audit row.
+fn void_provisioned(tx: &Tx<'_>, ctx: &Ctx<'_>, node: &str) -> ApiResult<()> {
+    for (id, tenant) in crate::store::tenancy::revoke_provisioned(tx, node, ctx.now)? {
+        let data = json!({"tokenId": id, "nodeId": node, "role": "provisioned"});
+        publish(
+            tx,
+            ctx.now,
+            &tenant,
+            "security.join-token.revoked",
+            data.clone(),
+        )?;
+        audit(
+            tx,
+            ctx.now,
+            &tenant,
+            "joinTokens.revoke",
+            ctx.caller,
+            &id,
+            data,
+        )?;
+    }
+    Ok(())
+}
+
+/// `nodes.provisionToken`: a single-use token of role `provisioned` for a `ramdisk` node whose
+/// hardware key is trusted, bound by `expect` to its product UUID, serial and boot MAC. The
+/// deploy hands it to the installed OS (`bca agent join --node-id`), which joins as this node,
+/// role `node`. A node holds one such token at a time: minting voids the earlier one. Shown once;
+/// only its hash is stored.
+fn provision_token(
+    tx: &Tx<'_>,
+    ctx: &Ctx<'_>,
+    tenant: &str,
+    node: &str,
+    ttl: i64,
+) -> ApiResult<Value> {
+    use crate::domain::token::{Bearer, Expect, TokenRow};
+    let v = load(tx, tenant, node)?;
+    if v["state"] == "retired" {
+        return Err(ApiError::invalid_state(format!("node {node} is retired")));
+    }
+    if v["role"] != "ramdisk" {
+        return Err(ApiError::invalid_state(format!(
+            "node {node} has role {}: a provisioned token turns a ramdisk node (a machine the discovery ramdisk brought in) into an OS node",
+            v["role"].as_str().unwrap_or_default()
+        )));
+    }
+    if v["hardwareKeyTrusted"] != true {
+        return Err(ApiError::invalid_state(format!(
+            "node {node}'s hardware key is not trusted (placeholder identifiers): nothing would bind the token to this machine"
+        )));
+    }
+    let claims: crate::proto::claims::Claims =
+        serde_json::from_value(v["claims"].clone()).unwrap_or_default();
+    let ids = crate::proto::claims::Identifiers::from_claims(&claims);
+    let expect = Expect {
+        product_uuid: ids.product_uuid.clone(),
+        serial: ids.serials.first().cloned(),
+        mac: v["bootMac"]
+            .as_str()
+            .map(str::to_string)
+            .or_else(|| ids.macs.first().cloned()),
+        gpu_uuid: None,
+    };
+    expect.validate()?;
+    let pool =
+        crate::store::tenancy::pool_load(tx, tenant, v["poolId"].as_str().unwrap_or_default())?;
+    void_provisioned(tx, ctx, node)?;
+    let id = crate::base::ids::new_id("jt", ctx.now * 1000);
+    let mut secret = zeroize::Zeroizing::new([0u8; 32]);
+    crate::base::crypto::fill_random(secret.as_mut());
+    let bearer = Bearer {
+        id: id.clone(),
+        secret,
+    };
+    let t = TokenRow {
+        id: id.clone(),
+        tenant_id: tenant.to_string(),
+        pool_id: pool.id.clone(),
+        site_id: pool.site_id.clone(),
+        role: "provisioned".into(),
+        secret_sha256: crate::base::crypto::sha256(bearer.secret.as_ref()).to_vec(),
+        max_uses: 1,
+        uses_left: 1,
+        expect: Some(expect),
+        allow_reclaim: false,
+        hosted: None,
+        created_at: ctx.now,
+        expires_at: ctx.now + ttl,
+        revoked_at: None,
+        node_id: Some(node.to_string()),
+    };
+    crate::store::tenancy::token_insert(tx, &t, &format!("provision:{id}"), ctx.caller)?;
+    let data = json!({"tokenId": id, "poolId": pool.id, "pinned": true, "role": "provisioned", "nodeId": node});
+    publish(
+        tx,
+        ctx.now,
+        tenant,
+        "security.join-token.created",
+        data.clone(),
+    )?;
+    audit(
+        tx,
+        ctx.now,
+        tenant,
+        "nodes.provisionToken",
+        ctx.caller,
+        node,
+        data,
+    )?;
+    let mut out = t.to_json();
+    out["token"] = json!(bearer.render().as_str());
+    Ok(out)
 }
 
 fn list(tx: &Tx<'_>, i: ListInput) -> ApiResult<Value> {

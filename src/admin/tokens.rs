@@ -105,6 +105,7 @@ pub(super) fn join_tokens_create(
         created_at: ctx.now,
         expires_at: ctx.now + i.ttl_seconds,
         revoked_at: None,
+        node_id: None,
     };
     tenancy::token_insert(tx, &t, &i.idempotency_key, ctx.caller)?;
     let mut data = json!({"tokenId": t.id, "poolId": t.pool_id, "pinned": t.expect.is_some()});

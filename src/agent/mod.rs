@@ -64,6 +64,8 @@ pub struct JoinOptions {
     pub wait_seconds: u32,
     /// Retry a deferred join after this many seconds instead of what the appliance says.
     pub retry_seconds: Option<u32>,
+    /// The node a `provisioned` token is for (`--node-id`): the join must answer for it.
+    pub node_id: Option<String>,
 }
 
 /// The body of a `{ body, sig, signer }` answer, once the signer is the pinned join-signing key
@@ -408,6 +410,14 @@ pub fn collect_claims() -> Claims {
     }
 }
 
+/// Claims from a JSON file (`--claims`: simulated machines, tests).
+pub fn read_claims(p: &Path) -> ApiResult<Claims> {
+    let text = std::fs::read_to_string(p)
+        .map_err(|e| ApiError::invalid_input(format!("cannot read {}: {e}", p.display())))?;
+    serde_json::from_str::<Claims>(&text)
+        .map_err(|e| ApiError::invalid_input(format!("{}: {e}", p.display())))
+}
+
 fn utc_stamp(now: i64) -> String {
     crate::base::clock::rfc3339(now).replace(':', "")
 }
@@ -444,13 +454,7 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     }
     let (mut cfg, enc_point, bootstrap_jwk) = resolve_config(o)?;
     let claims = match &o.claims {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| {
-                ApiError::invalid_input(format!("cannot read {}: {e}", p.display()))
-            })?;
-            serde_json::from_str::<Claims>(&text)
-                .map_err(|e| ApiError::invalid_input(format!("{}: {e}", p.display())))?
-        }
+        Some(p) => read_claims(p)?,
         None => collect_claims(),
     };
     let tpm = o.attestor == "tpm";
@@ -525,6 +529,7 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
                 role: o.role.clone(),
                 tpm: evidence,
                 x509pop: None,
+                node_id: o.node_id.clone(),
             }),
             ..Default::default()
         };
@@ -558,6 +563,14 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     };
     drop(token);
     let body = verify_response_for(&cfg, &resp, &csr, &key.spki_der(), &o.role)?;
+    if let Some(want) = &o.node_id {
+        if &body.node_id != want {
+            return Err(ApiError::access_denied(format!(
+                "the answer names node {}, not --node-id {want}",
+                body.node_id
+            )));
+        }
+    }
     let learned = pins_learned(&cfg, &resp, &body);
     let pins_changed = learned.is_some();
     if let Some(l) = learned {

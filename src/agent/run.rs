@@ -13,6 +13,7 @@ use crate::agent::{self, GatewayStream, Identity};
 use crate::base::crypto;
 use crate::base::error::{ApiError, ApiResult, Code};
 use crate::proto::agent_config::AgentConfig;
+use crate::proto::claims::Claims;
 use crate::proto::protocol::{
     renew_pop_message, Empty, Hello, RenewRequest, Reply, Request, RENEW_POP_PURPOSE,
 };
@@ -216,6 +217,8 @@ pub fn backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
 pub struct RunOptions {
     pub config: PathBuf,
     pub data_dir: PathBuf,
+    /// Claims from a JSON file instead of this machine's (simulated machines, tests).
+    pub claims: Option<PathBuf>,
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
 }
@@ -229,6 +232,11 @@ enum End {
 /// `bca agent run`: until SIGTERM or SIGINT.
 pub fn run(o: RunOptions) -> ApiResult<()> {
     let mut cfg = AgentConfig::load(&o.config)?;
+    // What the hello reports for a pool's acceptance checks, read once.
+    let claims = match &o.claims {
+        Some(p) => crate::agent::read_claims(p)?,
+        None => crate::agent::collect_claims(),
+    };
     agent::apply_learned(&mut cfg, &o.data_dir);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -270,7 +278,7 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
                 }
             };
             let end = tokio::select! {
-                e = session(&cfg, &o.data_dir, &cur, config, &mut attempt) => e,
+                e = session(&cfg, &o.data_dir, &cur, config, &mut attempt, &claims) => e,
                 _ = term.recv() => return Ok(()),
                 _ = int.recv() => return Ok(()),
             };
@@ -311,16 +319,25 @@ async fn session(
     cur: &Loaded,
     tls: Arc<rustls::ClientConfig>,
     attempt: &mut u32,
+    claims: &Claims,
 ) -> End {
     let mut s = match agent::connect_with(cfg, tls).await {
         Ok(s) => s,
         Err(e) => return End::Lost(e.message),
     };
     let resumed = s.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+    let evidence = match hello_evidence(&cur.identity.node_id, &cur.key, claims) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot sign the hello's evidence; sending none");
+            None
+        }
+    };
     let hello = Request {
         v: 1,
         hello: Some(Hello {
             node_id: cur.identity.node_id.clone(),
+            evidence,
         }),
         ..Default::default()
     };
@@ -534,6 +551,24 @@ fn tpm_check(tpm: Option<&crate::tpm::Tcti>) -> (bool, String) {
 }
 
 /// Sends one heartbeat-free `Hello` and returns the reply (for tests and doctor-like probes).
+/// The hello's evidence: this clock and `claims`, signed by the node key (purpose
+/// `bca hello v1`), which a pool's acceptance checks read.
+pub fn hello_evidence(
+    node_id: &str,
+    key: &NodeKey,
+    claims: &Claims,
+) -> ApiResult<crate::proto::protocol::HelloEvidence> {
+    let bytes = serde_json::to_vec(claims).expect("serializes");
+    let now = crate::base::clock::now();
+    let msg = crate::proto::protocol::hello_message(node_id, now, &crypto::sha256(&bytes));
+    Ok(crate::proto::protocol::HelloEvidence {
+        client_time: now,
+        claims: crypto::b64(&bytes),
+        sig: crypto::b64(&key.sign(crate::proto::protocol::HELLO_PURPOSE, &msg)?),
+    })
+}
+
+/// A session's `Hello` with no evidence (tests of the session itself).
 pub async fn hello(cfg: &AgentConfig, cur: &Loaded) -> ApiResult<(Reply, GatewayStream)> {
     let mut s = agent::connect_as(cfg, cur.chain_der.clone(), &cur.key).await?;
     let hello = Request {

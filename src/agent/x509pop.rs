@@ -80,6 +80,7 @@ pub fn rejoin(cfg: &AgentConfig, data_dir: &Path) -> ApiResult<String> {
                 signature: crypto::b64(&cur.key.sign(X509POP_PURPOSE, &msg)?),
                 key_attestation,
             }),
+            node_id: None,
         }),
         ..Default::default()
     };

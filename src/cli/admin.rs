@@ -14,6 +14,7 @@ pub(crate) fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
             agent,
             join_attestors,
             k8s_platform_operated,
+            acceptance,
         } => {
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
@@ -24,6 +25,7 @@ pub(crate) fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
             if k8s_platform_operated {
                 policy["kubernetes"] = json!({"platformOperated": true});
             }
+            acceptance.apply(&mut policy);
             let v = c.call(
                 "pools/create",
                 &json!({"tenantId": tenant, "name": name, "agent": agent, "policy": policy}),
@@ -52,11 +54,12 @@ pub(crate) fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
             agent,
             join_attestors,
             k8s_platform_operated,
+            acceptance,
         } => {
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
             let mut body = json!({"tenantId": tenant, "poolId": id, "name": name, "agent": agent});
-            if join_attestors.is_some() || k8s_platform_operated.is_some() {
+            if join_attestors.is_some() || k8s_platform_operated.is_some() || acceptance.given() {
                 let cur = c.call("pools/get", &json!({"tenantId": tenant, "poolId": id}))?;
                 let mut policy = cur["policy"].clone();
                 if let Some(a) = join_attestors {
@@ -65,6 +68,7 @@ pub(crate) fn cmd_pools(cmd: PoolsCmd, conn: &Conn) -> ApiResult<()> {
                 if let Some(k) = k8s_platform_operated {
                     policy["kubernetes"] = json!({"platformOperated": k});
                 }
+                acceptance.apply(&mut policy);
                 body["policy"] = policy;
             }
             let v = c.call("pools/update", &body)?;

@@ -24,6 +24,7 @@ pub fn agent(cmd: AgentCmd, _conn: &Conn) -> ApiResult<()> {
             no_enroll,
             wait_seconds,
             retry_seconds,
+            node_id,
         } => {
             let pins = match (serving_ca_pin, join_signing_pin, join_encryption_pin) {
                 (Some(serving_ca), Some(join_signing), Some(join_encryption)) => {
@@ -55,6 +56,7 @@ pub fn agent(cmd: AgentCmd, _conn: &Conn) -> ApiResult<()> {
                 no_enroll,
                 wait_seconds,
                 retry_seconds,
+                node_id,
             })?;
             println!("{node}");
             Ok(())
@@ -62,11 +64,13 @@ pub fn agent(cmd: AgentCmd, _conn: &Conn) -> ApiResult<()> {
         AgentCmd::Run {
             config,
             data_dir,
+            claims,
             backoff_base_ms,
             backoff_cap_ms,
         } => crate::agent::run::run(crate::agent::run::RunOptions {
             config,
             data_dir,
+            claims,
             backoff_base: std::time::Duration::from_millis(backoff_base_ms),
             backoff_cap: std::time::Duration::from_millis(backoff_cap_ms.max(backoff_base_ms)),
         }),

@@ -84,6 +84,64 @@ pub enum Command {
     Man,
 }
 
+/// A pool's `policy.acceptance` (docs/acceptance.md).
+#[derive(Args, Default, Debug)]
+pub struct AcceptanceArgs {
+    /// Checks before a joined node is adopted, comma-separated: session, clock, claims, macs,
+    /// tpm (`none`: no checks, adopted at once).
+    #[arg(long, value_delimiter = ',')]
+    pub acceptance: Option<Vec<String>>,
+    /// For the macs check: permanent MACs the node must have (default 1).
+    #[arg(long)]
+    pub acceptance_min_macs: Option<u32>,
+    /// Require a TPM-held node key (the tpm check).
+    #[arg(long)]
+    pub acceptance_require_tpm: bool,
+    /// For the clock check: seconds the agent's clock may be off (default 30).
+    #[arg(long)]
+    pub acceptance_max_clock_skew: Option<u32>,
+}
+
+impl AcceptanceArgs {
+    pub fn given(&self) -> bool {
+        self.acceptance.is_some()
+            || self.acceptance_min_macs.is_some()
+            || self.acceptance_require_tpm
+            || self.acceptance_max_clock_skew.is_some()
+    }
+
+    /// Writes what was given into `policy` (a pool's policy JSON), keeping what was not.
+    pub fn apply(&self, policy: &mut serde_json::Value) {
+        if !self.given() {
+            return;
+        }
+        if self.acceptance.as_deref() == Some(&["none".to_string()][..]) {
+            if let Some(o) = policy.as_object_mut() {
+                o.remove("acceptance");
+            }
+            return;
+        }
+        let mut a = policy
+            .get("acceptance")
+            .cloned()
+            .filter(|a| a.is_object())
+            .unwrap_or_else(|| serde_json::json!({}));
+        if let Some(c) = &self.acceptance {
+            a["checks"] = serde_json::json!(c);
+        }
+        if let Some(n) = self.acceptance_min_macs {
+            a["minMacs"] = serde_json::json!(n);
+        }
+        if self.acceptance_require_tpm {
+            a["requireTpm"] = serde_json::json!(true);
+        }
+        if let Some(s) = self.acceptance_max_clock_skew {
+            a["maxClockSkewSeconds"] = serde_json::json!(s);
+        }
+        policy["acceptance"] = a;
+    }
+}
+
 #[derive(Args)]
 pub struct InitArgs {
     /// The SPIFFE trust domain (a lower-case DNS name).
@@ -177,6 +235,8 @@ pub enum PoolsCmd {
         /// policy.kubernetes.platformOperated.
         #[arg(long)]
         k8s_platform_operated: bool,
+        #[command(flatten)]
+        acceptance: AcceptanceArgs,
     },
     /// List pools.
     List {
@@ -205,6 +265,8 @@ pub enum PoolsCmd {
         join_attestors: Option<Vec<String>>,
         #[arg(long)]
         k8s_platform_operated: Option<bool>,
+        #[command(flatten)]
+        acceptance: AcceptanceArgs,
     },
     /// Archive a pool: it admits no join and mints no token.
     Archive {
@@ -376,6 +438,10 @@ pub enum AgentCmd {
         /// Retry a waiting join after this many seconds instead of what the appliance says.
         #[arg(long, hide = true)]
         retry_seconds: Option<u32>,
+        /// The node a provisioned token (bca nodes provision-token) is for: the installed OS
+        /// joins as that node, role node.
+        #[arg(long)]
+        node_id: Option<String>,
     },
     /// Keep the node's session, renew its certificate, reconnect with backoff (until SIGTERM).
     Run {
@@ -383,6 +449,10 @@ pub enum AgentCmd {
         config: PathBuf,
         #[arg(long, default_value = crate::agent::DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
+        /// Claims from a JSON file instead of this machine, reported (signed) in the session's
+        /// hello for a pool's acceptance checks (simulated machines, tests).
+        #[arg(long)]
+        claims: Option<PathBuf>,
         /// The first reconnect waits up to this long; each further attempt doubles it.
         #[arg(long, default_value = "1000", hide = true)]
         backoff_base_ms: u64,

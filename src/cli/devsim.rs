@@ -155,6 +155,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
             no_enroll: false,
             wait_seconds: 0,
             retry_seconds: None,
+            node_id: None,
         })?;
         println!("machine {i} joined as {node}");
         agents.push(adir);

@@ -1,4 +1,4 @@
-//! `bca nodes`: list, get, retire, delete, revoke-identity and rediscover through the admin API.
+//! `bca nodes`: list, get, adopt, retire, delete, revoke-identity and rediscover through the admin API.
 
 use crate::base::error::{ApiError, ApiResult};
 use crate::cli::{print_cursor, print_table, s, tenant_or_root, Conn};
@@ -23,6 +23,26 @@ pub enum NodesCmd {
     },
     /// Show a node and its certificates.
     Get {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Mint a single-use provisioned token for a ramdisk node: the OS a deploy installs joins
+    /// with it as that node (bca agent join --node-id NODE). Shown once.
+    #[command(name = "provision-token")]
+    ProvisionToken {
+        id: String,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Lifetime, 1m to 24h (e.g. 2h, the default).
+        #[arg(long, default_value = "2h")]
+        ttl: String,
+        /// Write the token to this new file (0600) instead of printing it.
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
+    /// Run an `adopting` node's acceptance checks again (after a fix); adopted when they pass.
+    Adopt {
         id: String,
         #[arg(long)]
         tenant: Option<String>,
@@ -84,6 +104,15 @@ pub fn run(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
             "createdAt",
         ] {
             println!("{k:<20} {}", s(&v[k]));
+        }
+        for c in v["conditions"].as_array().cloned().unwrap_or_default() {
+            println!(
+                "condition            {} ({}) since {}: {}",
+                s(&c["type"]),
+                s(&c["reason"]),
+                s(&c["since"]),
+                s(&c["message"])
+            );
         }
         if let Some(cs) = v["certificates"].as_array() {
             for c in cs {
@@ -153,6 +182,76 @@ pub fn run(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
                 &c.call("nodes/get", &json!({"tenantId": tenant, "nodeId": id}))?,
                 &record,
             );
+        }
+        NodesCmd::ProvisionToken {
+            id,
+            tenant,
+            ttl,
+            out: file,
+        } => {
+            let ttl = crate::cli::args::parse_duration(&ttl).map_err(ApiError::invalid_input)?;
+            if let Some(f) = &file {
+                if std::fs::symlink_metadata(f).is_ok() {
+                    return Err(ApiError::already_exists(format!(
+                        "{} exists; --out never writes over a file",
+                        f.display()
+                    )));
+                }
+            }
+            let tenant = tenant_or_root(&c, tenant)?;
+            let mut v = c.call(
+                "nodes/provisionToken",
+                &json!({"tenantId": tenant, "nodeId": id, "ttlSeconds": ttl}),
+            )?;
+            let token = zeroize::Zeroizing::new(s(&v["token"]));
+            if let Some(o) = v.as_object_mut() {
+                o.remove("token");
+            }
+            match &file {
+                Some(f) => {
+                    crate::base::fsutil::write_new_private(
+                        f,
+                        format!("{}\n", token.as_str()).as_bytes(),
+                    )
+                    .map_err(|e| {
+                        ApiError::already_exists(format!(
+                            "{e}; the token {} was minted: revoke it",
+                            s(&v["id"])
+                        ))
+                    })?;
+                    if conn.json {
+                        println!("{}", serde_json::to_string_pretty(&v).expect("serializes"));
+                    } else {
+                        println!("{}", s(&v["id"]));
+                    }
+                    eprintln!(
+                        "provisioned token {} for node {id} written to {} (0600); it expires at {}",
+                        s(&v["id"]),
+                        f.display(),
+                        s(&v["expiresAt"])
+                    );
+                }
+                None => {
+                    if conn.json {
+                        v["token"] = json!(token.as_str());
+                        println!("{}", serde_json::to_string_pretty(&v).expect("serializes"));
+                    } else {
+                        println!("{}", token.as_str());
+                    }
+                    eprintln!("provisioned token {} for node {id}; it expires at {}: hand it to the deployed OS (bca agent join --node-id {id} --token-file FILE)", s(&v["id"]), s(&v["expiresAt"]));
+                }
+            }
+        }
+        NodesCmd::Adopt { id, tenant } => {
+            let tenant = tenant_or_root(&c, tenant)?;
+            let v = c.call("nodes/adopt", &json!({"tenantId": tenant, "nodeId": id}))?;
+            out(&v, &record);
+            if v["state"] != "adopted" {
+                return Err(ApiError::invalid_state(format!(
+                    "node {id} is still adopting: {}",
+                    s(&v["conditions"][0]["message"])
+                )));
+            }
         }
         NodesCmd::Retire { id, tenant, reason } => {
             let tenant = tenant_or_root(&c, tenant)?;

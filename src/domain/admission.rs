@@ -36,6 +36,9 @@ pub enum Reason {
     Tenant,
     Site,
     PoolAttestor,
+    /// A `provisioned` token presented for another node than its own (`--node-id`), or by a
+    /// machine that is not that node.
+    ProvisionedNode,
     DiscoveryUnknown,
     DiscoverySecretMismatch,
     /// The discovery token was spent, or voided by a newer boot of the same MAC.
@@ -128,6 +131,7 @@ impl Reason {
             Reason::Tenant => "join:tenant",
             Reason::Site => "join:site",
             Reason::PoolAttestor => "join:pool-attestor",
+            Reason::ProvisionedNode => "join:provisioned-node",
             Reason::DiscoveryUnknown => "discovery:unknown",
             Reason::DiscoverySecretMismatch => "discovery:secret-mismatch",
             Reason::DiscoverySpent => "discovery:spent",
@@ -204,7 +208,7 @@ pub fn x509pop_check(c: &X509PopCert, now: i64, max_expired: i64) -> Result<(), 
 
 /// Roles an agent may ask a join token for, and the token role that admits each.
 pub fn token_role_admits(token_role: &str, requested: &str) -> bool {
-    token_role == requested
+    token_role == requested || (token_role == "provisioned" && requested == "node")
 }
 
 /// The join-token attestor's checks, in the seed's order, once the row is locked: the secret (in
@@ -275,6 +279,8 @@ pub struct AdmitInput<'a> {
     pub ids: &'a Identifiers,
     pub key: Option<&'a HardwareKey>,
     pub known: Option<&'a KnownNode>,
+    /// The node the agent says it is (`--node-id`): a `provisioned` token's must be its own.
+    pub node_id: Option<&'a str>,
 }
 
 /// The trust of a node its pool's tenant owns: `platform` in the root tenant's pools (the site's
@@ -311,6 +317,9 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
     }
     if !pool.allows_attestor("join-token") {
         return Err(Reason::PoolAttestor);
+    }
+    if t.role == "provisioned" {
+        return provisioned(t, i, trusted);
     }
     // Hosted tokens lower trust unless the platform operates the pool: the platform owns it (its
     // tenant is the site's owner, the root tenant) and its policy says so.
@@ -358,6 +367,31 @@ pub fn admit(i: &AdmitInput<'_>) -> Result<Admission, Reason> {
         role,
         trust,
         key_trusted: trusted,
+    })
+}
+
+/// A `provisioned` token (`nodes.provisionToken`): the operating system a deploy installed on a
+/// node the discovery ramdisk brought in joins as that node, role `node`: the same node id, the
+/// next identity generation, its trust kept, no `allowReclaim` needed. Only for that node: the
+/// `--node-id` the agent gives, and the node the machine's trusted hardware key names, must both
+/// be the token's.
+fn provisioned(t: &TokenRow, i: &AdmitInput<'_>, trusted: bool) -> Result<Admission, Reason> {
+    let want = t.node_id.as_deref().ok_or(Reason::ProvisionedNode)?;
+    if i.node_id != Some(want) {
+        return Err(Reason::ProvisionedNode);
+    }
+    let n = i
+        .known
+        .filter(|n| trusted && n.id == want && n.state != "retired")
+        .ok_or(Reason::ProvisionedNode)?;
+    Ok(Admission {
+        kind: Kind::Reclaim {
+            node_id: n.id.clone(),
+            generation: n.identity_generation + 1,
+        },
+        role: "node".into(),
+        trust: n.trust.clone(),
+        key_trusted: true,
     })
 }
 
@@ -466,6 +500,7 @@ mod tests {
             created_at: 0,
             expires_at: 100,
             revoked_at: None,
+            node_id: None,
         }
     }
 
@@ -503,6 +538,7 @@ mod tests {
             ids,
             key: key.as_ref(),
             known,
+            node_id: None,
         })
     }
 
@@ -621,7 +657,7 @@ mod tests {
         let only_tpm = Pool {
             policy: Policy {
                 join_attestors: Some(vec!["tpm".into()]),
-                kubernetes: None,
+                ..Default::default()
             },
             ..pool()
         };
@@ -758,10 +794,10 @@ mod tests {
         );
         let operated = Pool {
             policy: Policy {
-                join_attestors: None,
                 kubernetes: Some(KubernetesPolicy {
                     platform_operated: true,
                 }),
+                ..Default::default()
             },
             ..pool()
         };
@@ -783,10 +819,10 @@ mod tests {
         );
         let operated = Pool {
             policy: Policy {
-                join_attestors: None,
                 kubernetes: Some(KubernetesPolicy {
                     platform_operated: true,
                 }),
+                ..Default::default()
             },
             ..pool()
         };
@@ -943,5 +979,77 @@ mod tests {
         );
         assert_eq!(Reason::X509PopChallenge.attestor(), "x509pop");
         assert_eq!(Reason::X509PopNotNewest.as_str(), "x509pop:not-newest");
+    }
+
+    #[test]
+    fn a_provisioned_token_brings_back_only_its_node_as_an_os_node() {
+        let ids = good_ids();
+        let key = hardware_key(&ids);
+        let t = TokenRow {
+            role: "provisioned".into(),
+            max_uses: 1,
+            uses_left: 1,
+            node_id: Some("node_r".into()),
+            ..token()
+        };
+        let ramdisk = KnownNode {
+            id: "node_r".into(),
+            tenant_id: "tn_root".into(),
+            site_id: "site_1".into(),
+            pool_id: "pool_a".into(),
+            role: "ramdisk".into(),
+            state: "adopted".into(),
+            trust: "platform".into(),
+            identity_generation: 3,
+        };
+        let p = pool();
+        let go = |node_id: Option<&str>, known: Option<&KnownNode>| {
+            admit(&AdmitInput {
+                token: &t,
+                pool: Some(&p),
+                site_id: "site_1",
+                root_tenant: "tn_root",
+                ids: &ids,
+                key: key.as_ref(),
+                known,
+                node_id,
+            })
+        };
+        let a = go(Some("node_r"), Some(&ramdisk)).unwrap();
+        assert_eq!(
+            a.kind,
+            Kind::Reclaim {
+                node_id: "node_r".into(),
+                generation: 4
+            }
+        );
+        assert_eq!((a.role.as_str(), a.trust.as_str()), ("node", "platform"));
+        // Another --node-id, none, another machine, no machine, a retired node: refused.
+        assert_eq!(
+            go(Some("node_x"), Some(&ramdisk)),
+            Err(Reason::ProvisionedNode)
+        );
+        assert_eq!(go(None, Some(&ramdisk)), Err(Reason::ProvisionedNode));
+        let other = KnownNode {
+            id: "node_o".into(),
+            ..ramdisk.clone()
+        };
+        assert_eq!(
+            go(Some("node_r"), Some(&other)),
+            Err(Reason::ProvisionedNode)
+        );
+        assert_eq!(go(Some("node_r"), None), Err(Reason::ProvisionedNode));
+        let retired = KnownNode {
+            state: "retired".into(),
+            ..ramdisk.clone()
+        };
+        assert_eq!(
+            go(Some("node_r"), Some(&retired)),
+            Err(Reason::ProvisionedNode)
+        );
+        // The token admits role `node` only.
+        assert!(token_role_admits("provisioned", "node"));
+        assert!(!token_role_admits("provisioned", "ramdisk"));
+        assert!(!token_role_admits("node", "provisioned"));
     }
 }

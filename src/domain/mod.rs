@@ -1,6 +1,7 @@
-//! Records and pure rules: admission (the seed's decision table), validation, pools, join tokens,
+//! Records and pure rules: admission (the seed's decision table), acceptance, validation, pools, join tokens,
 //! the downloads' names. No I/O, no store, no config.
 
+pub mod acceptance;
 pub mod admission;
 pub mod downloads;
 pub mod pool;

@@ -15,6 +15,9 @@ pub struct Policy {
     pub join_attestors: Option<Vec<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubernetes: Option<KubernetesPolicy>,
+    /// What is checked before a joined node is adopted (none: adopted at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance: Option<crate::domain::acceptance::AcceptancePolicy>,
 }
 
 #[derive(Deserialize, Serialize, Default, Clone, PartialEq, Debug)]
@@ -46,7 +49,15 @@ impl Policy {
                 }
             }
         }
+        if let Some(a) = &self.acceptance {
+            a.validate()?;
+        }
         Ok(())
+    }
+
+    /// The acceptance checks, when the pool runs any.
+    pub fn acceptance(&self) -> Option<&crate::domain::acceptance::AcceptancePolicy> {
+        self.acceptance.as_ref().filter(|a| a.runs())
     }
 }
 

@@ -61,6 +61,8 @@ pub struct TokenRow {
     pub created_at: i64,
     pub expires_at: i64,
     pub revoked_at: Option<i64>,
+    /// A `provisioned` token's node: the only node it brings back.
+    pub node_id: Option<String>,
 }
 
 impl TokenRow {
@@ -77,6 +79,9 @@ impl TokenRow {
         }
         if let Some(h) = &self.hosted {
             v["hosted"] = json!(h);
+        }
+        if let Some(n) = &self.node_id {
+            v["nodeId"] = json!(n);
         }
         if let Some(r) = self.revoked_at {
             v["revokedAt"] = json!(rfc3339(r));

@@ -465,7 +465,7 @@ impl Gateway {
         if let Some(renew) = req.renew {
             return (self.renew(renew, tls, peer).await, Next::Close);
         }
-        if req.hello.is_some() {
+        if let Some(hello) = req.hello {
             let refused = (
                 Reply::error("ACCESS_DENIED", protocol::SESSION_REFUSED),
                 Next::Close,
@@ -477,6 +477,7 @@ impl Gateway {
                 .call(Call::SessionOpen {
                     peer_leaf: leaf,
                     peer,
+                    hello: hello.evidence,
                 })
                 .await
             {

@@ -5,10 +5,10 @@
 //! writes a node: the row (the one node `INSERT`, or the reclaim's `UPDATE` with its older
 //! certificates revoked and its live session ended), the certificate and its `node_certs` row, the join request it
 //! answers, `node.joined` with its `node.joined` or `node.reclaimed` audit row, and the
-//! adoption.
+//! adoption (at once, unless the pool runs acceptance checks: `join::acceptance`).
 
 use crate::base::error::ApiResult;
-use crate::join::issue::{adopt, certify, Decided, Ready, Signer, Subject};
+use crate::join::issue::{certify, Decided, Ready, Signer, Subject};
 use crate::join::site::Site;
 use crate::store::nodes::{revoke_all, Again, NewNode};
 use crate::store::Tx;
@@ -178,6 +178,6 @@ pub(crate) fn write(
         "node.joined"
     };
     crate::store::events::audit(tx, now, a.tenant_id, action, &a.actor, &node_id, data)?;
-    adopt(tx, a.tenant_id, &node_id, a.pool_id, now)?;
+    crate::join::acceptance::after_admission(tx, a.tenant_id, &node_id, a.pool_id, now)?;
     Ok(Decided::Issued(response))
 }

@@ -49,14 +49,14 @@ pub(crate) struct Mint {
 }
 
 /// A new discovery token for the MAC, voiding the MAC's earlier ones (never one whose request an
-/// operator approved); or `LocalBoot` when the MAC belongs to an adopted node not marked for
-/// rediscovery.
+/// operator approved); or `LocalBoot` when the MAC's node boots its local disk
+/// (`store::nodes::boots_local_disk`).
 pub(crate) fn mint(tx: &Tx<'_>, site: &Site, m: &Mint, now: i64) -> ApiResult<Outcome> {
     let Some(mac) = loose_mac(&m.mac) else {
         return Ok(Outcome::Refused);
     };
     let epoch = m.boot_lease_epoch;
-    if crate::store::nodes::boots_local_disk(tx, &mac)? {
+    if crate::store::nodes::boots_local_disk(tx, &mac, now)? {
         return Ok(Outcome::LocalBoot);
     }
     if !m.mint {

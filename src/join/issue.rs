@@ -127,6 +127,8 @@ pub(crate) struct Ready {
     pub(crate) attestor: &'static str,
     /// The peer's IP address, recorded in join requests.
     pub(crate) peer_ip: String,
+    /// The node the agent says it is (`--node-id`, for a `provisioned` token).
+    pub(crate) node_id: Option<String>,
 }
 
 /// Per (attestor, reason): the minute, events written in it, and events suppressed since the last.

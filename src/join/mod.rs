@@ -6,6 +6,7 @@
 //! `sessions`; they share the kernel (`issue`), the one admission writer (`admit`), the join
 //! requests (`requests`) and the `site`, and never import each other (`tests/it/layers.rs`).
 
+pub mod acceptance;
 pub mod admit;
 pub mod discovery;
 pub mod issue;

@@ -64,7 +64,7 @@ enum Work {
     TpmChallenge(Result<Box<crate::join::tpm::PreparedChallenge>, Reason>),
     X509PopChallenge(Result<Box<crate::join::x509pop::PreparedChallenge>, Reason>),
     Renew(Box<crate::join::renewal::Prepared>),
-    SessionOpen(Vec<u8>),
+    SessionOpen(Vec<u8>, Option<crate::proto::protocol::HelloEvidence>),
     SessionSeen(String),
     SessionClosed(String),
     MintDiscovery(crate::join::discovery::Mint),
@@ -257,9 +257,12 @@ impl JoinHandle {
                 self.submit(Work::Renew(Box::new(prepared)), String::new())
                     .await
             }
-            Call::SessionOpen { peer_leaf, .. } => {
+            Call::SessionOpen {
+                peer_leaf, hello, ..
+            } => {
                 let leaf = crypto::b64_decode(&peer_leaf).unwrap_or_default();
-                self.submit(Work::SessionOpen(leaf), String::new()).await
+                self.submit(Work::SessionOpen(leaf, hello), String::new())
+                    .await
             }
             Call::SessionSeen { node_id } => {
                 self.submit(Work::SessionSeen(node_id), String::new()).await
@@ -436,6 +439,7 @@ fn prepare(
             .map(|(h, _)| h.trim_matches(['[', ']']))
             .unwrap_or(peer)
             .to_string(),
+        node_id: r.node_id.clone().filter(|n| n.len() <= 64),
     }))
 }
 
@@ -534,7 +538,9 @@ fn process(
             return refusal(tx, site, job, *reason, None, None, None, now, limits)
         }
         Work::Renew(p) => return crate::join::renewal::process(tx, site, signer, p, now, limits),
-        Work::SessionOpen(leaf) => return crate::join::sessions::open(tx, leaf, now),
+        Work::SessionOpen(leaf, hello) => {
+            return crate::join::sessions::open(tx, leaf, hello.as_ref(), now)
+        }
         Work::SessionSeen(node) => return crate::join::sessions::seen(tx, node, now),
         Work::SessionClosed(node) => return crate::join::sessions::closed(tx, node, now),
         Work::MintDiscovery(m) => return crate::join::discovery::mint(tx, site, m, now),

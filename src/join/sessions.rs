@@ -12,7 +12,14 @@ use serde_json::json;
 
 /// A `Hello` over mTLS with `leaf`: the certificate must be byte for byte a `node_certs` row,
 /// unrevoked, unexpired, of the node's current generation, and the node not retired.
-pub fn open(tx: &Tx<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
+/// An `adopting` node's `Hello` then starts its pool's acceptance (`join::acceptance`), with the
+/// evidence the agent signed.
+pub fn open(
+    tx: &Tx<'_>,
+    leaf: &[u8],
+    hello: Option<&crate::proto::protocol::HelloEvidence>,
+    now: i64,
+) -> ApiResult<Outcome> {
     let Some(l) = crate::proto::x509::parse_node_leaf(leaf) else {
         return Ok(Outcome::Refused);
     };
@@ -33,6 +40,9 @@ pub fn open(tx: &Tx<'_>, leaf: &[u8], now: i64) -> ApiResult<Outcome> {
     crate::store::nodes::mark_connected(tx, &node, now)?;
     if !connected {
         crate::store::events::publish(tx, now, &tenant, "node.connected", json!({"nodeId": node}))?;
+    }
+    if c.state == "adopting" {
+        crate::join::acceptance::on_hello(tx, &l, hello, now)?;
     }
     Ok(Outcome::SessionOpened { node_id: node })
 }

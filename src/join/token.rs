@@ -51,6 +51,7 @@ pub(crate) fn admit(
         ids: &r.ids,
         key: r.key.as_ref(),
         known: known.as_ref(),
+        node_id: r.node_id.as_deref(),
     });
     let adm = match decision {
         Ok(a) => a,
@@ -86,7 +87,22 @@ pub(crate) fn admit(
         ttl: crate::join::issue::cert_ttl(cfg, &adm.role, "join-token"),
         node_key: "unattested",
         consumes: None,
-        event: json!({"tokenId": token.id}),
+        event: if token.role == "provisioned" {
+            json!({"tokenId": token.id, "provisioned": true})
+        } else {
+            json!({"tokenId": token.id})
+        },
     };
-    write(tx, site, signer, r, admission, now)
+    let decided = write(tx, site, signer, r, admission, now)?;
+    if token.role == "provisioned" {
+        // The deployed OS is the node now: its ramdisk identity was revoked as reclaimed.
+        crate::store::events::publish(
+            tx,
+            now,
+            &token.tenant_id,
+            "node.provisioned",
+            json!({"nodeId": token.node_id, "tokenId": token.id, "poolId": pool.id}),
+        )?;
+    }
+    Ok(decided)
 }

@@ -116,6 +116,9 @@ pub struct JoinRequest {
     /// The `x509pop` attestor's evidence (the second round of an `x509pop` re-join).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub x509pop: Option<X509PopEvidence>,
+    /// The node a `provisioned` token is for (the agent's `--node-id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
 }
 
 /// The JoinService's `x509pop` challenge: 32 random bytes, answered once within its life.
@@ -258,6 +261,36 @@ pub fn renew_pop_message(csr_sha256: &[u8; 32], node_id: &str, client_time: i64)
 pub struct Hello {
     #[serde(default)]
     pub node_id: String,
+    /// What a pool's acceptance checks read (its clock, its claims), signed by the node key so
+    /// that the gateway, which relays it, cannot change it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<HelloEvidence>,
+}
+
+/// The agent's clock and claims at `Hello`, signed by its node key (purpose [`HELLO_PURPOSE`])
+/// over [`hello_message`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HelloEvidence {
+    /// The agent's clock, Unix seconds.
+    pub client_time: i64,
+    /// The claims JSON the agent reports (as it would send them to join), base64.
+    pub claims: String,
+    /// Base64 DER ECDSA signature.
+    pub sig: String,
+}
+
+pub const HELLO_PURPOSE: &str = "bca hello v1";
+
+/// What a `Hello`'s evidence signs: the node id, the client time and the SHA-256 of the claims
+/// bytes.
+pub fn hello_message(node_id: &str, client_time: i64, claims_sha256: &[u8; 32]) -> Vec<u8> {
+    let mut m = node_id.as_bytes().to_vec();
+    m.push(0);
+    m.extend_from_slice(client_time.to_string().as_bytes());
+    m.push(0);
+    m.extend_from_slice(claims_sha256);
+    m
 }
 
 /// What the gateway answers.
@@ -375,8 +408,14 @@ pub enum Call {
         peer_leaf: String,
         peer: String,
     },
+    /// `hello`: the `Hello`'s signed evidence, when the agent sent it.
     #[serde(rename_all = "camelCase")]
-    SessionOpen { peer_leaf: String, peer: String },
+    SessionOpen {
+        peer_leaf: String,
+        peer: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hello: Option<HelloEvidence>,
+    },
     #[serde(rename_all = "camelCase")]
     SessionSeen { node_id: String },
     #[serde(rename_all = "camelCase")]

@@ -61,6 +61,14 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0007_x509pop",
         include_str!("../../migrations/0007_x509pop.sql"),
     ),
+    (
+        "0008_acceptance",
+        include_str!("../../migrations/0008_acceptance.sql"),
+    ),
+    (
+        "0009_provisioned",
+        include_str!("../../migrations/0009_provisioned.sql"),
+    ),
 ];
 
 pub struct Store {

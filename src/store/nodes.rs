@@ -152,11 +152,19 @@ pub fn ek_retired(tx: &Tx<'_>, ek_sha256: &str) -> ApiResult<bool> {
     )?)
 }
 
-/// Whether the MAC belongs to an adopted OS node not marked for rediscovery (it boots its disk).
-pub fn boots_local_disk(tx: &Tx<'_>, mac: &str) -> ApiResult<bool> {
+/// Whether the MAC belongs to a node that boots its local disk, not marked for rediscovery: an
+/// adopted OS node; a `node`-role node still `adopting` (its OS starting, or waiting for its
+/// acceptance checks); a node with an unspent, unexpired `provisioned` token (its OS being
+/// installed).
+pub fn boots_local_disk(tx: &Tx<'_>, mac: &str, now: i64) -> ApiResult<bool> {
     Ok(crate::store::query_row(tx,
-            "SELECT id FROM nodes WHERE boot_mac = ?1 AND state = 'adopted' AND rediscover = 0 AND role != 'ramdisk'",
-            [mac],
+            "SELECT id FROM nodes n WHERE boot_mac = ?1 AND rediscover = 0 AND state != 'retired' AND (
+               (state = 'adopted' AND role != 'ramdisk')
+               OR (state = 'adopting' AND role = 'node')
+               OR EXISTS (SELECT 1 FROM join_tokens t WHERE t.node_id = n.id AND t.role = 'provisioned'
+                          AND t.revoked_at IS NULL AND t.uses_left > 0 AND t.expires_at > ?2))
+             LIMIT 1",
+            params![mac, now],
             |r| r.get::<_, String>(0),
         )
         .optional()?
@@ -236,6 +244,7 @@ pub fn again(tx: &Tx<'_>, a: &Again<'_>, now: i64) -> ApiResult<()> {
          claims_json = CASE WHEN ?6 THEN ?8 ELSE claims_json END,
          identifiers_by = COALESCE(?9, identifiers_by),
          boot_mac = COALESCE(?10, boot_mac),
+         conditions = NULL, hello_facts = NULL,
          updated_at = ?11
          WHERE id = ?1",
         params![
@@ -354,6 +363,63 @@ pub fn has_live_cert(tx: &Tx<'_>, node_id: &str, now: i64) -> ApiResult<bool> {
     )? == 1)
 }
 
+/// What acceptance reads of a node.
+pub struct AcceptanceRow {
+    pub tenant: String,
+    pub pool_id: String,
+    pub state: String,
+    pub connected: bool,
+    pub claims_json: String,
+    /// `domain::acceptance::HelloFacts` as JSON, from the last signed `Hello`.
+    pub hello_facts: Option<String>,
+    /// The DER of its newest unrevoked certificate.
+    pub newest_der: Option<Vec<u8>>,
+}
+
+pub fn acceptance_row(tx: &Tx<'_>, node: &str) -> ApiResult<Option<AcceptanceRow>> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT n.tenant_id, n.pool_id, n.state, n.connected, n.claims_json, n.hello_facts,
+                (SELECT der FROM node_certs c WHERE c.node_id = n.id AND c.revoked_at IS NULL
+                 ORDER BY c.created_at DESC, c.rowid DESC LIMIT 1)
+         FROM nodes n WHERE n.id = ?1",
+        [node],
+        |x| {
+            Ok(AcceptanceRow {
+                tenant: x.get(0)?,
+                pool_id: x.get(1)?,
+                state: x.get(2)?,
+                connected: x.get::<_, i64>(3)? == 1,
+                claims_json: x.get(4)?,
+                hello_facts: x.get(5)?,
+                newest_der: x.get(6)?,
+            })
+        },
+    )
+    .optional()?)
+}
+
+/// The node's conditions (a JSON array), or none.
+pub fn set_conditions(tx: &Tx<'_>, node: &str, conditions: Option<&Value>) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET conditions = ?2 WHERE id = ?1",
+        params![node, conditions.map(|c| c.to_string())],
+    )?;
+    Ok(())
+}
+
+/// What the node's last `Hello` showed (JSON), or nothing when it carried no evidence its node
+/// key signed.
+pub fn set_hello_facts(tx: &Tx<'_>, node: &str, facts: Option<&str>) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET hello_facts = ?2 WHERE id = ?1",
+        params![node, facts],
+    )?;
+    Ok(())
+}
+
 /// A session opened: connected, seen now.
 pub fn mark_connected(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
     crate::store::exec(
@@ -394,7 +460,7 @@ pub fn mark_disconnected(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Option<
 }
 
 const SHOWN: &str = "id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted, identity_generation,
-    attestor, hostname, claims_json, created_at, updated_at, retired_at, connected, last_seen, rediscover, boot_mac";
+    attestor, hostname, claims_json, created_at, updated_at, retired_at, connected, last_seen, rediscover, boot_mac, conditions";
 
 fn shown_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
     let mut v = json!({
@@ -413,6 +479,10 @@ fn shown_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
     v["rediscover"] = json!(r.get::<_, i64>(18)? == 1);
     v["bootMac"] = json!(r.get::<_, Option<String>>(19)?);
     v["lastSeen"] = json!(r.get::<_, Option<i64>>(17)?.map(rfc3339));
+    v["conditions"] = r
+        .get::<_, Option<String>>(20)?
+        .and_then(|c| serde_json::from_str::<Value>(&c).ok())
+        .unwrap_or_else(|| json!([]));
     Ok(v)
 }
 

@@ -9,7 +9,7 @@ use crate::store::Tx;
 use rusqlite::{params, OptionalExtension};
 
 pub const POOL_COLS: &str =
-    "id, tenant_id, site_id, name, agent, join_attestors, k8s_platform_operated, archived_at, created_at, updated_at";
+    "id, tenant_id, site_id, name, agent, join_attestors, k8s_platform_operated, archived_at, created_at, updated_at, acceptance";
 
 pub fn pool_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Pool> {
     let attestors: Option<String> = r.get(5)?;
@@ -25,6 +25,9 @@ pub fn pool_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Pool> {
             kubernetes: (k8s == 1).then_some(KubernetesPolicy {
                 platform_operated: true,
             }),
+            acceptance: r
+                .get::<_, Option<String>>(10)?
+                .and_then(|s| serde_json::from_str(&s).ok()),
         },
         archived_at: r.get(7)?,
         created_at: r.get(8)?,
@@ -59,7 +62,7 @@ pub fn pool_by_id(tx: &Tx<'_>, pool: &str) -> ApiResult<Option<Pool>> {
 
 pub fn pool_save(tx: &Tx<'_>, p: &Pool) -> ApiResult<()> {
     tx.c().execute(
-        "UPDATE pools SET name = ?2, agent = ?3, join_attestors = ?4, k8s_platform_operated = ?5, archived_at = ?6, updated_at = ?7 WHERE id = ?1",
+        "UPDATE pools SET name = ?2, agent = ?3, join_attestors = ?4, k8s_platform_operated = ?5, archived_at = ?6, updated_at = ?7, acceptance = ?8 WHERE id = ?1",
         params![
             p.id,
             p.name,
@@ -67,13 +70,14 @@ pub fn pool_save(tx: &Tx<'_>, p: &Pool) -> ApiResult<()> {
             p.policy.join_attestors.as_ref().map(|a| serde_json::to_string(a).expect("serializes")),
             p.policy.kubernetes.as_ref().is_some_and(|k| k.platform_operated) as i64,
             p.archived_at,
-            p.updated_at
+            p.updated_at,
+            p.policy.acceptance.as_ref().map(|a| serde_json::to_string(a).expect("serializes"))
         ],
     )?;
     Ok(())
 }
 
-pub const TOKEN_COLS: &str = "id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json, allow_reclaim, hosted, created_at, expires_at, revoked_at";
+pub const TOKEN_COLS: &str = "id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json, allow_reclaim, hosted, created_at, expires_at, revoked_at, node_id";
 
 pub fn token_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TokenRow> {
     let expect: Option<String> = r.get(8)?;
@@ -92,6 +96,7 @@ pub fn token_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TokenRow> {
         created_at: r.get(11)?,
         expires_at: r.get(12)?,
         revoked_at: r.get(13)?,
+        node_id: r.get(14)?,
     })
 }
 
@@ -209,8 +214,8 @@ pub fn token_insert(
 ) -> ApiResult<()> {
     tx.c().execute(
         "INSERT INTO join_tokens (id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json,
-         allow_reclaim, hosted, idempotency_key, created_by, created_at, expires_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+         allow_reclaim, hosted, idempotency_key, created_by, created_at, expires_at, node_id)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
         params![
             t.id,
             t.tenant_id,
@@ -225,7 +230,8 @@ pub fn token_insert(
             idempotency_key,
             created_by,
             t.created_at,
-            t.expires_at
+            t.expires_at,
+            t.node_id
         ],
     )?;
     Ok(())
@@ -271,4 +277,20 @@ pub fn token_revoke(tx: &Tx<'_>, id: &str, now: i64) -> ApiResult<()> {
         params![id, now],
     )?;
     Ok(())
+}
+
+/// The `provisioned` tokens of `node` that could still be spent, revoked: their ids.
+pub fn revoke_provisioned(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Vec<(String, String)>> {
+    let ids: Vec<(String, String)> = tx
+        .c()
+        .prepare(
+            "SELECT id, tenant_id FROM join_tokens WHERE node_id = ?1 AND role = 'provisioned'
+             AND revoked_at IS NULL AND uses_left > 0 AND expires_at > ?2",
+        )?
+        .query_map(params![node, now], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<Result<_, _>>()?;
+    for (id, _) in &ids {
+        token_revoke(tx, id, now)?;
+    }
+    Ok(ids)
 }

@@ -439,6 +439,7 @@ impl Sim {
                 role: role.into(),
                 tpm: None,
                 x509pop: None,
+                node_id: None,
             }),
             ..Default::default()
         };

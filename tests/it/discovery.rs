@@ -25,7 +25,7 @@ pub(crate) fn appliance(approval: &str) -> Appliance {
     a
 }
 
-fn get(a: &Appliance, path: &str) -> (u16, Vec<u8>) {
+pub(crate) fn get(a: &Appliance, path: &str) -> (u16, Vec<u8>) {
     let o = Command::new("curl")
         .args([
             "-s",
@@ -646,7 +646,7 @@ fn events_naming(a: &Appliance, tenant: &str, node: &str) -> i64 {
 
 /// A machine approved once, then approved: its node (a `ramdisk` node whose identifiers an
 /// operator's approval recorded).
-fn discovered_node(a: &Appliance, pool: &str, mac: &str, claims: &Path) -> String {
+pub(crate) fn discovered_node(a: &Appliance, pool: &str, mac: &str, claims: &Path) -> String {
     let (_, dir) = boot(a, mac);
     let agent = discovery_join(&dir, claims, 60);
     let req = wait_for("a pending request", 20, || pending(a, mac));

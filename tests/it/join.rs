@@ -621,6 +621,7 @@ fn josekit_seals_are_accepted_and_bca_seals_open_in_josekit() {
             role: "node".into(),
             tpm: None,
             x509pop: None,
+            node_id: None,
         }),
         ..Default::default()
     };
@@ -659,8 +660,8 @@ fn refusal_events_are_rate_limited() {
         assert_eq!(raw, refused_bytes());
     }
     let n = a.count("SELECT count(*) FROM events WHERE type = 'security.join.refused'");
-    // 60 per attestor and reason per minute; a minute boundary in the run allows a few more.
-    assert!((60..65).contains(&n), "{n} events");
+    // 60 per attestor and reason per minute; a minute boundary in the run allows up to all 65.
+    assert!((60..=65).contains(&n), "{n} events");
 }
 
 /// The budget is per attestor **and** reason: a `join:` reason that two attestors meet has one
@@ -690,8 +691,8 @@ fn refusal_events_are_rate_limited_per_attestor_and_reason() {
             .unwrap()
     };
     let (t, d) = (count("join-token"), count("discovery"));
-    assert!((60..65).contains(&t), "{t} join-token events");
-    assert!((60..65).contains(&d), "{d} discovery events");
+    assert!((60..=65).contains(&t), "{t} join-token events");
+    assert!((60..=65).contains(&d), "{d} discovery events");
 }
 
 use std::os::unix::fs::PermissionsExt;

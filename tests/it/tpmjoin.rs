@@ -398,6 +398,7 @@ fn an_unknown_ek_waits_for_an_operator_and_bad_evidence_is_refused_alike() {
             role: "node".into(),
             tpm: ev,
             x509pop: None,
+            node_id: None,
         }),
         ..Default::default()
     };

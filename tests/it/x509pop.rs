@@ -101,6 +101,7 @@ fn rejoin_signed(
                 signature: crypto::b64(&sign(&msg)),
                 key_attestation: None,
             }),
+            node_id: None,
         }),
         ..Default::default()
     };
