@@ -490,7 +490,12 @@ pub fn join(o: &JoinOptions) -> ApiResult<String> {
     };
     if o.reset {
         let stamp = utc_stamp(crate::base::clock::now());
-        for name in ["identity.json", "node.key", "node.key.next"] {
+        for name in [
+            "identity.json",
+            "node.key",
+            "node.key.next",
+            "node.key.x509pop",
+        ] {
             let p = o.data_dir.join(name);
             if p.exists() {
                 let to = o.data_dir.join(format!("{name}.reset-{stamp}"));

@@ -3,7 +3,9 @@
 //! old one was there, attested by the AK the certificate names, as at renewal), and signs with
 //! the key of its expired certificate the challenge, the new CSR's SHA-256 and its node id. The
 //! answer is a certificate for the same node and role; it is written as a renewal is
-//! (`run::write_renewed`), so a crash at any point leaves a loadable identity.
+//! (`run::write_renewed`), so a crash at any point leaves a loadable identity. The new key is
+//! kept in `node.key.x509pop` from before the request until the new identity is written, so a
+//! lost answer is retried with the same key (the appliance answers it again).
 //!
 //! `bca agent join --attestor x509pop` does it by hand; `bca agent run` does it by itself when
 //! it finds its certificate expired.
@@ -35,12 +37,23 @@ pub fn rejoin(cfg: &AgentConfig, data_dir: &Path) -> ApiResult<String> {
         )));
     }
     // The next key is made where the current one lives, and a TPM-held one is attested before
-    // anything is sent.
-    let key = match cur.key.tpm() {
-        None => NodeKey::generate(),
-        Some(k) => {
-            let tcti: crate::tpm::Tcti = k.tcti().parse().map_err(ApiError::internal)?;
-            NodeKey::generate_in(&tcti)?
+    // anything is sent. It is kept (`node.key.x509pop`) before it is sent: when the answer is
+    // lost, the retry presents the same key and the appliance answers the certificate it issued
+    // for it again, instead of refusing a second re-join (`not-newest`) for good.
+    let pending = data_dir.join("node.key.x509pop");
+    let key = match NodeKey::load(&pending)? {
+        Some(k) => k,
+        None => {
+            let k = match cur.key.tpm() {
+                None => NodeKey::generate(),
+                Some(k) => {
+                    let tcti: crate::tpm::Tcti = k.tcti().parse().map_err(ApiError::internal)?;
+                    NodeKey::generate_in(&tcti)?
+                }
+            };
+            crate::base::fsutil::write_atomic(&pending, &k.file_bytes(), 0o600)
+                .map_err(ApiError::invalid_state)?;
+            k
         }
     };
     let csr = key.csr()?;
@@ -106,6 +119,8 @@ pub fn rejoin(cfg: &AgentConfig, data_dir: &Path) -> ApiResult<String> {
             ..cur.identity.clone()
         },
     )?;
+    // The key is `node.key` now.
+    let _ = std::fs::remove_file(&pending);
     Ok(body.node_id)
 }
 

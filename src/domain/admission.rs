@@ -178,13 +178,34 @@ pub struct X509PopCert {
     pub newest: bool,
     /// The node holds a certificate that is neither revoked nor expired.
     pub node_has_live: bool,
+    /// The certificate is the node's last but one, and the last is live, of the current
+    /// generation, and certifies the new CSR's key: an `x509pop` re-join whose answer was lost
+    /// (the machine retries with the same new key).
+    pub lost_answer: bool,
+}
+
+/// What an `x509pop` re-join gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum X509PopVerdict {
+    /// A new certificate.
+    Issue,
+    /// The certificate already issued for this new key, again (its answer was lost).
+    AnswerAgain,
 }
 
 /// The seed's `x509pop` rules for a certificate whose key the machine proved: the node not
 /// retired; the certificate of its current identity generation, unrevoked, its newest, expired,
 /// and not longer than `max_expired` ago; the node holding no live certificate, so a copy of an
 /// old key can never split off a second copy of a live node.
-pub fn x509pop_check(c: &X509PopCert, now: i64, max_expired: i64) -> Result<(), Reason> {
+///
+/// One exception keeps a lost answer from stranding the node: the same machine retrying with the
+/// same new key (it proves the old key again, over a new challenge) gets the certificate already
+/// issued for that key, answered again; nothing new is issued.
+pub fn x509pop_check(
+    c: &X509PopCert,
+    now: i64,
+    max_expired: i64,
+) -> Result<X509PopVerdict, Reason> {
     if c.retired {
         return Err(Reason::X509PopRetired);
     }
@@ -194,16 +215,21 @@ pub fn x509pop_check(c: &X509PopCert, now: i64, max_expired: i64) -> Result<(), 
     if c.revoked {
         return Err(Reason::X509PopRevoked);
     }
+    let within = c.not_after <= now && now - c.not_after <= max_expired;
     if !c.newest {
-        return Err(Reason::X509PopNotNewest);
+        return if c.lost_answer && within {
+            Ok(X509PopVerdict::AnswerAgain)
+        } else {
+            Err(Reason::X509PopNotNewest)
+        };
     }
     if c.not_after > now || c.node_has_live {
         return Err(Reason::X509PopNotExpired);
     }
-    if now - c.not_after > max_expired {
+    if !within {
         return Err(Reason::X509PopExpiredTooLong);
     }
-    Ok(())
+    Ok(X509PopVerdict::Issue)
 }
 
 /// Roles an agent may ask a join token for, and the token role that admits each.
@@ -951,8 +977,10 @@ mod tests {
             not_after: now - 100,
             newest: true,
             node_has_live: false,
+            lost_answer: false,
         };
-        assert_eq!(x509pop_check(&ok, now, 604_800), Ok(()));
+        let issue = Ok(X509PopVerdict::Issue);
+        assert_eq!(x509pop_check(&ok, now, 604_800), issue);
         let with = |f: &dyn Fn(&mut X509PopCert)| {
             let mut c = X509PopCert { ..ok };
             f(&mut c);
@@ -971,8 +999,27 @@ mod tests {
             Err(Reason::X509PopNotExpired)
         );
         // Expiring at `now` is expired; 7 days and one second ago is too long.
-        assert_eq!(with(&|c| c.not_after = now), Ok(()));
-        assert_eq!(with(&|c| c.not_after = now - 604_800), Ok(()));
+        assert_eq!(with(&|c| c.not_after = now), issue);
+        assert_eq!(with(&|c| c.not_after = now - 604_800), issue);
+        // A lost answer: answered again, only for the last-but-one certificate, within the window.
+        let lost = |f: &dyn Fn(&mut X509PopCert)| {
+            with(&|c| {
+                c.newest = false;
+                c.node_has_live = true;
+                c.lost_answer = true;
+                f(c)
+            })
+        };
+        assert_eq!(lost(&|_| {}), Ok(X509PopVerdict::AnswerAgain));
+        assert_eq!(
+            lost(&|c| c.lost_answer = false),
+            Err(Reason::X509PopNotNewest)
+        );
+        assert_eq!(
+            lost(&|c| c.not_after = now - 604_801),
+            Err(Reason::X509PopNotNewest)
+        );
+        assert_eq!(lost(&|c| c.revoked = true), Err(Reason::X509PopRevoked));
         assert_eq!(
             with(&|c| c.not_after = now - 604_801),
             Err(Reason::X509PopExpiredTooLong)

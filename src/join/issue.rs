@@ -280,20 +280,36 @@ pub(crate) fn certify(
         },
         now,
     )?;
+    Ok((
+        answer(site, signer, who.node_id, who.role, &der, csr),
+        serial,
+    ))
+}
+
+/// The signed answer carrying a node certificate (`der`) for the CSR.
+pub(crate) fn answer(
+    site: &Site,
+    signer: &Signer,
+    node_id: &str,
+    role: &str,
+    der: &[u8],
+    csr: &crate::proto::csr::VerifiedCsr,
+) -> JoinResponse {
+    let cfg = &site.config;
     let body = JoinResponseBody {
-        node_id: who.node_id.to_string(),
+        node_id: node_id.to_string(),
         certificate_chain: vec![
-            crate::proto::x509::pem("CERTIFICATE", &der),
+            crate::proto::x509::pem("CERTIFICATE", der),
             signer.node_ca_pem.clone(),
         ],
         command_signing_trust_bundle: vec![],
         csr_sha256: crypto::hex(&csr.sha256),
         trust_domain: cfg.trust_domain.clone(),
         site_id: cfg.site_id.clone(),
-        role: who.role.to_string(),
+        role: role.to_string(),
         join_signing_next_key_pin: signer.keys().next_pin.clone(),
     };
-    Ok((signer.respond(&body), serial))
+    signer.respond(&body)
 }
 
 /// What an `x509pop` re-join presented and stage 1 checked. Nothing in it names a node until

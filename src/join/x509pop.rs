@@ -21,7 +21,7 @@
 
 use crate::base::crypto;
 use crate::base::error::ApiResult;
-use crate::domain::admission::{x509pop_check, Reason, X509PopCert};
+use crate::domain::admission::{x509pop_check, Reason, X509PopCert, X509PopVerdict};
 use crate::join::admit::{write, Admission, Record, Target};
 use crate::join::issue::{
     check_key_attestation, evidence_field, refused, Decided, Ready, Signer, X509PopProof,
@@ -153,22 +153,44 @@ pub(crate) fn admit(
     }
     let owner =
         (!row.revoked && row.generation == row.current_generation).then_some(row.tenant.as_str());
+    let last = crate::store::nodes::newest_certs(tx, &row.node_id)?;
+    let csr_spki = crypto::hex(&crypto::sha256(&crypto::p256_spki_from_point(
+        &r.csr.public_point,
+    )));
+    // The last certificate answered a re-join from this one, for this same new key, and is live.
+    let lost = match (last.first(), last.get(1)) {
+        (Some(n), Some(prev)) if prev.serial == row.serial => {
+            !n.revoked
+                && n.not_after > now
+                && n.generation == row.current_generation
+                && n.spki_sha256 == csr_spki
+        }
+        _ => false,
+    };
     let cert = X509PopCert {
         retired: row.state == "retired",
         generation: row.generation,
         current_generation: row.current_generation,
         revoked: row.revoked,
         not_after: row.not_after,
-        newest: crate::store::nodes::newest_cert(tx, &row.node_id)?.as_deref()
-            == Some(row.serial.as_str()),
+        newest: last.first().map(|c| c.serial.as_str()) == Some(row.serial.as_str()),
         node_has_live: crate::store::nodes::has_live_cert(tx, &row.node_id, now)?,
+        lost_answer: lost,
     };
     let window = site.config.x509pop.max_expired_seconds as i64;
-    if let Err(reason) = x509pop_check(&cert, now, window) {
-        return refused(reason, owner);
-    }
+    let verdict = match x509pop_check(&cert, now, window) {
+        Ok(v) => v,
+        Err(reason) => return refused(reason, owner),
+    };
     if p.attestation.is_err() {
         return refused(Reason::X509PopKeyAttestation, owner);
+    }
+    if verdict == X509PopVerdict::AnswerAgain {
+        let n = &last[0];
+        tracing::info!(node = %row.node_id, serial = %n.serial, "x509pop: a retry with the same new key; its certificate answered again");
+        let response =
+            crate::join::issue::answer(site, signer, &row.node_id, &n.role, &n.der, &r.csr);
+        return Ok(Decided::Issued(response));
     }
     let pool = crate::store::tenancy::pool_by_id(tx, &row.pool_id)?;
     let Some(pool) = pool.filter(|p| p.archived_at.is_none()) else {

@@ -342,15 +342,37 @@ pub fn leaf(tx: &Tx<'_>, serial: &str, der: &[u8]) -> ApiResult<Option<Leaf>> {
     .optional()?)
 }
 
-/// The serial of the node's newest certificate (the last issued), whatever its state.
-pub fn newest_cert(tx: &Tx<'_>, node_id: &str) -> ApiResult<Option<String>> {
-    Ok(crate::store::query_row(
-        tx,
-        "SELECT serial FROM node_certs WHERE node_id = ?1 ORDER BY created_at DESC, rowid DESC LIMIT 1",
-        [node_id],
-        |x| x.get(0),
-    )
-    .optional()?)
+/// A node's certificate as `x509pop` weighs it.
+pub struct IssuedCert {
+    pub serial: String,
+    pub generation: i64,
+    pub role: String,
+    pub spki_sha256: String,
+    pub der: Vec<u8>,
+    pub not_after: i64,
+    pub revoked: bool,
+}
+
+/// The node's last two certificates issued, newest first, whatever their state.
+pub fn newest_certs(tx: &Tx<'_>, node_id: &str) -> ApiResult<Vec<IssuedCert>> {
+    let mut st = tx.c().prepare_cached(
+        "SELECT serial, identity_generation, role, spki_sha256, der, not_after, revoked_at FROM node_certs
+         WHERE node_id = ?1 ORDER BY created_at DESC, rowid DESC LIMIT 2",
+    )?;
+    let out = st
+        .query_map([node_id], |x| {
+            Ok(IssuedCert {
+                serial: x.get(0)?,
+                generation: x.get(1)?,
+                role: x.get(2)?,
+                spki_sha256: x.get(3)?,
+                der: x.get(4)?,
+                not_after: x.get(5)?,
+                revoked: x.get::<_, Option<i64>>(6)?.is_some(),
+            })
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(out)
 }
 
 /// Whether the node holds a certificate that is neither revoked nor expired at `now`.

@@ -83,7 +83,20 @@ fn rejoin_signed(
     ch: &(String, Vec<u8>),
 ) -> (Vec<u8>, Vec<u8>, SigningKey) {
     let new = SigningKey::generate();
-    let csr = bca::proto::csr::create(&new);
+    let raw = rejoin_keyed(cfg, leaf, sign, node, ch, &new);
+    (raw, vec![], new)
+}
+
+/// [`rejoin_signed`] for the new key `new`: the reply's bytes.
+fn rejoin_keyed(
+    cfg: &AgentConfig,
+    leaf: &[u8],
+    sign: &dyn Fn(&[u8]) -> Vec<u8>,
+    node: &str,
+    ch: &(String, Vec<u8>),
+    new: &SigningKey,
+) -> Vec<u8> {
+    let csr = bca::proto::csr::create(new);
     let msg = x509pop_message(&ch.1, &crypto::sha256(&csr), node);
     let req = Request {
         v: 1,
@@ -105,8 +118,7 @@ fn rejoin_signed(
         }),
         ..Default::default()
     };
-    let raw = bca::agent::exchange_raw(cfg, &serde_json::to_vec(&req).unwrap()).unwrap();
-    (raw, csr, new)
+    bca::agent::exchange_raw(cfg, &serde_json::to_vec(&req).unwrap()).unwrap()
 }
 
 /// What a refusal must leave as it was: the nodes and their certificates.
@@ -245,8 +257,51 @@ fn an_expired_node_comes_back_by_x509pop_and_every_bad_claim_is_refused() {
         "{text}"
     );
 
-    // By hand: the same node, the same generation, a new certificate, the event says x509pop.
+    let hand_old_key = {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("node.key"), &hand_key).unwrap();
+        bca::agent::nodekey::NodeKey::load(&dir.path().join("node.key"))
+            .unwrap()
+            .unwrap()
+    };
+    // A first attempt whose answer is lost: the agent had kept its new key (node.key.x509pop)
+    // before sending, and its retry presents it again.
     let certs = a.count("SELECT count(*) FROM node_certs");
+    let pending = SigningKey::generate();
+    let pending_file = by_hand.join("data/node.key.x509pop");
+    std::fs::write(
+        &pending_file,
+        bca::proto::x509::pem("PRIVATE KEY", pending.pkcs8()),
+    )
+    .unwrap();
+    let ch = challenge(&sim.cfg).unwrap();
+    let lost = rejoin_keyed(
+        &sim.cfg,
+        &hand_leaf,
+        &|m| hand_old_key.sign(X509POP_PURPOSE, m).unwrap(),
+        &hand_id,
+        &ch,
+        &pending,
+    );
+    let lost: Reply = serde_json::from_slice(&lost).unwrap();
+    let lost = lost.join_response.expect("the first attempt was issued");
+    let lost_body: JoinResponseBody =
+        serde_json::from_slice(&crypto::b64_decode(&lost.body).unwrap()).unwrap();
+    assert_eq!(a.count("SELECT count(*) FROM node_certs"), certs + 1);
+    // Another key after that: refused (the node has a newer, live certificate).
+    let before = nodes_and_certs(&a);
+    let ch = challenge(&sim.cfg).unwrap();
+    let (raw, _, _) = rejoin_signed(
+        &sim.cfg,
+        &hand_leaf,
+        &|m| hand_old_key.sign(X509POP_PURPOSE, m).unwrap(),
+        &hand_id,
+        &ch,
+    );
+    assert_refused(&a, &raw, "x509pop:not-newest", &t, &before);
+
+    // By hand: the retry with the kept key gets the certificate issued for it again; the same
+    // node, the same generation, the event says x509pop.
     let o = agent_cmd(&by_hand, &["join", "--attestor", "x509pop"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), hand_id);
@@ -258,6 +313,12 @@ fn an_expired_node_comes_back_by_x509pop_and_every_bad_claim_is_refused() {
         hand_key
     );
     assert_eq!(a.count("SELECT count(*) FROM node_certs"), certs + 1);
+    assert_eq!(
+        bca::proto::x509::pem_decode_all(&lost_body.certificate_chain[0], "CERTIFICATE")[0],
+        new_leaf,
+        "the retry got the lost answer's certificate"
+    );
+    assert!(!pending_file.exists());
     let (tenant, ev) = a.last_event("node.joined").unwrap();
     assert_eq!(tenant, t);
     assert_eq!(ev["attestor"], "x509pop");
@@ -285,13 +346,6 @@ fn an_expired_node_comes_back_by_x509pop_and_every_bad_claim_is_refused() {
         String::from_utf8_lossy(&o.stdout)
     );
     // Again with the same expired certificate: refused, not the newest.
-    let hand_old_key = {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("node.key"), &hand_key).unwrap();
-        bca::agent::nodekey::NodeKey::load(&dir.path().join("node.key"))
-            .unwrap()
-            .unwrap()
-    };
     let before = nodes_and_certs(&a);
     let ch = challenge(&sim.cfg).unwrap();
     let (raw, _, _) = rejoin_signed(
@@ -581,4 +635,105 @@ fn a_tpm_bound_node_comes_back_only_with_its_aks_attestation_of_the_new_key() {
     assert_eq!(ev["attestor"], "x509pop");
     assert_eq!(ev["nodeKey"], "tpm");
     assert_eq!(ev["previousSerial"], old.serial_hex.as_str());
+}
+
+/// The attacks a fresh-eyes review tried against the running appliance (2026-12-07), each kept:
+/// a replayed answer, a race of re-joins, the appliance's own certificates presented, a proof
+/// made under another purpose, a deleted node, an archived pool.
+#[test]
+fn the_reviews_attacks_on_x509pop_are_refused() {
+    let a = Appliance::start_cfg("file", &[], |c| x509pop_on(c, 604_800));
+    let sim = Sim::new(&a);
+    let root = a.root_tenant();
+    let pool = a.pool("rack-a");
+    let pool2 = a.pool("rack-b");
+    let (_, token) = a.token(&pool, json!({"maxUses": 10}));
+    let (_, token2) = a.token(&pool2, json!({"maxUses": 2}));
+    let replayed = held(&sim, &token, &machine());
+    let raced = held(&sim, &token, &machine());
+    let purpose = held(&sim, &token, &machine());
+    let deleted = held(&sim, &token, &machine());
+    let archived = held(&sim, &token2, &machine());
+    std::thread::sleep(Duration::from_secs(11));
+
+    // A captured good request, sent again: its challenge is spent.
+    let ch = challenge(&sim.cfg).unwrap();
+    let new = SigningKey::generate();
+    let sign = |m: &[u8]| replayed.key.sign(X509POP_PURPOSE, m);
+    let first = rejoin_keyed(&sim.cfg, &replayed.leaf, &sign, &replayed.id, &ch, &new);
+    assert!(serde_json::from_slice::<Reply>(&first)
+        .unwrap()
+        .join_response
+        .is_some());
+    let before = nodes_and_certs(&a);
+    let again = rejoin_keyed(&sim.cfg, &replayed.leaf, &sign, &replayed.id, &ch, &new);
+    assert_refused(&a, &again, "x509pop:challenge", &root, &before);
+
+    // Eight re-joins of one node at once, each with its own challenge and key: one certificate.
+    let certs = a.count("SELECT count(*) FROM node_certs");
+    let chs: Vec<_> = (0..8).map(|_| challenge(&sim.cfg).unwrap()).collect();
+    let issued = std::thread::scope(|s| {
+        let hs: Vec<_> = chs
+            .iter()
+            .map(|ch| {
+                let (cfg, r) = (&sim.cfg, &raced);
+                s.spawn(move || {
+                    let (raw, _, _) = rejoin_raw(cfg, &r.leaf, &r.key, &r.id, ch);
+                    serde_json::from_slice::<Reply>(&raw)
+                        .unwrap()
+                        .join_response
+                        .is_some()
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .filter(|x| *x)
+            .count()
+    });
+    assert_eq!(issued, 1);
+    assert_eq!(a.count("SELECT count(*) FROM node_certs"), certs + 1);
+
+    // The appliance's own certificates are not a node's.
+    let before = nodes_and_certs(&a);
+    for f in [
+        "node-ca.pem",
+        "serving-ca.pem",
+        "gateway.pem",
+        "join-signing.pem",
+    ] {
+        let pem = std::fs::read_to_string(a.state().join("pki").join(f)).unwrap();
+        let der = bca::proto::x509::pem_decode_all(&pem, "CERTIFICATE").remove(0);
+        let ch = challenge(&sim.cfg).unwrap();
+        let (raw, _, _) = rejoin_raw(&sim.cfg, &der, &purpose.key, &purpose.id, &ch);
+        assert_refused(&a, &raw, "x509pop:unknown", &root, &before);
+    }
+
+    // The right key, but under the renewal's purpose: no proof.
+    let ch = challenge(&sim.cfg).unwrap();
+    let (raw, _, _) = rejoin_signed(
+        &sim.cfg,
+        &purpose.leaf,
+        &|m| purpose.key.sign(bca::proto::protocol::RENEW_POP_PURPOSE, m),
+        &purpose.id,
+        &ch,
+    );
+    assert_refused(&a, &raw, "x509pop:pop", &root, &before);
+
+    // A deleted node: its certificates are gone with it.
+    a.api_ok(
+        "nodes/delete",
+        json!({"tenantId": root, "nodeId": deleted.id}),
+    );
+    let before = nodes_and_certs(&a);
+    let ch = challenge(&sim.cfg).unwrap();
+    let (raw, _, _) = rejoin_raw(&sim.cfg, &deleted.leaf, &deleted.key, &deleted.id, &ch);
+    assert_refused(&a, &raw, "x509pop:unknown", &root, &before);
+
+    // An archived pool admits no one.
+    a.api_ok("pools/archive", json!({"tenantId": root, "poolId": pool2}));
+    let before = nodes_and_certs(&a);
+    let ch = challenge(&sim.cfg).unwrap();
+    let (raw, _, _) = rejoin_raw(&sim.cfg, &archived.leaf, &archived.key, &archived.id, &ch);
+    assert_refused(&a, &raw, "join:pool", &root, &before);
 }
