@@ -45,6 +45,8 @@ mod renew;
 mod rotate;
 #[path = "it/timing.rs"]
 mod timing;
+#[path = "it/seed_rules.rs"]
+mod seed_rules;
 #[path = "it/tls.rs"]
 mod tls;
 #[path = "it/tpm.rs"]

@@ -95,7 +95,12 @@ fn discovery_agent(dir: &Path, claims: &Path, retry: u32) -> Child {
         .arg(dir.join("data"))
         .arg("--claims")
         .arg(claims)
-        .args(["--wait-seconds", "60", "--retry-seconds", &retry.to_string()])
+        .args([
+            "--wait-seconds",
+            "60",
+            "--retry-seconds",
+            &retry.to_string(),
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -203,7 +208,10 @@ fn join_requests_list_shows_the_pools_requests_and_the_sites_unclaimed_ones() {
         .as_str()
         .unwrap()
         .to_string();
-    let pool_c = a.api_ok("pools/create", json!({"tenantId": tenant, "name": "acme-c"}))["id"]
+    let pool_c = a.api_ok(
+        "pools/create",
+        json!({"tenantId": tenant, "name": "acme-c"}),
+    )["id"]
         .as_str()
         .unwrap()
         .to_string();
@@ -231,8 +239,14 @@ fn join_requests_list_shows_the_pools_requests_and_the_sites_unclaimed_ones() {
         sorted(vec![unclaimed.clone(), in_b.clone()])
     );
     // The state filter applies within that scope: pending is the unclaimed one alone.
-    assert_eq!(list(&root, Some(pool_a.as_str()), "pending"), vec![unclaimed.clone()]);
-    assert_eq!(list(&root, Some(pool_a.as_str()), "approved"), vec![in_a.clone()]);
+    assert_eq!(
+        list(&root, Some(pool_a.as_str()), "pending"),
+        vec![unclaimed.clone()]
+    );
+    assert_eq!(
+        list(&root, Some(pool_a.as_str()), "approved"),
+        vec![in_a.clone()]
+    );
     assert!(list(&root, Some(pool_a.as_str()), "rejected").is_empty());
     // No pool: every pool of the tenant's, and the unclaimed one.
     assert_eq!(
@@ -240,18 +254,14 @@ fn join_requests_list_shows_the_pools_requests_and_the_sites_unclaimed_ones() {
         sorted(vec![unclaimed.clone(), in_a.clone(), in_b.clone()])
     );
     // Another tenant: the site's unclaimed request only, with or without its pool.
-    assert_eq!(list(&tenant, Some(pool_c.as_str()), "all"), vec![unclaimed.clone()]);
+    assert_eq!(
+        list(&tenant, Some(pool_c.as_str()), "all"),
+        vec![unclaimed.clone()]
+    );
     assert_eq!(list(&tenant, None, "all"), vec![unclaimed.clone()]);
     // The CLI says the same.
     assert_eq!(
-        ids_of(&a.cli_json(&[
-            "join-requests",
-            "list",
-            "--pool",
-            &pool_b,
-            "--state",
-            "all"
-        ])),
+        ids_of(&a.cli_json(&["join-requests", "list", "--pool", &pool_b, "--state", "all"])),
         sorted(vec![unclaimed.clone(), in_b.clone()])
     );
 
@@ -310,7 +320,10 @@ fn a_request_past_its_expiry_expires_pending_or_approved() {
     // Pending, then past its expiry.
     let (mac1, r1) = ask_once(&a);
     expire_now(&a, &r1);
-    assert!(pending_of(&a, &mac1).is_none(), "an expired request is listed as pending");
+    assert!(
+        pending_of(&a, &mac1).is_none(),
+        "an expired request is listed as pending"
+    );
     let expired = ids_of(&a.cli_json(&["join-requests", "list", "--state", "expired"]));
     assert_eq!(expired, vec![r1.clone()]);
     assert_eq!(request(&a, &r1)["state"], "expired");
@@ -396,7 +409,10 @@ fn a_machine_with_fewer_than_two_identifiers_joins_only_as_a_new_node() {
     assert_eq!(node["hardwareKeyTrusted"], false);
     let (_, joined) = a.last_event("node.joined").unwrap();
     assert_eq!(
-        (joined["reclaim"].as_bool(), joined["hardwareKeyTrusted"].as_bool()),
+        (
+            joined["reclaim"].as_bool(),
+            joined["hardwareKeyTrusted"].as_bool()
+        ),
         (Some(false), Some(false))
     );
     // The same machine again: a new node; the first keeps its identity.
@@ -625,7 +641,10 @@ fn deleting_a_retired_tpm_node_gives_its_ek_back_to_the_ek_ca_bundle() {
     let o = join(&[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let first = String::from_utf8(o.stdout).unwrap().trim().to_string();
-    assert_eq!(a.last_event("node.joined").unwrap().1["admittedBy"], "ek-ca");
+    assert_eq!(
+        a.last_event("node.joined").unwrap().1["admittedBy"],
+        "ek-ca"
+    );
 
     a.cli_json(&["nodes", "retire", &first]);
     let o = join(&["--wait-seconds", "0"]);
@@ -700,7 +719,8 @@ fn a_0400_token_file_joins_and_is_deleted() {
         assert_eq!(o.status.code(), Some(1));
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(
-            err.contains("readable by its owner alone") && err.contains(&format!("it is {mode:04o}")),
+            err.contains("readable by its owner alone")
+                && err.contains(&format!("it is {mode:04o}")),
             "{err}"
         );
         assert!(tf.exists());
