@@ -43,10 +43,10 @@ mod pxe;
 mod renew;
 #[path = "it/rotate.rs"]
 mod rotate;
-#[path = "it/timing.rs"]
-mod timing;
 #[path = "it/seed_rules.rs"]
 mod seed_rules;
+#[path = "it/timing.rs"]
+mod timing;
 #[path = "it/tls.rs"]
 mod tls;
 #[path = "it/tpm.rs"]

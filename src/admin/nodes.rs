@@ -236,9 +236,11 @@ fn provision_token(
     let expect = Expect {
         product_uuid: ids.product_uuid.clone(),
         serial: ids.serials.first().cloned(),
+        // A MAC counts only when permanent (a locally administered one, as a VM's, binds nothing:
+        // `expect` matches the permanent MACs alone).
         mac: v["bootMac"]
             .as_str()
-            .map(str::to_string)
+            .and_then(crate::proto::claims::normalize_mac)
             .or_else(|| ids.macs.first().cloned()),
         gpu_uuid: None,
     };

@@ -726,9 +726,10 @@ pub fn exchange_raw(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Vec<u8>> {
 
 pub type GatewayStream = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
+/// The gateway could not be reached or did not answer: `UNAVAILABLE`, worth a retry.
 fn unreachable(cfg: &AgentConfig, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(
-        Code::InvalidState,
+        Code::Unavailable,
         format!("cannot reach the gateway {}: {e}", cfg.gateway_url),
     )
 }

@@ -263,6 +263,19 @@ pub fn run(o: RunOptions) -> ApiResult<()> {
                         agent::apply_learned(&mut cfg, &o.data_dir);
                         continue;
                     }
+                    // The network is down or the appliance busy: try again later, as a lost
+                    // session does. A refusal ends here: the way back is then by hand.
+                    Ok(Err(e)) if e.code == Code::Unavailable => {
+                        let delay = backoff(attempt, o.backoff_base, o.backoff_cap);
+                        tracing::warn!(node = %cur.identity.node_id, error = %e.message, attempt, delay_ms = delay.as_millis() as u64, "the certificate expired; the x509pop re-join did not reach the appliance; retrying");
+                        attempt = attempt.saturating_add(1);
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = term.recv() => return Ok(()),
+                            _ = int.recv() => return Ok(()),
+                        }
+                        continue;
+                    }
                     Ok(Err(e)) => {
                         return Err(ApiError::invalid_state(format!("{advice}; the x509pop re-join failed: {}", e.message)))
                     }

@@ -97,8 +97,37 @@ fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
         Ask::DownloadSha { version, arch } => Answer::Sha {
             sha256: crate::store::downloads::recorded_sha(&app.store, &version, &arch),
         },
+        Ask::ReleaseManifest => match release_manifest(app) {
+            Ok(text) => Answer::Text { text },
+            Err(message) => Answer::Unavailable { message },
+        },
         Ask::BootScript { .. } | Ask::WellKnown | Ask::BootArchive { .. } => {
             unreachable!("answered on the runtime")
         }
     }
+}
+
+/// The signed release manifest: every recorded agent binary, signed now by the join-signing key.
+fn release_manifest(app: &Arc<App>) -> Result<String, String> {
+    let items = app
+        .store
+        .read(crate::store::downloads::list)
+        .map_err(|e| e.message)?;
+    let agents: Vec<(String, String, String)> = items
+        .iter()
+        .filter(|d| d["product"] == "bcd")
+        .map(|d| {
+            let s = |k: &str| d[k].as_str().unwrap_or_default().to_string();
+            (s("version"), s("arch"), s("sha256"))
+        })
+        .collect();
+    let join = app
+        .join
+        .get()
+        .ok_or("the JoinService is not running: no key signs the manifest")?;
+    let body = crate::domain::downloads::manifest_body(&app.site.config.site_id, &agents);
+    let (sig, signer) = join.sign_release_manifest(&body);
+    Ok(crate::domain::downloads::manifest_text(
+        &body, &signer, &sig,
+    ))
 }

@@ -116,7 +116,7 @@ pub async fn script(
         return match ask(None, false).await {
             Some(Outcome::LocalBoot) => {
                 record("script").await;
-                tracing::info!(%mac, "boot: adopted node; local disk");
+                tracing::info!(%mac, "boot: local disk (an OS node, or its OS being installed)");
                 Ok(templates::render(
                     &script_root(app)?,
                     templates::LOCAL_DISK,
@@ -137,7 +137,7 @@ pub async fn script(
     let epoch = record("script").await;
     match ask(epoch, true).await {
         Some(Outcome::LocalBoot) => {
-            tracing::info!(%mac, "boot: adopted node; local disk");
+            tracing::info!(%mac, "boot: local disk (an OS node, or its OS being installed)");
             Ok(templates::render(
                 &script_root(app)?,
                 templates::LOCAL_DISK,

@@ -298,9 +298,34 @@ pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
             base_url,
             bcd_version,
             sha256,
+            release_manifest,
+            release_pins,
         } => {
-            let (amd, arm) = crate::cli::install_script::parse_sha256(&sha256)
-                .map_err(ApiError::invalid_input)?;
+            let (amd, arm) = match &sha256 {
+                Some(s) => {
+                    crate::cli::install_script::parse_sha256(s).map_err(ApiError::invalid_input)?
+                }
+                None => (None, None),
+            };
+            let pins = match &release_pins {
+                Some(p) => {
+                    crate::cli::install_script::parse_pins(p).map_err(ApiError::invalid_input)?
+                }
+                None => Vec::new(),
+            };
+            let url_ok = |u: &str| {
+                (u.starts_with("http://") || u.starts_with("https://") || u.starts_with("file://"))
+                    && u.bytes().all(|c| {
+                        c.is_ascii_graphic() && !matches!(c, b'\'' | b'"' | b'\\' | b'$' | b'`')
+                    })
+            };
+            if let Some(m) = &release_manifest {
+                if !url_ok(m) {
+                    return Err(ApiError::invalid_input(format!(
+                        "--release-manifest {m:?} must be an http://, https:// or file:// URL"
+                    )));
+                }
+            }
             if !crate::domain::downloads::valid_version(&bcd_version) {
                 return Err(ApiError::invalid_input(
                     "--bcd-version must match ^[0-9A-Za-z][0-9A-Za-z.+-]{0,63}$",
@@ -340,6 +365,7 @@ pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
                     version: &bcd_version,
                     sha256_amd64: amd.as_deref(),
                     sha256_arm64: arm.as_deref(),
+                    release: release_manifest.as_deref().map(|m| (m, pins.as_slice())),
                 })
             );
             Ok(())

@@ -520,8 +520,21 @@ pub enum DaemonCmd {
         #[arg(long)]
         bcd_version: String,
         /// amd64=<hex>[,arm64=<hex>]: the SHA-256 of each binary.
-        #[arg(long)]
-        sha256: String,
+        #[arg(
+            long,
+            required_unless_present = "release_manifest",
+            conflicts_with = "release_manifest"
+        )]
+        sha256: Option<String>,
+        /// Instead of --sha256: the signed release manifest's URL
+        /// (<base-url>/api/compute/downloads/manifest); the script checks its signature against
+        /// --release-pins before it trusts a digest.
+        #[arg(long, requires = "release_pins")]
+        release_manifest: Option<String>,
+        /// Comma-separated sha256/… SPKI pins of the keys allowed to sign the manifest (the
+        /// join-signing key's pin, and its next key's during a rotation: bca pki show).
+        #[arg(long, requires = "release_manifest")]
+        release_pins: Option<String>,
     },
     /// Write an agent's config.toml (0600) and join-encryption.jwk (0644) into a new folder.
     #[command(name = "agent-config")]

@@ -7,6 +7,11 @@
 //! with the token on standard input and enables the unit. Run with no token on a host that already
 //! has the config, it upgrades the binary in place and restarts the unit. `DESTDIR` installs into a
 //! scratch root (and skips systemctl); `BCA_CLAIMS_FILE` passes `--claims` for simulated machines.
+//!
+//! With `--release-manifest URL --release-pins PINS` (the seed's) instead of `--sha256`, the
+//! script takes the digest from the appliance's signed release manifest
+//! (`/api/compute/downloads/manifest`), once its signer's SPKI is one of the pins (the
+//! join-signing key, and its next key during a rotation) and its signature verifies (openssl).
 
 use crate::proto::agent_config::AgentConfig;
 
@@ -18,6 +23,26 @@ pub struct ScriptInput<'a> {
     pub version: &'a str,
     pub sha256_amd64: Option<&'a str>,
     pub sha256_arm64: Option<&'a str>,
+    /// A signed release manifest's URL and the SPKI pins of the keys allowed to sign it
+    /// (instead of the SHA-256s above).
+    pub release: Option<(&'a str, &'a [String])>,
+}
+
+/// Parses `--release-pins`: comma-separated `sha256/<base64 of 32 bytes>`.
+pub fn parse_pins(s: &str) -> Result<Vec<String>, String> {
+    let pins: Vec<String> = s.split(',').map(str::to_string).collect();
+    for p in &pins {
+        let ok = p
+            .strip_prefix("sha256/")
+            .and_then(crate::base::crypto::b64_decode)
+            .is_some_and(|b| b.len() == 32);
+        if !ok {
+            return Err(format!(
+                "--release-pins: {p:?} is not sha256/<base64 of a SHA-256> (as bca pki show prints)"
+            ));
+        }
+    }
+    Ok(pins)
 }
 
 /// Parses `amd64=<hex>[,arm64=<hex>]`.
@@ -64,6 +89,9 @@ BASE_URL={base}
 VERSION={version}
 SHA256_AMD64={amd}
 SHA256_ARM64={arm}
+RELEASE_MANIFEST={manifest}
+RELEASE_PINS={pins}
+SITE={site_q}
 DESTDIR="${{DESTDIR:-}}"
 BIN="$DESTDIR/usr/local/bin/bca"
 ETC="$DESTDIR/etc/bca-agent"
@@ -71,6 +99,39 @@ DATA="$DESTDIR/var/lib/bca-agent"
 UNIT="$DESTDIR/etc/systemd/system/bca-agent.service"
 
 die() {{ echo "install-bca: $*" >&2; exit 1; }}
+
+fetch() {{
+  if command -v curl >/dev/null 2>&1; then curl -fsS -o "$2" "$1"
+  elif command -v wget >/dev/null 2>&1; then wget -q -O "$2" "$1"
+  else die "neither curl nor wget is installed"; fi
+}}
+
+# The signed release manifest (bca's downloads, signed by the appliance's join-signing key): its
+# signer must be one of the pinned keys and its signature must verify before a digest is read.
+# Transport does not matter: the pins do. Prints the SHA-256 of $VERSION for the architecture.
+release_sha() {{
+  command -v openssl >/dev/null 2>&1 || die "openssl is needed to check the signed release manifest"
+  r=$(mktemp -d)
+  fetch "$RELEASE_MANIFEST" "$r/manifest" || {{ rm -rf "$r"; die "cannot download $RELEASE_MANIFEST"; }}
+  sed -n 's/^signer //p' "$r/manifest" | base64 -d > "$r/signer.der" 2>/dev/null
+  sed -n 's/^signature //p' "$r/manifest" | base64 -d > "$r/sig.der" 2>/dev/null
+  openssl x509 -inform DER -in "$r/signer.der" -pubkey -noout > "$r/pub.pem" 2>/dev/null \
+    || {{ rm -rf "$r"; die "the release manifest carries no signer certificate; nothing was installed"; }}
+  pin="sha256/$(openssl pkey -pubin -in "$r/pub.pem" -outform DER | openssl dgst -sha256 -binary | base64)"
+  ok=""
+  for p in $RELEASE_PINS; do [ "$p" = "$pin" ] && ok=1; done
+  [ -n "$ok" ] || {{ rm -rf "$r"; die "the release manifest is signed by $pin, not a pinned key; nothing was installed"; }}
+  sed '/^signer /,$d' "$r/manifest" > "$r/body"
+  {{ printf 'bca release-manifest v1\000'; cat "$r/body"; }} > "$r/signed"
+  openssl dgst -sha256 -verify "$r/pub.pem" -signature "$r/sig.der" "$r/signed" >/dev/null 2>&1 \
+    || {{ rm -rf "$r"; die "the release manifest's signature does not verify; nothing was installed"; }}
+  head -n 1 "$r/body" | grep -qx 'bca-release-manifest v1' \
+    || {{ rm -rf "$r"; die "not a bca release manifest; nothing was installed"; }}
+  grep -qx "site $SITE" "$r/body" \
+    || {{ rm -rf "$r"; die "the release manifest is another site's; nothing was installed"; }}
+  awk -v v="$VERSION" -v a="$1" '$1 == "agent" && $2 == v && $3 == a {{ print $4 }}' "$r/body"
+  rm -rf "$r"
+}}
 
 token="${{BCD_JOIN_TOKEN:-}}"
 unset BCD_JOIN_TOKEN
@@ -91,18 +152,15 @@ case "$(uname -m)" in
   aarch64|arm64) arch=arm64; want="$SHA256_ARM64" ;;
   *) die "unsupported architecture $(uname -m)" ;;
 esac
+if [ -n "$RELEASE_MANIFEST" ]; then
+  want=$(release_sha "$arch") || exit 1
+fi
 [ -n "$want" ] || die "this script carries no SHA-256 for $arch"
 
 url="$BASE_URL/api/compute/downloads/bcd/$VERSION/linux-$arch"
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT INT TERM
-if command -v curl >/dev/null 2>&1; then
-  curl -fsS -o "$tmp" "$url" || die "cannot download $url"
-elif command -v wget >/dev/null 2>&1; then
-  wget -q -O "$tmp" "$url" || die "cannot download $url"
-else
-  die "neither curl nor wget is installed"
-fi
+fetch "$url" "$tmp" || die "cannot download $url"
 got=$(sha256sum "$tmp" | cut -d' ' -f1)
 [ "$got" = "$want" ] || die "the download's SHA-256 is $got, not $want; nothing was installed"
 
@@ -147,6 +205,9 @@ echo "install-bca: joined; the agent runs as bca-agent.service"
         version = q(i.version),
         amd = q(i.sha256_amd64.unwrap_or("")),
         arm = q(i.sha256_arm64.unwrap_or("")),
+        manifest = q(i.release.map(|r| r.0).unwrap_or("")),
+        pins = q(&i.release.map(|r| r.1.join(" ")).unwrap_or_default()),
+        site_q = q(&i.config.site),
         config = config,
         jwk = i.jwk_json.trim_end(),
         unit = UNIT,

@@ -33,3 +33,23 @@ pub fn parse_rest(rest: &str) -> Option<(String, String)> {
     let arch = file.strip_prefix("linux-")?;
     (valid_version(version) && ARCHES.contains(&arch)).then(|| (version.into(), arch.into()))
 }
+
+/// The purpose string of a release manifest's signature.
+pub const RELEASE_MANIFEST_PURPOSE: &str = "bca release-manifest v1";
+
+/// A release manifest's signed part: its header, the site, and a line per agent binary
+/// (`agent <version> <arch> <sha256>`), each line ending with a newline. The signature is over
+/// [`RELEASE_MANIFEST_PURPOSE`], a zero byte, and these bytes.
+pub fn manifest_body(site_id: &str, agents: &[(String, String, String)]) -> String {
+    let mut out = format!("bca-release-manifest v1\nsite {site_id}\n");
+    for (version, arch, sha) in agents {
+        out.push_str(&format!("agent {version} {arch} {sha}\n"));
+    }
+    out
+}
+
+/// The manifest as served: the body, then `signer <base64 DER certificate>` and
+/// `signature <base64 DER ECDSA>`.
+pub fn manifest_text(body: &str, signer_b64: &str, sig_b64: &str) -> String {
+    format!("{body}signer {signer_b64}\nsignature {sig_b64}\n")
+}

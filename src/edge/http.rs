@@ -162,6 +162,26 @@ async fn public(
             _ => error(&ApiError::internal("the core gave no document")),
         });
     }
+    if req.uri().path() == format!("{BASE_PATH}/downloads/manifest") {
+        if req.method() != Method::GET {
+            return Ok(error(&ApiError::invalid_input(
+                "use GET for the release manifest",
+            )));
+        }
+        return Ok(match edge.core.ask(Ask::ReleaseManifest).await {
+            Answer::Text { text } => Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", "text/plain; charset=utf-8")
+                .header("cache-control", "no-store")
+                .body(full(Bytes::from(text)))
+                .expect("a valid response"),
+            Answer::Unavailable { message } => error(&ApiError::new(
+                crate::base::error::Code::Unavailable,
+                message,
+            )),
+            _ => error(&ApiError::internal("the core gave no manifest")),
+        });
+    }
     let downloads = format!("{BASE_PATH}/downloads/bcd/");
     if let Some((version, arch)) = req
         .uri()

@@ -77,6 +77,8 @@ pub enum Ask {
         version: String,
         arch: String,
     },
+    /// The signed release manifest (the downloads and their SHA-256s).
+    ReleaseManifest,
 }
 
 impl Ask {
@@ -91,6 +93,7 @@ impl Ask {
             Ask::Metrics { .. } => "metrics",
             Ask::WellKnown => "wellKnown",
             Ask::DownloadSha { .. } => "downloadSha",
+            Ask::ReleaseManifest => "releaseManifest",
         }
     }
 }

@@ -95,6 +95,16 @@ impl Signer {
         self.signed(JOIN_RESPONSE_PURPOSE, body)
     }
 
+    /// A signature over `bytes` under `purpose` with the join-signing key, and that key's
+    /// certificate (base64 DER).
+    pub(crate) fn sign_bytes(&self, purpose: &str, bytes: &[u8]) -> (String, String) {
+        let keys = self.keys();
+        (
+            crypto::b64(&keys.join_signing.sign(purpose, bytes)),
+            keys.signer_b64.clone(),
+        )
+    }
+
     /// `{ body, sig, signer }`: the JSON of `body`, signed under `purpose`.
     pub(crate) fn signed(&self, purpose: &str, body: &impl serde::Serialize) -> JoinResponse {
         let body = serde_json::to_vec(body).expect("serializes");

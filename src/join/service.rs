@@ -191,6 +191,15 @@ impl JoinHandle {
         self.inner.signer.replace_keys(k);
     }
 
+    /// The release manifest's signature and signer (`domain::downloads::manifest_body`): only the
+    /// appliance's own process asks, never the network child (it is no [`Call`]).
+    pub fn sign_release_manifest(&self, body: &str) -> (String, String) {
+        self.inner.signer.sign_bytes(
+            crate::domain::downloads::RELEASE_MANIFEST_PURPOSE,
+            body.as_bytes(),
+        )
+    }
+
     /// Whether the writer thread still takes work.
     pub fn is_running(&self) -> bool {
         self.inner.alive.load(std::sync::atomic::Ordering::SeqCst)

@@ -440,3 +440,176 @@ fn dev_sim_shows_five_connected_nodes() {
     assert!(status.success());
     assert!(!Path::new(&state).exists());
 }
+
+/// An install script made with `--release-manifest` and `--release-pins`: the digest comes from
+/// the appliance's signed manifest, trusted only when a pinned key signed it.
+fn manifest_script(
+    a: &Appliance,
+    pool: &str,
+    url: &str,
+    pins: &str,
+    version: &str,
+) -> std::path::PathBuf {
+    let o = a.cli(&[
+        "daemon",
+        "install-script",
+        "--pool",
+        pool,
+        "--gateway-url",
+        &format!("https://{}", a.gateway),
+        "--base-url",
+        &format!("http://{}", a.http),
+        "--bcd-version",
+        version,
+        "--release-manifest",
+        url,
+        "--release-pins",
+        pins,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let p = a.dir.path().join(format!("install-{}.sh", rand_hex(3)));
+    std::fs::write(&p, &o.stdout).unwrap();
+    p
+}
+
+#[test]
+fn the_install_script_trusts_a_release_manifest_only_under_its_pins() {
+    let a = Appliance::start();
+    let pool = a.pool("brownfield");
+    let (_, token) = a.token(&pool, json!({"maxUses": 3}));
+    a.cli_json(&[
+        "downloads",
+        "add",
+        bin(),
+        "--version",
+        "0.1.0",
+        "--arch",
+        "amd64",
+    ]);
+    let sha = sha256_of(Path::new(bin()));
+    let cfg = a.agent_config(&a.agent_dir());
+    let claims = write_claims(&a, &machine());
+    let url = format!("http://{}/api/compute/downloads/manifest", a.http);
+
+    // The manifest: its lines, signed by the join-signing key.
+    let o = Command::new("curl").args(["-fsS", &url]).output().unwrap();
+    assert!(o.status.success());
+    let manifest = String::from_utf8(o.stdout).unwrap();
+    let lines: Vec<&str> = manifest.lines().collect();
+    assert_eq!(lines[0], "bca-release-manifest v1");
+    assert_eq!(lines[1], format!("site {}", cfg.site));
+    assert_eq!(lines[2], format!("agent 0.1.0 amd64 {sha}"));
+    assert!(lines[3].starts_with("signer ") && lines[4].starts_with("signature "));
+    let (sig_b64, signer_b64) = (&lines[4][10..], &lines[3][7..]);
+    let body = format!("{}\n{}\n{}\n", lines[0], lines[1], lines[2]);
+    let signer = bca::base::crypto::b64_decode(signer_b64).unwrap();
+    let spki = bca::proto::x509::cert_spki(&signer).unwrap();
+    assert_eq!(
+        format!(
+            "sha256/{}",
+            bca::base::crypto::b64(&bca::base::crypto::sha256(&spki))
+        ),
+        cfg.join_signing_key_pin
+    );
+    let point = bca::base::crypto::p256_point_from_spki(&spki).unwrap();
+    assert!(bca::base::crypto::verify(
+        point,
+        "bca release-manifest v1",
+        body.as_bytes(),
+        &bca::base::crypto::b64_decode(sig_b64).unwrap()
+    ));
+
+    // Under the join-signing pin: installed and joined.
+    let good = manifest_script(&a, &pool, &url, &cfg.join_signing_key_pin, "0.1.0");
+    let root = a.dir.path().join("root-good");
+    let o = run_script(&good, &root, Some(&token), &claims);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(sha256_of(&root.join("usr/local/bin/bca")), sha);
+
+    // Another key pinned (the serving CA's): refused, nothing installed.
+    let other = manifest_script(&a, &pool, &url, &cfg.serving_ca_spki_pin, "0.1.0");
+    let root_bad = a.dir.path().join("root-bad");
+    let o = run_script(&other, &root_bad, Some(&token), &claims);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("not a pinned key; nothing was installed"),
+        "{err}"
+    );
+    assert!(!root_bad.join("usr/local/bin/bca").exists());
+
+    // A manifest changed on the way (another digest): its signature fails.
+    let tampered = a.dir.path().join("tampered-manifest");
+    std::fs::write(&tampered, manifest.replace(&sha, &"0".repeat(64))).unwrap();
+    let script = manifest_script(
+        &a,
+        &pool,
+        &format!("file://{}", tampered.display()),
+        &cfg.join_signing_key_pin,
+        "0.1.0",
+    );
+    let o = run_script(&script, &root_bad, Some(&token), &claims);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("signature does not verify"), "{err}");
+    assert!(!root_bad.join("usr/local/bin/bca").exists());
+
+    // A version the manifest does not list: no digest, nothing installed.
+    let script = manifest_script(&a, &pool, &url, &cfg.join_signing_key_pin, "9.9.9");
+    let o = run_script(&script, &root_bad, Some(&token), &claims);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("carries no SHA-256 for amd64"));
+    assert!(!root_bad.join("usr/local/bin/bca").exists());
+
+    // Bad flags: a pin that is not one, both ways at once, a pinless manifest.
+    for (args, want) in [
+        (
+            vec![
+                "--release-manifest",
+                url.as_str(),
+                "--release-pins",
+                "sha256/nope",
+            ],
+            "is not sha256/",
+        ),
+        (
+            vec![
+                "--release-manifest",
+                url.as_str(),
+                "--release-pins",
+                &cfg.join_signing_key_pin,
+                "--sha256",
+                &format!("amd64={sha}"),
+            ],
+            "cannot be used with",
+        ),
+        (vec!["--release-manifest", url.as_str()], "--release-pins"),
+        (
+            vec![
+                "--release-manifest",
+                "ftp://x",
+                "--release-pins",
+                &cfg.join_signing_key_pin,
+            ],
+            "must be an http://",
+        ),
+    ] {
+        let mut all = vec![
+            "daemon",
+            "install-script",
+            "--pool",
+            &pool,
+            "--gateway-url",
+            "https://gw.example",
+            "--base-url",
+            "http://bca.example",
+            "--bcd-version",
+            "0.1.0",
+        ];
+        all.extend(args.iter().copied());
+        let o = a.cli(&all);
+        assert_ne!(o.status.code(), Some(0), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

@@ -83,6 +83,11 @@ impl Drop for Killed {
 
 /// An appliance serving network boot inside the namespace.
 fn appliance(ns: &Netns, mode: &str) -> Appliance {
+    appliance_cfg(ns, mode, |t| t)
+}
+
+/// [`appliance`] with its `config.toml` passed through `edit` first.
+fn appliance_cfg(ns: &Netns, mode: &str, edit: impl Fn(String) -> String) -> Appliance {
     let ip = ns.ip();
     let (dir, out) = init_dir(
         "file",
@@ -108,7 +113,7 @@ fn appliance(ns: &Netns, mode: &str) -> Appliance {
     );
     let text = replace_table(&text, "boot", &boot)
         .replace("retry_after_seconds = 30", "retry_after_seconds = 2");
-    std::fs::write(&cfg, text).unwrap();
+    std::fs::write(&cfg, edit(text)).unwrap();
     let root = state.join("boot");
     std::fs::create_dir_all(&root).unwrap();
     for f in [
@@ -152,8 +157,8 @@ fn appliance(ns: &Netns, mode: &str) -> Appliance {
     }
 }
 
-/// A disk-less VM on the namespace's tap, booting from the network, with `extra` QEMU arguments
-/// (a TPM).
+/// A VM on the namespace's tap, booting from the network, with `extra` QEMU arguments (a TPM, a
+/// disk).
 fn vm_with(
     ns: &Netns,
     a: &Appliance,
@@ -165,6 +170,29 @@ fn vm_with(
         .dir
         .path()
         .join(format!("console-{}.log", mac.replace(':', "")));
+    let mut c = qemu(ns, mac, &console);
+    c.args(["-boot", "n"]).args(extra);
+    if uefi {
+        let vars = a.dir.path().join("OVMF_VARS.fd");
+        std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars).unwrap();
+        c.args([
+            "-drive",
+            "if=pflash,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
+        ])
+        .arg("-drive")
+        .arg(format!("if=pflash,format=raw,file={}", vars.display()));
+    }
+    let child = c
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    (Killed(child), console)
+}
+
+/// QEMU under TCG on the namespace's tap, as the machine `mac` (its SMBIOS UUID and serial
+/// follow from the MAC), its serial console to `console`.
+fn qemu(ns: &Netns, mac: &str, console: &Path) -> Command {
     let mut c = ns.cmd("qemu-system-x86_64");
     c.args([
         "-accel",
@@ -188,25 +216,8 @@ fn vm_with(
             mac.replace(':', ""),
             mac.replace(':', "")
         ),
-    ])
-    .args(["-boot", "n"])
-    .args(extra);
-    if uefi {
-        let vars = a.dir.path().join("OVMF_VARS.fd");
-        std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.fd", &vars).unwrap();
-        c.args([
-            "-drive",
-            "if=pflash,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
-        ])
-        .arg("-drive")
-        .arg(format!("if=pflash,format=raw,file={}", vars.display()));
-    }
-    let child = c
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    (Killed(child), console)
+    ]);
+    c
 }
 
 fn wait_for<T>(what: &str, secs: u64, console: &Path, mut f: impl FnMut() -> Option<T>) -> T {
@@ -217,6 +228,13 @@ fn wait_for<T>(what: &str, secs: u64, console: &Path, mut f: impl FnMut() -> Opt
         }
         if t.elapsed() > Duration::from_secs(secs) {
             let log = std::fs::read_to_string(console).unwrap_or_default();
+            // The whole console, kept past the test's temporary directory.
+            let keep = std::env::temp_dir().join(format!(
+                "bca-{}",
+                console.file_name().unwrap().to_string_lossy()
+            ));
+            let _ = std::fs::write(&keep, &log);
+            eprintln!("console kept at {}", keep.display());
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             panic!(
                 "timed out waiting for {what}; console tail:\n{}",
@@ -496,5 +514,194 @@ fn a_vm_pxe_boots_through_proxy_dhcp_beside_the_sites_dhcp_server() {
     assert!(
         (160..=190).contains(&last),
         "{ip} is not from the site's range"
+    );
+}
+
+/// The "installed OS" of the whole-life test: the same machine (MAC, SMBIOS) booted from its
+/// disk, here the ramdisk's kernel and initramfs started directly with `bca.os` (image/init),
+/// reading the deploy's user data from the disk.
+fn vm_os(ns: &Netns, a: &Appliance, mac: &str, disk: &Path) -> (Killed, PathBuf) {
+    let console = a.dir.path().join("console-os.log");
+    let child = qemu(ns, mac, &console)
+        .arg("-kernel")
+        .arg(image().join("vmlinuz"))
+        .arg("-initrd")
+        .arg(image().join("initrd.img"))
+        .args(["-append", "console=ttyS0 bca.os"])
+        .arg("-drive")
+        .arg(format!("file={},format=raw,if=virtio", disk.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    (Killed(child), console)
+}
+
+fn node_events(a: &Appliance, node: &str, kind: &str) -> Vec<Value> {
+    let c = a.db();
+    let mut st = c
+        .prepare("SELECT data FROM events WHERE type = ?1 ORDER BY seq")
+        .unwrap();
+    st.query_map([kind], |r| r.get::<_, String>(0))
+        .unwrap()
+        .map(|d| serde_json::from_str::<Value>(&d.unwrap()).unwrap())
+        .filter(|d| d["nodeId"] == node)
+        .collect()
+}
+
+/// A machine's whole life, with real firmware and the real ramdisk: discovered by PXE and
+/// approved (a `ramdisk` node); a provisioned token minted for the OS a deploy installs; the
+/// machine's next network boot told to boot its local disk; the "installed OS" joining with the
+/// token as the same node (role `node`); its certificate renewed; then offline past its
+/// certificate's expiry, and back through `x509pop`.
+#[test]
+fn a_vm_lives_its_whole_life_discovered_provisioned_renewed_and_back_by_x509pop() {
+    require_tools();
+    let ns = Netns::new("life", 96);
+    let a = appliance_cfg(&ns, "dhcp", |t| {
+        let t = t.replace("cert_ttl_seconds = 86400", "cert_ttl_seconds = 60");
+        replace_table(
+            &t,
+            "x509pop",
+            "[x509pop]\nenabled = true\nmax_expired_seconds = 604800\n\n",
+        )
+    });
+    let pool = a.pool("life");
+    let mac = "52:54:00:11:fe:01";
+    let disk = a.dir.path().join("disk.img");
+    std::fs::write(&disk, vec![0u8; 4 << 20]).unwrap();
+    let drive = vec![
+        "-drive".to_string(),
+        format!("file={},format=raw,if=virtio", disk.display()),
+    ];
+
+    // Discovered and approved: a ramdisk node.
+    let (vm, console) = vm_with(&ns, &a, mac, false, &drive);
+    let req = wait_for("the VM's join request", 300, &console, || {
+        a.cli_json(&["join-requests", "list"])["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["mac"] == mac)
+            .cloned()
+    });
+    a.cli_json(&[
+        "join-requests",
+        "approve",
+        req["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+    ]);
+    let node = first_node(&a, &pool, 120, &console);
+    let id = node["id"].as_str().unwrap().to_string();
+    assert_eq!(node["role"], "ramdisk");
+    assert_eq!(node["hardwareKeyTrusted"], true);
+    wait_for("the ramdisk's session", 60, &console, || {
+        (a.cli_json(&["nodes", "get", &id])["connected"] == true).then_some(())
+    });
+
+    // The deploy's token for the OS, and the machine's next network boot: its local disk.
+    let token = a.dir.path().join("provision-token");
+    let o = a.cli(&[
+        "nodes",
+        "provision-token",
+        &id,
+        "--ttl",
+        "1h",
+        "--out",
+        token.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    drop(vm);
+    let serve_log = || std::fs::read_to_string(a.dir.path().join("serve.log")).unwrap();
+    let local = |l: &str| l.contains("boot: local disk") && l.contains(mac);
+    assert!(!serve_log().lines().any(local));
+    let (vm, console) = vm_with(&ns, &a, mac, false, &drive);
+    wait_for("the local-disk script", 300, &console, || {
+        serve_log().lines().any(local).then_some(())
+    });
+    drop(vm);
+
+    // The deploy writes the OS's user data to the disk: the agent's files, the node id, the
+    // token (0600), as a newc archive at the disk's start.
+    let data = a.dir.path().join("user-data");
+    let etc = data.join("etc/bca-agent");
+    std::fs::create_dir_all(&etc).unwrap();
+    let agent = a.agent_dir();
+    for f in std::fs::read_dir(&agent).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), etc.join(f.file_name())).unwrap();
+    }
+    std::fs::write(etc.join("node-id"), &id).unwrap();
+    std::fs::copy(&token, etc.join("provision-token")).unwrap();
+    std::fs::set_permissions(
+        etc.join("provision-token"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    sh(&format!(
+        "cd {} && find etc | cpio -o -H newc --quiet | dd of={} conv=notrunc status=none",
+        data.display(),
+        disk.display()
+    ));
+
+    // The installed OS joins with it as the same node.
+    let (_os, console) = vm_os(&ns, &a, mac, &disk);
+    wait_for("the OS's join", 300, &console, || {
+        (a.cli_json(&["nodes", "get", &id])["role"] == "node").then_some(())
+    });
+    let n = a.cli_json(&["nodes", "get", &id]);
+    assert_eq!(n["identityGeneration"], 2);
+    assert_eq!(node_events(&a, &id, "node.provisioned").len(), 1);
+    wait_for("the OS's session", 120, &console, || {
+        (a.cli_json(&["nodes", "get", &id])["connected"] == true).then_some(())
+    });
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert!(log.contains("bca: OS joined"), "{log}");
+
+    // Renewed at about 60% of its 60 s certificate.
+    wait_for("a renewal", 120, &console, || {
+        (!node_events(&a, &id, "node.renewed").is_empty()).then_some(())
+    });
+
+    // Offline past its certificate's expiry: the tap down, the certificate lapses.
+    let newest = a.cli_json(&["nodes", "get", &id])["certificates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["revokedAt"].is_null())
+        .filter_map(|c| c["notAfter"].as_str().map(str::to_string))
+        .max()
+        .unwrap();
+    sh(&format!("ip -n {} link set tap0 down", ns.name));
+    let until =
+        time::OffsetDateTime::parse(&newest, &time::format_description::well_known::Rfc3339)
+            .unwrap()
+            .unix_timestamp();
+    while bca::base::clock::now() <= until + 2 {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    assert!(node_events(&a, &id, "node.joined")
+        .iter()
+        .all(|e| e["attestor"] != "x509pop"));
+    sh(&format!("ip -n {} link set tap0 up", ns.name));
+
+    // Back through x509pop: the same node and generation, a session again.
+    wait_for("the x509pop re-join", 240, &console, || {
+        node_events(&a, &id, "node.joined")
+            .iter()
+            .any(|e| e["attestor"] == "x509pop")
+            .then_some(())
+    });
+    let n = a.cli_json(&["nodes", "get", &id]);
+    assert_eq!(n["identityGeneration"], 2);
+    assert_eq!(n["role"], "node");
+    wait_for("the session after x509pop", 120, &console, || {
+        (a.cli_json(&["nodes", "get", &id])["connected"] == true).then_some(())
+    });
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert!(
+        log.contains("the expired certificate was replaced by an x509pop re-join"),
+        "{log}"
     );
 }
