@@ -15,6 +15,8 @@ mod crash;
 mod discovery;
 #[path = "it/fastmem.rs"]
 mod fastmem;
+#[path = "it/faults.rs"]
+mod faults;
 #[path = "it/foundation.rs"]
 mod foundation;
 #[path = "it/fuzz_replay.rs"]

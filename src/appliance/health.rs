@@ -54,15 +54,50 @@ pub fn clock_findings(
 
 pub use crate::store::maintenance::newest_row;
 
+/// Below this much free space the state directory's disk counts as full: SQLite's next
+/// checkpoint or WAL growth may not fit.
+pub const DISK_MIN_FREE: u64 = 1 << 20;
+
+/// The state directory's disk: `(ok, free bytes, what is wrong)`. Failing when the last write
+/// failed for the disk (full, or an I/O error), or when less than [`DISK_MIN_FREE`] is free.
+pub fn disk(state_dir: &std::path::Path) -> (bool, Option<u64>, Option<String>) {
+    let free = rustix::fs::statvfs(state_dir)
+        .ok()
+        .map(|s| s.f_bavail.saturating_mul(s.f_frsize));
+    match crate::store::write_fault() {
+        // Full, and still full (space freed counts at once; the next commit clears the fault).
+        Some(crate::store::DISK_FULL) if free.is_some_and(|b| b >= DISK_MIN_FREE) => {}
+        Some(f) => {
+            return (
+                false,
+                free,
+                Some(crate::store::fault_message(f).to_string()),
+            )
+        }
+        None => {}
+    }
+    match free {
+        Some(b) if b < DISK_MIN_FREE => (
+            false,
+            free,
+            Some(format!(
+                "the state directory's disk has {b} bytes free (under {DISK_MIN_FREE}): writes will fail; free space"
+            )),
+        ),
+        _ => (true, free, None),
+    }
+}
+
 /// The server's view of itself: `status` is `ok`, `degraded` (serving, with warnings) or
-/// `failing` (the database does not answer or the JoinService is gone).
+/// `failing` (the database does not answer, the JoinService is gone, or the disk takes no write).
 pub fn report(app: &App) -> ApiResult<Value> {
     let now = crate::base::clock::now();
     let db_ok = crate::store::maintenance::ping(&app.store);
     let join_ok = app.join.get().is_some_and(|j| j.is_running());
+    let (disk_ok, free, disk_problem) = disk(&app.site.state_dir);
     let m = crate::base::metrics::get();
     let warnings = clock_findings(newest_row(&app.store), m.median_skew(), now);
-    let status = if !db_ok || !join_ok {
+    let status = if !db_ok || !join_ok || !disk_ok {
         "failing"
     } else if warnings.is_empty() {
         "ok"
@@ -74,6 +109,7 @@ pub fn report(app: &App) -> ApiResult<Value> {
         "time": crate::base::clock::rfc3339(now),
         "database": db_ok,
         "joinService": join_ok,
+        "disk": {"ok": disk_ok, "freeBytes": free, "problem": disk_problem},
         "sessions": app.sessions.len(),
         "queueDepth": m.queue_depth.load(std::sync::atomic::Ordering::Relaxed).max(0),
         "clockSkew": m.median_skew().map(|(s, n)| json!({"medianSeconds": s, "samples": n})),

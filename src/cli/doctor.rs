@@ -270,6 +270,30 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
         }
     };
 
+    // The state directory's disk: space, and what the server's last write met.
+    let (mut disk_ok, free, mut problem) = crate::appliance::health::disk(state_dir);
+    if let Ok(h) = &server {
+        if h["disk"]["ok"] == false {
+            disk_ok = false;
+            problem = h["disk"]["problem"]
+                .as_str()
+                .map(str::to_string)
+                .or(problem);
+        }
+    }
+    match (disk_ok, problem) {
+        (false, Some(p)) => r.line(Level::Fail, "disk", p),
+        _ => r.line(
+            Level::Ok,
+            "disk",
+            format!(
+                "{} bytes free in {}",
+                free.map_or("?".into(), |f| f.to_string()),
+                state_dir.display()
+            ),
+        ),
+    }
+
     // Ports: in use by the running server, else free to bind.
     let mut ports = vec![
         ("http", config.listen_http.clone()),

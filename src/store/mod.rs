@@ -103,8 +103,44 @@ impl<'c> Tx<'c> {
     }
 }
 
+/// Why the last write failed, when it failed for the disk: `0` none (the last write committed),
+/// [`DISK_FULL`] or [`DISK_IO`]. `/healthz` and `bca doctor` report it; the next commit clears it.
+static WRITE_FAULT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+pub const DISK_FULL: u8 = 1;
+pub const DISK_IO: u8 = 2;
+
+/// The disk fault the last write met, if any (`DISK_FULL`, `DISK_IO`).
+pub fn write_fault() -> Option<u8> {
+    match WRITE_FAULT.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        f => Some(f),
+    }
+}
+
+/// What an operator reads of a disk fault.
+pub fn fault_message(f: u8) -> &'static str {
+    if f == DISK_FULL {
+        "the state directory's disk is full: nothing was written; free space and the appliance recovers by itself"
+    } else {
+        "the state directory's disk fails writes (I/O error): nothing was written; check the disk"
+    }
+}
+
 impl From<rusqlite::Error> for ApiError {
     fn from(e: rusqlite::Error) -> Self {
+        // A disk that is full or failing is no bug of the request: `UNAVAILABLE`, with why.
+        let fault = match e.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::DiskFull) => Some(DISK_FULL),
+            Some(rusqlite::ErrorCode::SystemIoFailure) => Some(DISK_IO),
+            _ => None,
+        };
+        if let Some(f) = fault {
+            let before = WRITE_FAULT.swap(f, std::sync::atomic::Ordering::Relaxed);
+            if before != f {
+                tracing::error!(error = %e, "{}", fault_message(f));
+            }
+            return ApiError::new(crate::base::error::Code::Unavailable, fault_message(f));
+        }
         ApiError::internal(format!("sqlite: {e}"))
     }
 }
@@ -152,6 +188,9 @@ impl Store {
         let tx = Tx(conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?);
         let out = f(&tx)?;
         tx.0.commit()?;
+        if WRITE_FAULT.swap(0, std::sync::atomic::Ordering::Relaxed) != 0 {
+            tracing::info!("the state directory's disk takes writes again");
+        }
         Ok(out)
     }
 

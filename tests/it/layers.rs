@@ -215,12 +215,13 @@ fn the_layer_reader_sees_grouped_nested_and_inline_paths() {
 }
 
 /// Inside the join layer: the attestors (and renewal and the session rows) share the kernel
-/// (`issue`), the admission writer (`admit`), the join requests and the site, and never import
-/// each other or the service that dispatches to them.
+/// (`issue`), the admission writer (`admit`), acceptance (after an admission, at a `Hello`), the
+/// join requests and the site, and never import each other or the service that dispatches to
+/// them.
 #[test]
 fn the_attestors_never_import_each_other() {
     let join = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/join");
-    let shared = ["issue", "admit", "requests", "site"];
+    let shared = ["issue", "admit", "acceptance", "requests", "site"];
     let attestors = [
         "token",
         "discovery",
