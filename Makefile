@@ -3,7 +3,7 @@ MUSL := x86_64-unknown-linux-musl
 STATIC := target/$(MUSL)/release/bca
 export CC_x86_64_unknown_linux_musl := musl-gcc
 
-.PHONY: build run sim image test bench deps check lint clean install deb fuzz
+.PHONY: build run sim image test bench deps check lint clean install deb fuzz soak
 
 # `make install`: PREFIX /usr/local, which dpkg never touches (the Debian package, `make deb`,
 # installs into /usr); every directory below is on systemd's, man's and the shells' search paths.
@@ -49,6 +49,11 @@ image: build
 test: deps image
 	cargo test --locked --all-targets
 	FUZZ_SECONDS=$${FUZZ_SECONDS:-10} ./scripts/fuzz.sh
+
+## The long fault runs, outside CI: 20 power cuts of a VM running bca serve under a join and
+## renewal storm (make test makes 5).
+soak: deps image
+	BCA_POWER_CUTS=$${BCA_POWER_CUTS:-20} cargo test --locked --test tests -- faults::power_cuts --nocapture
 
 ## The fuzz targets (fuzz/, cargo-fuzz on the nightly toolchain), FUZZ_SECONDS each (default 30).
 fuzz:

@@ -36,10 +36,12 @@ cp /bin/busybox "$root/bin/busybox"
 for a in $("$root/bin/busybox" --list); do [ -e "$root/bin/$a" ] || ln -s busybox "$root/bin/$a"; done
 cp "$BCA" "$root/bin/bca"
 step 4 "NIC drivers"
-# The NIC drivers a server needs, with their dependencies, in load order; and virtio_blk, for the
-# test image's "installed OS" mode (its deploy's user data on a disk: image/init).
+# The NIC drivers a server needs, with their dependencies, in load order; and virtio_blk and
+# ext4 (crc32c first: ext4 asks the crypto API for it, and nothing loads modules on demand), for
+# the test image's other modes (image/init: an "installed OS", an appliance on a disk).
 python3 image/modules.py "$work/k/lib/modules/$kver" \
-  virtio_pci virtio_net e1000 e1000e igb ixgbe i40e ice mlx5_core bnxt_en virtio_blk > "$work/order"
+  virtio_pci virtio_net e1000 e1000e igb ixgbe i40e ice mlx5_core bnxt_en virtio_blk \
+  crc32c_generic ext4 > "$work/order"
 : > "$root/etc/modules.order"
 while read -r m; do
   cp "$work/k/lib/modules/$kver/$m" "$root/lib/modules/"

@@ -13,7 +13,9 @@ pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(Agent
     let public =
         pki::PublicPki::load(&pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
     let pins = public.pins().map_err(ApiError::invalid_config)?;
-    if crate::base::net::host_port(gateway_url).is_none() {
+    if !crate::base::net::url_is_plain(gateway_url)
+        || crate::base::net::host_port(gateway_url).is_none()
+    {
         return Err(ApiError::invalid_input(format!(
             "--gateway-url {gateway_url:?} must be https://host[:port]"
         )));

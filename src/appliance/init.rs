@@ -85,7 +85,7 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
     check_trust_domain(&o.trust_domain)?;
     crate::domain::validate::name("--site", &o.site)?;
     if let Some(u) = &o.gateway_url {
-        if crate::base::net::url_host(u).is_none() {
+        if !crate::base::net::url_is_plain(u) || crate::base::net::url_host(u).is_none() {
             return Err(ApiError::invalid_input(format!(
                 "--gateway-url {u:?} must be an https:// URL with a host"
             )));

@@ -37,6 +37,16 @@ pub fn url_host(url: &str) -> Option<String> {
 }
 
 /// Host and port of an `https://host[:port]` URL (443 by default).
+/// Whether a URL is safe to write into a shell script, a TOML file or a heredoc as is: printable
+/// ASCII, no space, no quote, backslash, `$` or backtick (an install script quotes it, and a
+/// newline would end its heredoc).
+pub fn url_is_plain(url: &str) -> bool {
+    !url.is_empty()
+        && url
+            .bytes()
+            .all(|c| c.is_ascii_graphic() && !matches!(c, b'\'' | b'"' | b'\\' | b'$' | b'`'))
+}
+
 pub fn host_port(url: &str) -> Option<(String, u16)> {
     let host = crate::base::net::url_host(url)?;
     let authority = url.strip_prefix("https://")?.split('/').next()?;

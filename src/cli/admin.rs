@@ -315,9 +315,7 @@ pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
             };
             let url_ok = |u: &str| {
                 (u.starts_with("http://") || u.starts_with("https://") || u.starts_with("file://"))
-                    && u.bytes().all(|c| {
-                        c.is_ascii_graphic() && !matches!(c, b'\'' | b'"' | b'\\' | b'$' | b'`')
-                    })
+                    && crate::base::net::url_is_plain(u)
             };
             if let Some(m) = &release_manifest {
                 if !url_ok(m) {
@@ -332,14 +330,7 @@ pub fn daemon(cmd: DaemonCmd, conn: &Conn) -> ApiResult<()> {
                 ));
             }
             let base_ok = (base_url.starts_with("http://") || base_url.starts_with("https://"))
-                && base_url.bytes().all(|c| {
-                    c.is_ascii_graphic()
-                        && c != b'\''
-                        && c != b'"'
-                        && c != b'\\'
-                        && c != b'$'
-                        && c != b'`'
-                });
+                && crate::base::net::url_is_plain(&base_url);
             if !base_ok {
                 return Err(ApiError::invalid_input(format!(
                     "--base-url {base_url:?} must be an http:// or https:// URL"

@@ -129,7 +129,10 @@ release_sha() {{
     || {{ rm -rf "$r"; die "not a bca release manifest; nothing was installed"; }}
   grep -qx "site $SITE" "$r/body" \
     || {{ rm -rf "$r"; die "the release manifest is another site's; nothing was installed"; }}
-  awk -v v="$VERSION" -v a="$1" '$1 == "agent" && $2 == v && $3 == a {{ print $4 }}' "$r/body"
+  # Compared as strings (awk would compare 1.2 and 1.20 as numbers), and exactly one line.
+  awk -v v="$VERSION" -v a="$1" '$1 == "agent" && ($2 "") == (v "") && ($3 "") == (a "") {{ n++; s = $4 }}
+    END {{ if (n > 1) exit 2; if (n == 1) print s }}' "$r/body" \
+    || {{ rm -rf "$r"; die "the release manifest lists $VERSION for $1 more than once; nothing was installed"; }}
   rm -rf "$r"
 }}
 

@@ -561,6 +561,62 @@ fn the_install_script_trusts_a_release_manifest_only_under_its_pins() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("carries no SHA-256 for amd64"));
     assert!(!root_bad.join("usr/local/bin/bca").exists());
 
+    // Versions are compared as strings, and a version is listed once: a script for 1.2 never
+    // takes 1.20's digest (a reviewer's finding: awk compared them as numbers).
+    let other_file = a.dir.path().join("other-agent");
+    std::fs::write(&other_file, b"not the agent").unwrap();
+    a.cli_json(&[
+        "downloads",
+        "add",
+        other_file.to_str().unwrap(),
+        "--version",
+        "1.20",
+        "--arch",
+        "amd64",
+    ]);
+    let script = manifest_script(&a, &pool, &url, &cfg.join_signing_key_pin, "1.2");
+    let o = run_script(&script, &root_bad, Some(&token), &claims);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("carries no SHA-256 for amd64"));
+    assert!(!root_bad.join("usr/local/bin/bca").exists());
+
+    // A gateway URL that would end the script's heredoc (a reviewer's finding): refused by every
+    // command that writes it.
+    let evil = "https://gw.example\nBCA_CONFIG\ntouch /tmp/pwned\n";
+    for args in [
+        vec![
+            "daemon",
+            "install-script",
+            "--pool",
+            &pool,
+            "--gateway-url",
+            evil,
+            "--base-url",
+            "http://bca.example",
+            "--bcd-version",
+            "0.1.0",
+            "--sha256",
+            &format!("amd64={sha}"),
+        ],
+        vec![
+            "daemon",
+            "agent-config",
+            "--gateway-url",
+            evil,
+            "--out",
+            "/tmp/never-written",
+        ],
+    ] {
+        let o = a.cli(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("INVALID_INPUT") && err.contains("must be https://host[:port]"),
+            "{err}"
+        );
+    }
+    assert!(!Path::new("/tmp/never-written").exists());
+
     // Bad flags: a pin that is not one, both ways at once, a pinless manifest.
     for (args, want) in [
         (

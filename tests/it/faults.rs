@@ -219,3 +219,373 @@ fn a_full_disk_answers_unavailable_loses_nothing_and_recovers_by_itself() {
     drop(a);
     drop(fs);
 }
+
+/// How many power cuts `make test` makes (`BCA_POWER_CUTS`, more under `make soak`).
+fn power_cuts() -> usize {
+    std::env::var("BCA_POWER_CUTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5)
+}
+
+fn image() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("image/out")
+}
+
+fn free_tcp() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A node the storm holds: its chain (DER), key and id.
+struct Held {
+    id: String,
+    chain: Vec<Vec<u8>>,
+    key: bca::base::crypto::SigningKey,
+}
+
+fn serial_of(chain_pem: &[String]) -> String {
+    let der = bca::proto::x509::pem_decode_all(&chain_pem[0], "CERTIFICATE").remove(0);
+    bca::proto::x509::parse_node_leaf(&der).unwrap().serial_hex
+}
+
+fn held(id: String, chain_pem: &[String], key: bca::base::crypto::SigningKey) -> Held {
+    Held {
+        id,
+        chain: chain_pem
+            .iter()
+            .map(|p| bca::proto::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
+            .collect(),
+        key,
+    }
+}
+
+/// One renewal of `n` over mTLS: the new certificate's serial and the node with its new key, or
+/// nothing (refused, or the appliance gone).
+fn renew(cfg: &bca::proto::agent_config::AgentConfig, n: &Held) -> Option<(String, Held)> {
+    use bca::base::crypto;
+    let key = crypto::SigningKey::generate();
+    let csr = bca::proto::csr::create(&key);
+    let now = bca::base::clock::now();
+    let msg = bca::proto::protocol::renew_pop_message(&crypto::sha256(&csr), &n.id, now);
+    let req = Request {
+        v: 1,
+        renew: Some(bca::proto::protocol::RenewRequest {
+            csr: crypto::b64(&csr),
+            chain: n
+                .chain
+                .iter()
+                .map(|d| bca::proto::x509::pem("CERTIFICATE", d))
+                .collect(),
+            client_time: now,
+            pop_sig: crypto::b64(&n.key.sign(bca::proto::protocol::RENEW_POP_PURPOSE, &msg)),
+            key_attestation: None,
+        }),
+        ..Default::default()
+    };
+    let raw = rt().block_on(async {
+        let mut s = bca::agent::connect(cfg, Some((n.chain.clone(), n.key.pkcs8())))
+            .await
+            .ok()?;
+        bca::agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&req).unwrap())
+            .await
+            .ok()
+    })?;
+    let r = serde_json::from_slice::<Reply>(&raw).ok()?.renew_response?;
+    let body = bca::agent::verify_response(cfg, &r, &csr, &key, "node").ok()?;
+    Some((
+        serial_of(&body.certificate_chain),
+        held(body.node_id, &body.certificate_chain, key),
+    ))
+}
+
+/// Real power cuts: `bca serve` (the static binary, in the ramdisk image's `bca.serve` mode) runs
+/// in a QEMU VM whose state directory is on a virtio disk opened with `cache=none` (O_DIRECT on
+/// the host: what the guest did not flush never reached the host's page cache either, so killing
+/// QEMU loses it as a power cut does), while the host drives joins and renewals through the VM's
+/// gateway and records every acknowledged certificate. QEMU is killed (-9) at a random moment
+/// under load, the disk is checked (journal replayed by the host's mount, as a reboot would), and
+/// the VM boots again on it.
+#[test]
+fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("state.img");
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    sh(&format!(
+        "dd if=/dev/zero of={} bs=1M count=64 status=none && mkfs.ext4 -q -F {}",
+        img.display(),
+        img.display()
+    ));
+    let mount = || {
+        sh(&format!(
+            "mount -o loop {} {}",
+            img.display(),
+            mnt.display()
+        ))
+    };
+    let umount = || sh(&format!("umount {}", mnt.display()));
+    let state = mnt.join("state");
+    let (gw, http) = (free_tcp(), free_tcp());
+
+    // The site, made on the host: init, a pool and a token, the agents' files.
+    mount();
+    let o = Command::new(bin())
+        .args([
+            "init",
+            "--trust-domain",
+            "compute.example.com",
+            "--site",
+            "rack1",
+        ])
+        .args(["--key-protection", "file", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The VM has no users for the network child to run as: privilege separation off there.
+    let cfg_path = state.join("config.toml");
+    let text = std::fs::read_to_string(&cfg_path).unwrap();
+    std::fs::write(
+        &cfg_path,
+        replace_table(
+            &text,
+            "privsep",
+            "[privsep]\nenabled = false\nuser = \"nobody\"\n\n",
+        ),
+    )
+    .unwrap();
+    let token = {
+        let mut serve = Command::new(bin())
+            .args([
+                "serve",
+                "--listen-http",
+                "127.0.0.1:0",
+                "--listen-gateway",
+                "127.0.0.1:0",
+            ])
+            .env("BCA_STATE_DIR", &state)
+            .env("BCA_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let cli = |args: &[&str]| {
+            let o = Command::new(bin())
+                .args(args)
+                .arg("--json")
+                .env("BCA_STATE_DIR", &state)
+                .output()
+                .unwrap();
+            assert!(
+                o.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+        };
+        let pool = cli(&["pools", "create", "--name", "rack"])["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let t = cli(&[
+            "join-tokens",
+            "create",
+            "--pool",
+            &pool,
+            "--ttl",
+            "24h",
+            "--max-uses",
+            "10000",
+            "--key",
+            "power",
+        ]);
+        let _ = Command::new("kill")
+            .args(["-TERM", &serve.id().to_string()])
+            .status();
+        serve.wait().unwrap();
+        t["token"].as_str().unwrap().to_string()
+    };
+    let agent = dir.path().join("agent");
+    let o = Command::new(bin())
+        .args([
+            "daemon",
+            "agent-config",
+            "--gateway-url",
+            &format!("https://127.0.0.1:{gw}"),
+            "--out",
+        ])
+        .arg(&agent)
+        .env("BCA_STATE_DIR", &state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    umount();
+    let cfg = bca::proto::agent_config::AgentConfig::load(&agent.join("config.toml")).unwrap();
+    let enc = cfg
+        .join_encryption_point(&agent.join("config.toml"))
+        .unwrap();
+    let sim = Sim { cfg, enc };
+
+    let acked = std::sync::Mutex::new(Vec::<String>::new());
+    let nodes = std::sync::Mutex::new(Vec::<Held>::new());
+    let (mut joins, mut renewals) = (0usize, 0usize);
+    for cut in 0..power_cuts() {
+        let console = dir.path().join(format!("console-{cut}.log"));
+        let mut vm = Command::new("qemu-system-x86_64")
+            .args(["-accel", "tcg", "-m", "512", "-display", "none", "-no-reboot", "-monitor", "none"])
+            .arg("-serial")
+            .arg(format!("file:{}", console.display()))
+            .arg("-kernel")
+            .arg(image().join("vmlinuz"))
+            .arg("-initrd")
+            .arg(image().join("initrd.img"))
+            .args(["-append", "console=ttyS0 bca.serve"])
+            .arg("-drive")
+            .arg(format!("file={},format=raw,if=virtio,cache=none", img.display()))
+            .args([
+                "-netdev",
+                &format!("user,id=n0,hostfwd=tcp:127.0.0.1:{gw}-:8443,hostfwd=tcp:127.0.0.1:{http}-:8080"),
+                "-device",
+                "virtio-net-pci,netdev=n0",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // `bca serve` starts by itself on what the cut left: its gateway answers.
+        let ping = serde_json::to_vec(&Request {
+            v: 1,
+            ping: Some(Empty {}),
+            ..Default::default()
+        })
+        .unwrap();
+        let t = std::time::Instant::now();
+        while bca::agent::exchange_raw(&sim.cfg, &ping).is_err() {
+            if t.elapsed() > std::time::Duration::from_secs(180) {
+                let _ = vm.kill();
+                panic!(
+                    "cut {cut}: the appliance did not come back; console:\n{}",
+                    std::fs::read_to_string(&console).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+        // A storm of joins and renewals; the power goes at a random moment within it.
+        let mut r = [0u8; 2];
+        bca::base::crypto::fill_random(&mut r);
+        let after = std::time::Duration::from_millis(1500 + u16::from_le_bytes(r) as u64 % 4000);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let counts = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..3)
+                .map(|w| {
+                    let (sim, acked, nodes, stop, token) = (&sim, &acked, &nodes, &stop, &token);
+                    s.spawn(move || {
+                        let (mut j, mut rn) = (0, 0);
+                        let mut i = 0u32;
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            i += 1;
+                            let renewing = (i + w) % 3 == 0;
+                            let old = if renewing {
+                                nodes.lock().unwrap().pop()
+                            } else {
+                                None
+                            };
+                            if let Some(n) = old {
+                                match renew(&sim.cfg, &n) {
+                                    Some((serial, new)) => {
+                                        acked.lock().unwrap().push(serial);
+                                        nodes.lock().unwrap().push(new);
+                                        rn += 1;
+                                    }
+                                    None => nodes.lock().unwrap().push(n),
+                                }
+                                continue;
+                            }
+                            let Ok((raw, csr, key)) = sim.try_join(token, &machine()) else {
+                                continue;
+                            };
+                            let Ok(reply) = serde_json::from_slice::<Reply>(&raw) else {
+                                continue;
+                            };
+                            if let Some(resp) = reply.join_response {
+                                let body = bca::agent::verify_response(
+                                    &sim.cfg, &resp, &csr, &key, "node",
+                                )
+                                .expect("an acknowledged join verifies");
+                                acked
+                                    .lock()
+                                    .unwrap()
+                                    .push(serial_of(&body.certificate_chain));
+                                nodes.lock().unwrap().push(held(
+                                    body.node_id,
+                                    &body.certificate_chain,
+                                    key,
+                                ));
+                                j += 1;
+                            }
+                        }
+                        (j, rn)
+                    })
+                })
+                .collect();
+            std::thread::sleep(after);
+            // The power cut.
+            vm.kill().unwrap();
+            vm.wait().unwrap();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap())
+                .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+        });
+        joins += counts.0;
+        renewals += counts.1;
+
+        // What the disk holds after the cut (the host's mount replays the journal; SQLite its WAL).
+        mount();
+        {
+            let db = rusqlite::Connection::open(state.join("bca.db")).unwrap();
+            let ok: String = db
+                .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+                .unwrap();
+            assert_eq!(ok, "ok", "cut {cut}");
+            for s in acked.lock().unwrap().iter() {
+                let n: i64 = db
+                    .query_row(
+                        "SELECT count(*) FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?1",
+                        [s],
+                        |r| r.get(0),
+                    )
+                    .unwrap();
+                assert_eq!(n, 1, "cut {cut}: the acknowledged certificate {s} is lost");
+            }
+            let (nodes_n, spent): (i64, i64) = db
+                .query_row(
+                    "SELECT (SELECT count(*) FROM nodes), (SELECT max_uses - uses_left FROM join_tokens)",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .unwrap();
+            assert_eq!(
+                nodes_n, spent,
+                "cut {cut}: uses spent differ from nodes admitted"
+            );
+            assert!(spent <= 10_000);
+        }
+        umount();
+    }
+    eprintln!(
+        "power cuts: {} survived; acknowledged across them: {joins} joins, {renewals} renewals; nothing lost",
+        power_cuts()
+    );
+    assert!(joins > 0, "no join was acknowledged");
+}

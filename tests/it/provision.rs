@@ -255,3 +255,32 @@ fn provision_token_input_is_checked_and_changes_nothing() {
     assert!(e.to_string().contains("ttlSeconds"), "{e}");
     assert_eq!(a.snapshot(), before);
 }
+
+/// From the review (2026-12-07): another tenant can neither mint a node's provisioned token nor
+/// run its acceptance; a retired node gets none.
+#[test]
+fn provisioning_and_adoption_keep_to_the_nodes_tenant() {
+    let a = appliance("always");
+    let pool = a.pool("rack-c");
+    let mac = "00:1b:21:0a:0c:01";
+    let node = discovered_node(&a, &pool, mac, &write_claims(&a, &discovered_claims(mac)));
+    let other = a.api_ok("tenants/create", json!({"name": "other"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let before = a.snapshot();
+    for method in ["nodes/provisionToken", "nodes/adopt"] {
+        let e = a
+            .api(method, json!({"tenantId": other, "nodeId": node}))
+            .unwrap_err();
+        assert_eq!(e.code, bca::base::error::Code::NotFound, "{method}: {e}");
+    }
+    assert_eq!(a.snapshot(), before);
+    a.api_ok(
+        "nodes/retire",
+        json!({"tenantId": a.root_tenant(), "nodeId": node}),
+    );
+    let o = a.cli(&["nodes", "provision-token", &node]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is retired"));
+}
