@@ -131,7 +131,10 @@ impl From<rusqlite::Error> for ApiError {
         // A disk that is full or failing is no bug of the request: `UNAVAILABLE`, with why.
         let fault = match e.sqlite_error_code() {
             Some(rusqlite::ErrorCode::DiskFull) => Some(DISK_FULL),
-            Some(rusqlite::ErrorCode::SystemIoFailure) => Some(DISK_IO),
+            // An I/O error, or the file system remounted read-only after one.
+            Some(rusqlite::ErrorCode::SystemIoFailure | rusqlite::ErrorCode::ReadOnly) => {
+                Some(DISK_IO)
+            }
             _ => None,
         };
         if let Some(f) = fault {

@@ -302,6 +302,233 @@ fn renew(cfg: &bca::proto::agent_config::AgentConfig, n: &Held) -> Option<(Strin
     ))
 }
 
+/// A site whose appliance runs in a QEMU VM (the ramdisk image's `bca.serve` mode) on a state
+/// disk of its own: made on the host (init, a pool and a token, the agents' files), booted and
+/// checked by the fault tests.
+struct VmSite {
+    dir: tempfile::TempDir,
+    img: PathBuf,
+    mnt: PathBuf,
+    state: PathBuf,
+    gw: u16,
+    http: u16,
+    token: String,
+    sim: Sim,
+}
+
+impl Drop for VmSite {
+    fn drop(&mut self) {
+        // A failed test may leave the disk mounted: never leave a loop device behind.
+        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
+    }
+}
+
+impl VmSite {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("state.img");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        sh(&format!(
+            "dd if=/dev/zero of={} bs=1M count=64 status=none && mkfs.ext4 -q -F {}",
+            img.display(),
+            img.display()
+        ));
+        let state = mnt.join("state");
+        let (gw, http) = (free_tcp(), free_tcp());
+
+        // The site, made on the host: init, a pool and a token, the agents' files.
+        sh(&format!(
+            "mount -o loop {} {}",
+            img.display(),
+            mnt.display()
+        ));
+        let o = Command::new(bin())
+            .args([
+                "init",
+                "--trust-domain",
+                "compute.example.com",
+                "--site",
+                "rack1",
+            ])
+            .args(["--key-protection", "file", "--state-dir"])
+            .arg(&state)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        // The VM has no users for the network child to run as: privilege separation off there.
+        let cfg_path = state.join("config.toml");
+        let text = std::fs::read_to_string(&cfg_path).unwrap();
+        std::fs::write(
+            &cfg_path,
+            replace_table(
+                &text,
+                "privsep",
+                "[privsep]\nenabled = false\nuser = \"nobody\"\n\n",
+            ),
+        )
+        .unwrap();
+        let token = {
+            let mut serve = Command::new(bin())
+                .args([
+                    "serve",
+                    "--listen-http",
+                    "127.0.0.1:0",
+                    "--listen-gateway",
+                    "127.0.0.1:0",
+                ])
+                .env("BCA_STATE_DIR", &state)
+                .env("BCA_LOG", "warn")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut line = String::new();
+            std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
+                &mut line,
+            )
+            .unwrap();
+            let cli = |args: &[&str]| {
+                let o = Command::new(bin())
+                    .args(args)
+                    .arg("--json")
+                    .env("BCA_STATE_DIR", &state)
+                    .output()
+                    .unwrap();
+                assert!(
+                    o.status.success(),
+                    "{args:?}: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
+                serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+            };
+            let pool = cli(&["pools", "create", "--name", "rack"])["id"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            let t = cli(&[
+                "join-tokens",
+                "create",
+                "--pool",
+                &pool,
+                "--ttl",
+                "24h",
+                "--max-uses",
+                "10000",
+                "--key",
+                "power",
+            ]);
+            let _ = Command::new("kill")
+                .args(["-TERM", &serve.id().to_string()])
+                .status();
+            serve.wait().unwrap();
+            t["token"].as_str().unwrap().to_string()
+        };
+        let agent = dir.path().join("agent");
+        let o = Command::new(bin())
+            .args([
+                "daemon",
+                "agent-config",
+                "--gateway-url",
+                &format!("https://127.0.0.1:{gw}"),
+                "--out",
+            ])
+            .arg(&agent)
+            .env("BCA_STATE_DIR", &state)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        sh(&format!("umount {}", mnt.display()));
+        let cfg = bca::proto::agent_config::AgentConfig::load(&agent.join("config.toml")).unwrap();
+        let enc = cfg
+            .join_encryption_point(&agent.join("config.toml"))
+            .unwrap();
+        let sim = Sim { cfg, enc };
+
+        VmSite {
+            dir,
+            img,
+            mnt,
+            state,
+            gw,
+            http,
+            token,
+            sim,
+        }
+    }
+
+    fn mount(&self) {
+        sh(&format!(
+            "mount -o loop {} {}",
+            self.img.display(),
+            self.mnt.display()
+        ));
+    }
+
+    fn umount(&self) {
+        sh(&format!("umount {}", self.mnt.display()));
+    }
+
+    /// Boots the VM on the state disk (`cache=none`), its console to `console`, with `extra`
+    /// QEMU arguments, and waits until `bca serve` answers on its gateway.
+    fn boot(&self, console: &Path, extra: &[String]) -> std::process::Child {
+        let mut vm = Command::new("qemu-system-x86_64")
+            .args([
+                "-accel",
+                "tcg",
+                "-m",
+                "512",
+                "-display",
+                "none",
+                "-no-reboot",
+            ])
+            .arg("-serial")
+            .arg(format!("file:{}", console.display()))
+            .arg("-kernel")
+            .arg(image().join("vmlinuz"))
+            .arg("-initrd")
+            .arg(image().join("initrd.img"))
+            .args(["-append", "console=ttyS0 bca.serve"])
+            .arg("-drive")
+            .arg(format!(
+                "file={},format=raw,if=virtio,cache=none",
+                self.img.display()
+            ))
+            .args([
+                "-netdev",
+                &format!(
+                    "user,id=n0,hostfwd=tcp:127.0.0.1:{}-:8443,hostfwd=tcp:127.0.0.1:{}-:8080",
+                    self.gw, self.http
+                ),
+                "-device",
+                "virtio-net-pci,netdev=n0",
+            ])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let ping = serde_json::to_vec(&Request {
+            v: 1,
+            ping: Some(Empty {}),
+            ..Default::default()
+        })
+        .unwrap();
+        let t = std::time::Instant::now();
+        while bca::agent::exchange_raw(&self.sim.cfg, &ping).is_err() {
+            if t.elapsed() > std::time::Duration::from_secs(180) {
+                let _ = vm.kill();
+                panic!(
+                    "the appliance did not come up; console:\n{}",
+                    std::fs::read_to_string(console).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+        vm
+    }
+}
+
 /// Real power cuts: `bca serve` (the static binary, in the ramdisk image's `bca.serve` mode) runs
 /// in a QEMU VM whose state directory is on a virtio disk opened with `cache=none` (O_DIRECT on
 /// the host: what the guest did not flush never reached the host's page cache either, so killing
@@ -311,174 +538,14 @@ fn renew(cfg: &bca::proto::agent_config::AgentConfig, n: &Held) -> Option<(Strin
 /// the VM boots again on it.
 #[test]
 fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
-    let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("state.img");
-    let mnt = dir.path().join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    sh(&format!(
-        "dd if=/dev/zero of={} bs=1M count=64 status=none && mkfs.ext4 -q -F {}",
-        img.display(),
-        img.display()
-    ));
-    let mount = || {
-        sh(&format!(
-            "mount -o loop {} {}",
-            img.display(),
-            mnt.display()
-        ))
-    };
-    let umount = || sh(&format!("umount {}", mnt.display()));
-    let state = mnt.join("state");
-    let (gw, http) = (free_tcp(), free_tcp());
-
-    // The site, made on the host: init, a pool and a token, the agents' files.
-    mount();
-    let o = Command::new(bin())
-        .args([
-            "init",
-            "--trust-domain",
-            "compute.example.com",
-            "--site",
-            "rack1",
-        ])
-        .args(["--key-protection", "file", "--state-dir"])
-        .arg(&state)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    // The VM has no users for the network child to run as: privilege separation off there.
-    let cfg_path = state.join("config.toml");
-    let text = std::fs::read_to_string(&cfg_path).unwrap();
-    std::fs::write(
-        &cfg_path,
-        replace_table(
-            &text,
-            "privsep",
-            "[privsep]\nenabled = false\nuser = \"nobody\"\n\n",
-        ),
-    )
-    .unwrap();
-    let token = {
-        let mut serve = Command::new(bin())
-            .args([
-                "serve",
-                "--listen-http",
-                "127.0.0.1:0",
-                "--listen-gateway",
-                "127.0.0.1:0",
-            ])
-            .env("BCA_STATE_DIR", &state)
-            .env("BCA_LOG", "warn")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let cli = |args: &[&str]| {
-            let o = Command::new(bin())
-                .args(args)
-                .arg("--json")
-                .env("BCA_STATE_DIR", &state)
-                .output()
-                .unwrap();
-            assert!(
-                o.status.success(),
-                "{args:?}: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-            serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
-        };
-        let pool = cli(&["pools", "create", "--name", "rack"])["id"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        let t = cli(&[
-            "join-tokens",
-            "create",
-            "--pool",
-            &pool,
-            "--ttl",
-            "24h",
-            "--max-uses",
-            "10000",
-            "--key",
-            "power",
-        ]);
-        let _ = Command::new("kill")
-            .args(["-TERM", &serve.id().to_string()])
-            .status();
-        serve.wait().unwrap();
-        t["token"].as_str().unwrap().to_string()
-    };
-    let agent = dir.path().join("agent");
-    let o = Command::new(bin())
-        .args([
-            "daemon",
-            "agent-config",
-            "--gateway-url",
-            &format!("https://127.0.0.1:{gw}"),
-            "--out",
-        ])
-        .arg(&agent)
-        .env("BCA_STATE_DIR", &state)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    umount();
-    let cfg = bca::proto::agent_config::AgentConfig::load(&agent.join("config.toml")).unwrap();
-    let enc = cfg
-        .join_encryption_point(&agent.join("config.toml"))
-        .unwrap();
-    let sim = Sim { cfg, enc };
-
+    let site = VmSite::new();
     let acked = std::sync::Mutex::new(Vec::<String>::new());
     let nodes = std::sync::Mutex::new(Vec::<Held>::new());
     let (mut joins, mut renewals) = (0usize, 0usize);
     for cut in 0..power_cuts() {
-        let console = dir.path().join(format!("console-{cut}.log"));
-        let mut vm = Command::new("qemu-system-x86_64")
-            .args(["-accel", "tcg", "-m", "512", "-display", "none", "-no-reboot", "-monitor", "none"])
-            .arg("-serial")
-            .arg(format!("file:{}", console.display()))
-            .arg("-kernel")
-            .arg(image().join("vmlinuz"))
-            .arg("-initrd")
-            .arg(image().join("initrd.img"))
-            .args(["-append", "console=ttyS0 bca.serve"])
-            .arg("-drive")
-            .arg(format!("file={},format=raw,if=virtio,cache=none", img.display()))
-            .args([
-                "-netdev",
-                &format!("user,id=n0,hostfwd=tcp:127.0.0.1:{gw}-:8443,hostfwd=tcp:127.0.0.1:{http}-:8080"),
-                "-device",
-                "virtio-net-pci,netdev=n0",
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
+        let console = site.dir.path().join(format!("console-{cut}.log"));
         // `bca serve` starts by itself on what the cut left: its gateway answers.
-        let ping = serde_json::to_vec(&Request {
-            v: 1,
-            ping: Some(Empty {}),
-            ..Default::default()
-        })
-        .unwrap();
-        let t = std::time::Instant::now();
-        while bca::agent::exchange_raw(&sim.cfg, &ping).is_err() {
-            if t.elapsed() > std::time::Duration::from_secs(180) {
-                let _ = vm.kill();
-                panic!(
-                    "cut {cut}: the appliance did not come back; console:\n{}",
-                    std::fs::read_to_string(&console).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(std::time::Duration::from_millis(500));
-        }
+        let mut vm = site.boot(&console, &[]);
         // A storm of joins and renewals; the power goes at a random moment within it.
         let mut r = [0u8; 2];
         bca::base::crypto::fill_random(&mut r);
@@ -487,7 +554,8 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
         let counts = std::thread::scope(|s| {
             let workers: Vec<_> = (0..3)
                 .map(|w| {
-                    let (sim, acked, nodes, stop, token) = (&sim, &acked, &nodes, &stop, &token);
+                    let (sim, acked, nodes, stop, token) =
+                        (&site.sim, &acked, &nodes, &stop, &site.token);
                     s.spawn(move || {
                         let (mut j, mut rn) = (0, 0);
                         let mut i = 0u32;
@@ -551,9 +619,9 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
         renewals += counts.1;
 
         // What the disk holds after the cut (the host's mount replays the journal; SQLite its WAL).
-        mount();
+        site.mount();
         {
-            let db = rusqlite::Connection::open(state.join("bca.db")).unwrap();
+            let db = rusqlite::Connection::open(site.state.join("bca.db")).unwrap();
             let ok: String = db
                 .query_row("PRAGMA integrity_check", [], |r| r.get(0))
                 .unwrap();
@@ -581,11 +649,77 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
             );
             assert!(spent <= 10_000);
         }
-        umount();
+        site.umount();
     }
     eprintln!(
         "power cuts: {} survived; acknowledged across them: {joins} joins, {renewals} renewals; nothing lost",
         power_cuts()
     );
     assert!(joins > 0, "no join was acknowledged");
+}
+
+/// A dying disk: the VM's state disk starts failing every I/O (its backend removed under it,
+/// QEMU's `drive_del`). Joins answer `UNAVAILABLE` and nothing more is acknowledged, `/healthz`
+/// is 503, and the log says the disk fails writes.
+#[test]
+fn a_dying_disk_answers_unavailable_stops_acknowledging_and_says_so() {
+    let site = VmSite::new();
+    let console = site.dir.path().join("console-dying.log");
+    let monitor = site.dir.path().join("monitor.sock");
+    let mut vm = site.boot(
+        &console,
+        &[
+            "-monitor".into(),
+            format!("unix:{},server,nowait", monitor.display()),
+        ],
+    );
+    let healthz = || {
+        let o = Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+            .arg(format!("http://127.0.0.1:{}/healthz", site.http))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    assert_eq!(healthz(), "200");
+    let join = || {
+        let (raw, _, _) = site.sim.join(&site.token, &machine());
+        serde_json::from_slice::<Reply>(&raw).unwrap()
+    };
+    assert!(join().join_response.is_some());
+
+    // The disk dies.
+    {
+        use std::io::{Read, Write};
+        let mut m = std::os::unix::net::UnixStream::connect(&monitor).unwrap();
+        m.write_all(b"drive_del virtio0\n").unwrap();
+        let mut buf = [0u8; 256];
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        m.set_nonblocking(true).unwrap();
+        let _ = m.read(&mut buf);
+    }
+    let mut failed = false;
+    for _ in 0..10 {
+        let r = join();
+        match (r.join_response, r.error) {
+            (Some(_), _) => assert!(
+                !failed,
+                "a join was acknowledged after the disk failed a write"
+            ),
+            (None, Some(e)) => {
+                assert_eq!(e.code, "UNAVAILABLE", "{}", e.message);
+                failed = true;
+            }
+            _ => panic!("neither an answer nor an error"),
+        }
+    }
+    assert!(failed, "the dead disk never failed a write");
+    assert_eq!(healthz(), "503");
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert!(
+        log.contains("the state directory's disk fails writes"),
+        "{log}"
+    );
+    let _ = vm.kill();
+    let _ = vm.wait();
 }
