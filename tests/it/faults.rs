@@ -319,7 +319,11 @@ struct VmSite {
 impl Drop for VmSite {
     fn drop(&mut self) {
         // A failed test may leave the disk mounted: never leave a loop device behind.
-        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.mnt)
+            .stderr(std::process::Stdio::null())
+            .status();
     }
 }
 
