@@ -1,5 +1,6 @@
-//! Crash consistency: a storm of joins, renewals and approvals (and the joins approvals admit)
-//! is cut by SIGKILL at random moments, 50 times, restarting the appliance each time.
+//! Crash consistency: a storm of joins, renewals and approvals (and the joins approvals admit,
+//! some racing their approval), with `bca agent run` processes renewing inside their sessions, is
+//! cut by SIGKILL at random moments, 50 times, restarting the appliance each time.
 //! Afterwards: no token admitted more joins than its `maxUses`, every certificate an agent
 //! received (join or renewal) has its `node_certs` row and its node, no acknowledged join or
 //! approval is lost, no join request is consumed twice, the uses spent equal the nodes admitted
@@ -145,13 +146,41 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
     let held: Arc<Mutex<Vec<Held>>> = Arc::default();
     let renewals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Tokens with few uses, so that racing joins hit the limit.
-    let tokens: Vec<(String, String, i64)> = (0..60)
+    let mut tokens: Vec<(String, String, i64)> = (0..60)
         .map(|i| {
             let max = 1 + (i % 4) as i64;
             let (t, tok) = a.token(&pool, json!({"maxUses": max}));
             (t["id"].as_str().unwrap().to_string(), tok, max)
         })
         .collect();
+    // Nodes whose `bca agent run` keeps its session through every kill and renews inside it: 10 s
+    // certificates, renewed at about 6 s.
+    a.stop();
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        text.replace("cert_ttl_seconds = 86400", "cert_ttl_seconds = 10"),
+    )
+    .unwrap();
+    let (http, gw) = (a.http.clone(), a.gateway.clone());
+    a.serve_at(PASSPHRASE, &http, &gw);
+    let (t, agent_token) = a.token(&pool, json!({"maxUses": 3}));
+    tokens.push((t["id"].as_str().unwrap().to_string(), String::new(), 3));
+    let agent_dirs: Vec<std::path::PathBuf> =
+        (0..3).map(|_| joined_agent_dir(&a, &agent_token)).collect();
+    let agents: Vec<std::process::Child> = agent_dirs.iter().map(|d| agent_run(d)).collect();
+    let agent_serial = |d: &std::path::Path| {
+        let id: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join("data/identity.json")).unwrap()).unwrap();
+        let pem = id["certificateChain"][0].as_str().unwrap().to_string();
+        let der = bca::proto::x509::pem_decode_all(&pem, "CERTIFICATE").remove(0);
+        (
+            id["nodeId"].as_str().unwrap().to_string(),
+            bca::proto::x509::parse_node_leaf(&der).unwrap().serial_hex,
+        )
+    };
+    let first_serials: Vec<(String, String)> = agent_dirs.iter().map(|d| agent_serial(d)).collect();
     // (certificate serial, node id) of every acknowledged join or renewal.
     let acked: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15 ^ std::process::id() as u64;
@@ -167,7 +196,7 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
         for k in 0..6 {
             let (sim, acked, held) = (sim.clone(), acked.clone(), held.clone());
             // Two joins per token in each round: they race for its last use.
-            let token = tokens[(round * 3 + k / 2) % tokens.len()].1.clone();
+            let token = tokens[(round * 3 + k / 2) % 60].1.clone();
             hs.push(std::thread::spawn(move || {
                 let claims = machine();
                 let Ok(raw) = sim.try_join(&token, &claims) else {
@@ -235,7 +264,46 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
                 );
                 if let Ok(v) = r {
                     assert_eq!(v["state"], "approved", "{v}");
-                    approved.lock().unwrap().push(i);
+                    let mut ap = approved.lock().unwrap();
+                    if !ap.contains(&i) {
+                        ap.push(i);
+                    }
+                }
+            }));
+        }
+        // The machine retrying with its approved CSR while its approval is being written: admitted
+        // only once the approval committed (then the approval counts as acknowledged, whatever
+        // became of the operator's answer), and only once.
+        {
+            let (sim, acked, approved, admitted) = (
+                sim.clone(),
+                acked.clone(),
+                approved.clone(),
+                admitted.clone(),
+            );
+            let waiting = waiting.clone();
+            let i = round % WAITING;
+            hs.push(std::thread::spawn(move || {
+                if admitted.lock().unwrap().contains(&i) {
+                    return;
+                }
+                let m = &waiting[i];
+                let Ok(raw) = discovery_join(&sim, m) else {
+                    return;
+                };
+                let Ok(reply) = serde_json::from_slice::<Reply>(&raw) else {
+                    return;
+                };
+                if let Some(resp) = reply.join_response {
+                    let (serial, node, _) = issued(&sim, &resp, &m.csr, &m.key, "ramdisk");
+                    acked.lock().unwrap().push((serial, node));
+                    let mut ad = admitted.lock().unwrap();
+                    assert!(!ad.contains(&i), "request {i} admitted twice");
+                    ad.push(i);
+                    let mut ap = approved.lock().unwrap();
+                    if !ap.contains(&i) {
+                        ap.push(i);
+                    }
                 }
             }));
         }
@@ -273,6 +341,22 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
         for h in hs {
             let _ = h.join();
         }
+        let (http, gw) = (a.http.clone(), a.gateway.clone());
+        a.serve_at(PASSPHRASE, &http, &gw);
+    }
+    // More kills until every `agent run` has renewed inside its session at least once.
+    let t = std::time::Instant::now();
+    while agent_dirs
+        .iter()
+        .zip(&first_serials)
+        .any(|(d, (_, s0))| agent_serial(d).1 == *s0)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(40),
+            "an agent run never renewed across the kills"
+        );
+        std::thread::sleep(Duration::from_millis(100 + rand() % 400));
+        kill9(&mut a);
         let (http, gw) = (a.http.clone(), a.gateway.clone());
         a.serve_at(PASSPHRASE, &http, &gw);
     }
@@ -387,9 +471,35 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
     assert_eq!(spent, nodes, "uses spent and nodes admitted disagree");
     let renewed = renewals.load(std::sync::atomic::Ordering::Relaxed);
     assert!(renewed > 0, "no renewal was ever acknowledged");
+    // What each `agent run` holds was acknowledged to it: its certificate has its row and node.
+    let mut agent_renewals = 0;
+    for (d, (node0, serial0)) in agent_dirs.iter().zip(&first_serials) {
+        let (node, serial) = agent_serial(d);
+        assert_eq!(&node, node0);
+        let n: i64 = db
+            .query_row(
+                "SELECT count(*) FROM node_certs WHERE serial = ?1 AND node_id = ?2",
+                [&serial, &node],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(n, 1, "the certificate agent run holds ({serial}) was lost");
+        if &serial != serial0 {
+            agent_renewals += 1;
+        }
+    }
+    for mut c in agents {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert_eq!(
+        agent_renewals, 3,
+        "an agent run never renewed across the kills"
+    );
     eprintln!(
         "{KILLS} kills survived; {} certificates acknowledged ({renewed} renewals); {nodes} nodes \
-         by token; {} approvals acknowledged, {ramdisks} machines admitted by them",
+         by token; {} approvals acknowledged, {ramdisks} machines admitted by them; \
+         {agent_renewals} of 3 agent run sessions renewed",
         acked.len(),
         approved.len()
     );
