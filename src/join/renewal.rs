@@ -351,6 +351,20 @@ mod tests {
     }
 
     #[test]
+    fn a_clock_stepped_back_never_forgets_a_proof_early() {
+        let mut c = ReplayCache::default();
+        assert!(c.fresh([9; 32], 10_000));
+        // An hour back: the proof is still remembered (and not evicted by a clock that went
+        // backwards), so its replay is refused.
+        assert!(!c.fresh([9; 32], 10_000 - 3_600));
+        assert!(c.fresh([8; 32], 10_000 - 3_600));
+        assert!(!c.fresh([9; 32], 10_000 - 3_500));
+        // Forward past the window of the first sighting: it may be used again (its signed client
+        // time is then far off the clock, which the renewal refuses on its own).
+        assert!(c.fresh([9; 32], 10_000 + 121));
+    }
+
+    #[test]
     fn proofs_that_left_the_window_are_forgotten_and_others_kept() {
         let mut c = ReplayCache::default();
         for i in 0..5_000u32 {

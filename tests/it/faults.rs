@@ -727,3 +727,120 @@ fn a_dying_disk_answers_unavailable_stops_acknowledging_and_says_so() {
     let _ = vm.kill();
     let _ = vm.wait();
 }
+
+/// Steps the VM's wall clock through its control port (image/init, `bca.serve` mode) and waits
+/// for the console to say it did.
+fn step_clock(ctl: &Path, console: &Path, step: &str) {
+    use std::io::Write;
+    let before = std::fs::read_to_string(console)
+        .unwrap_or_default()
+        .matches("bca: clock stepped")
+        .count();
+    let mut s = std::os::unix::net::UnixStream::connect(ctl).unwrap();
+    s.write_all(format!("clock:{step}\n").as_bytes()).unwrap();
+    let t = std::time::Instant::now();
+    while std::fs::read_to_string(console)
+        .unwrap_or_default()
+        .matches("bca: clock stepped")
+        .count()
+        == before
+    {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "the clock was not stepped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// A clock that jumps, inside the VM: an hour forward, and an hour back. The appliance issues no
+/// certificate from the future (every machine's signed time disagrees with it: joins and
+/// renewals are refused), raises its clock warnings (`/healthz` degraded), refuses a replayed
+/// renewal after the step back, and serves again once the clock is right.
+#[test]
+fn a_clock_that_jumps_issues_nothing_from_the_future_and_is_reported() {
+    let site = VmSite::new();
+    let console = site.dir.path().join("console-clock.log");
+    let ctl = site.dir.path().join("ctl.sock");
+    let mut vm = site.boot(
+        &console,
+        &[
+            "-serial".into(),
+            format!("unix:{},server,nowait", ctl.display()),
+        ],
+    );
+    let status = || {
+        let o = Command::new("curl")
+            .arg("-s")
+            .arg(format!("http://127.0.0.1:{}/healthz", site.http))
+            .output()
+            .unwrap();
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap_or_default()["status"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    // Five nodes (the skew warning wants five nodes' signed clocks).
+    let mut nodes = Vec::new();
+    for _ in 0..5 {
+        let (raw, csr, key) = site.sim.join(&site.token, &machine());
+        let r: Reply = serde_json::from_slice(&raw).unwrap();
+        let body = bca::agent::verify_response(
+            &site.sim.cfg,
+            &r.join_response.unwrap(),
+            &csr,
+            &key,
+            "node",
+        )
+        .unwrap();
+        nodes.push(held(body.node_id, &body.certificate_chain, key));
+    }
+    assert_eq!(status(), "ok");
+
+    // An hour forward: joins (their seal's time) and renewals (their signed time) disagree with
+    // the appliance by an hour: refused, nothing issued; the agents' clocks are reported.
+    step_clock(&ctl, &console, "+3600");
+    let (raw, _, _) = site.sim.join(&site.token, &machine());
+    assert_eq!(raw, refused_bytes(), "{}", String::from_utf8_lossy(&raw));
+    for n in &nodes {
+        assert!(
+            renew(&site.sim.cfg, n).is_none(),
+            "a renewal an hour off was issued"
+        );
+    }
+    assert_eq!(status(), "degraded");
+
+    // Back to the right time: it serves again.
+    step_clock(&ctl, &console, "-3600");
+    let renewed = renew(&site.sim.cfg, &nodes[0]).expect("a renewal at the right time");
+    let (raw, _, _) = site.sim.join(&site.token, &machine());
+    assert!(serde_json::from_slice::<Reply>(&raw)
+        .unwrap()
+        .join_response
+        .is_some());
+
+    // An hour back: the newest records are in its future ("went backwards"); machines' times
+    // are refused again.
+    step_clock(&ctl, &console, "-3600");
+    let (raw, _, _) = site.sim.join(&site.token, &machine());
+    assert_eq!(raw, refused_bytes());
+    assert!(renew(&site.sim.cfg, &renewed.1).is_none());
+    assert_eq!(status(), "degraded");
+    step_clock(&ctl, &console, "+3600");
+    let _ = vm.kill();
+    let _ = vm.wait();
+
+    // No certificate on the disk starts in the real time's future beyond the back-dating.
+    site.mount();
+    {
+        let db = rusqlite::Connection::open(site.state.join("bca.db")).unwrap();
+        let latest: i64 = db
+            .query_row("SELECT max(not_before) FROM node_certs", [], |r| r.get(0))
+            .unwrap();
+        assert!(
+            latest <= bca::base::clock::now(),
+            "a certificate starts in the future: {latest}"
+        );
+    }
+    site.umount();
+}
