@@ -153,14 +153,14 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
             (t["id"].as_str().unwrap().to_string(), tok, max)
         })
         .collect();
-    // Nodes whose `bca agent run` keeps its session through every kill and renews inside it: 10 s
-    // certificates, renewed at about 6 s.
+    // Nodes whose `bca agent run` keeps its session through every kill and renews inside it: 20 s
+    // certificates, renewed at about 12 s (8 s of slack for a renewal the kills interrupt).
     a.stop();
     let cfg = a.state().join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     std::fs::write(
         &cfg,
-        text.replace("cert_ttl_seconds = 86400", "cert_ttl_seconds = 10"),
+        text.replace("cert_ttl_seconds = 86400", "cert_ttl_seconds = 20"),
     )
     .unwrap();
     let (http, gw) = (a.http.clone(), a.gateway.clone());
@@ -352,10 +352,11 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
         .any(|(d, (_, s0))| agent_serial(d).1 == *s0)
     {
         assert!(
-            t.elapsed() < Duration::from_secs(40),
+            t.elapsed() < Duration::from_secs(60),
             "an agent run never renewed across the kills"
         );
-        std::thread::sleep(Duration::from_millis(100 + rand() % 400));
+        // Slower than the storm's kills: a renewal needs the appliance up for a moment.
+        std::thread::sleep(Duration::from_millis(500 + rand() % 1000));
         kill9(&mut a);
         let (http, gw) = (a.http.clone(), a.gateway.clone());
         a.serve_at(PASSPHRASE, &http, &gw);
