@@ -736,3 +736,11 @@ pub fn send_from(a: &Appliance, from: &str, req: Vec<u8>) -> Vec<u8> {
         bca::proto::protocol::read_frame(&mut s).await.unwrap()
     })
 }
+
+/// One QEMU VM at a time across the test binary: a TCG VM takes a whole core, and two at once on
+/// a 2-core machine starve the timing-sensitive tests running beside them. Held for a VM test's
+/// whole run (a failed test's poisoned lock is taken over).
+pub fn vm_lock() -> std::sync::MutexGuard<'static, ()> {
+    static VM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    VM.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -542,6 +542,7 @@ impl VmSite {
 /// the VM boots again on it.
 #[test]
 fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
+    let _vm = vm_lock();
     let site = VmSite::new();
     let acked = std::sync::Mutex::new(Vec::<String>::new());
     let nodes = std::sync::Mutex::new(Vec::<Held>::new());
@@ -667,6 +668,7 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
 /// is 503, and the log says the disk fails writes.
 #[test]
 fn a_dying_disk_answers_unavailable_stops_acknowledging_and_says_so() {
+    let _vm = vm_lock();
     let site = VmSite::new();
     let console = site.dir.path().join("console-dying.log");
     let monitor = site.dir.path().join("monitor.sock");
@@ -759,6 +761,7 @@ fn step_clock(ctl: &Path, console: &Path, step: &str) {
 /// renewal after the step back, and serves again once the clock is right.
 #[test]
 fn a_clock_that_jumps_issues_nothing_from_the_future_and_is_reported() {
+    let _vm = vm_lock();
     let site = VmSite::new();
     let console = site.dir.path().join("console-clock.log");
     let ctl = site.dir.path().join("ctl.sock");
@@ -851,6 +854,7 @@ fn a_clock_that_jumps_issues_nothing_from_the_future_and_is_reported() {
 #[test]
 fn power_cuts_during_backup_and_rotation_leave_a_state_that_starts() {
     use std::io::Write;
+    let _vm = vm_lock();
     let site = VmSite::new();
     let mut outcomes = Vec::new();
     for (i, cmd) in ["backup:1", "rotate", "backup:2", "promote", "backup:3"]

@@ -358,6 +358,7 @@ fn require_tools() {
 #[test]
 fn a_vm_pxe_boots_with_seabios_and_is_approved() {
     require_tools();
+    let _vm = vm_lock();
     let ns = Netns::new("bios", 99);
     let a = appliance(&ns, "dhcp");
     boot_and_approve(&ns, &a, "52:54:00:b1:05:01", false);
@@ -366,6 +367,7 @@ fn a_vm_pxe_boots_with_seabios_and_is_approved() {
 #[test]
 fn a_vm_pxe_boots_with_ovmf_and_is_approved() {
     require_tools();
+    let _vm = vm_lock();
     let ns = Netns::new("uefi", 98);
     let a = appliance(&ns, "dhcp");
     // With a TPM whose EK is on no list: the ramdisk tries it (--no-enroll), is refused, and
@@ -390,6 +392,7 @@ fn a_vm_pxe_boots_with_ovmf_and_is_approved() {
 #[test]
 fn a_vm_with_a_tpm_pxe_boots_and_joins_with_its_tpm_when_its_ek_is_allowed() {
     require_tools();
+    let _vm = vm_lock();
     let ns = Netns::new("vtpm", 97);
     let a = appliance(&ns, "dhcp");
     let pool = a.pool("tpm-rack");
@@ -501,6 +504,7 @@ fn site_dhcp(prov: &Netns, dir: &Path) -> SiteDhcp {
 #[test]
 fn a_vm_pxe_boots_through_proxy_dhcp_beside_the_sites_dhcp_server() {
     require_tools();
+    let _vm = vm_lock();
     let ns = Netns::new("proxy", 97);
     let a = appliance(&ns, "proxy");
     let _site = site_dhcp(&ns, a.dir.path());
@@ -557,6 +561,7 @@ fn node_events(a: &Appliance, node: &str, kind: &str) -> Vec<Value> {
 #[test]
 fn a_vm_lives_its_whole_life_discovered_provisioned_renewed_and_back_by_x509pop() {
     require_tools();
+    let _vm = vm_lock();
     let ns = Netns::new("life", 96);
     let a = appliance_cfg(&ns, "dhcp", |t| {
         let t = t.replace("cert_ttl_seconds = 86400", "cert_ttl_seconds = 60");
