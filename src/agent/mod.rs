@@ -316,7 +316,11 @@ fn resolve_config(o: &JoinOptions) -> ApiResult<(AgentConfig, Vec<u8>, Option<St
         )));
     };
     let doc = fetch_document(server)?;
-    let same = doc["join"]["encryptionKeyPin"] == serde_json::json!(pins.join_encryption)
+    // During a join-encryption overlap the pin given may be the staged next key's (what
+    // `bca daemon agent-config` hands out then).
+    let enc = serde_json::json!(pins.join_encryption);
+    let same = (doc["join"]["encryptionKeyPin"] == enc
+        || doc["join"]["nextEncryptionKeyPin"] == enc)
         && doc["join"]["signingKeyPin"] == serde_json::json!(pins.join_signing)
         && doc["gateway"]["servingCaPin"] == serde_json::json!(pins.serving_ca);
     if !same {

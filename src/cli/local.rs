@@ -231,8 +231,10 @@ pub(crate) fn cmd_pki_show(state_dir: &Path, as_json: bool) -> ApiResult<()> {
             );
         }
         if let Some(p) = &pins.join_encryption_next {
+            // Not an agent's key: an agent given this pin (bca daemon agent-config does during
+            // the overlap) has it as its join_encryption_key_pin.
             println!(
-                "join_encryption_next_key_pin = \"{p}\"  # promoted at {}",
+                "# the next join-encryption key's pin, {p}, promoted at {}: agents set up now use it as join_encryption_key_pin",
                 s(&rotation["joinEncryption"]["promoteAt"])
             );
         }

@@ -669,3 +669,59 @@ fn the_install_script_trusts_a_release_manifest_only_under_its_pins() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// During a join-encryption overlap `bca daemon agent-config` hands out the staged next key's
+/// pin; a machine bootstrapping with `--server` and that pin joins (a reviewer found it refused
+/// as "pins differ").
+#[test]
+fn a_server_bootstrap_with_the_next_encryption_pin_joins_during_a_rotation() {
+    let mut b = Appliance::start();
+    let cfg = b.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        format!("gateway_url = \"https://{}\"\n{text}", b.gateway),
+    )
+    .unwrap();
+    b.restart();
+    let pool = b.pool("p");
+    let (_, token) = b.token(&pool, json!({}));
+    let o = b.cli(&["pki", "rotate", "join-encryption"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let pins = b.cli_json(&["pki", "show"])["pins"].clone();
+    let next = pins["joinEncryptionNext"].as_str().unwrap().to_string();
+    assert_ne!(pins["joinEncryption"], next.as_str());
+    // `pki show` prints the next encryption pin as a comment, never as an agent's key.
+    let shown = String::from_utf8_lossy(&b.cli(&["pki", "show"]).stdout).to_string();
+    assert!(!shown.contains("join_encryption_next_key_pin ="), "{shown}");
+    assert!(shown.contains(&next), "{shown}");
+    let bare = b.dir.path().join("bare");
+    std::fs::create_dir_all(bare.join("etc")).unwrap();
+    let tf = bare.join("token");
+    std::fs::write(&tf, format!("{token}\n")).unwrap();
+    std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let o = Command::new(bin())
+        .args(["agent", "join", "--config"])
+        .arg(bare.join("etc/config.toml"))
+        .arg("--data-dir")
+        .arg(bare.join("data"))
+        .arg("--claims")
+        .arg(write_claims(&b, &machine()))
+        .args(["--server", &format!("http://{}", b.http), "--token-file"])
+        .arg(&tf)
+        .args([
+            "--serving-ca-pin",
+            pins["servingCa"].as_str().unwrap(),
+            "--join-signing-pin",
+            pins["joinSigning"].as_str().unwrap(),
+            "--join-encryption-pin",
+            &next,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let written =
+        bca::proto::agent_config::AgentConfig::load(&bare.join("etc/config.toml")).unwrap();
+    assert_eq!(written.join_encryption_key_pin, next);
+}
