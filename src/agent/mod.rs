@@ -4,6 +4,7 @@
 //! `identity.json` (0600: node id, site, trust domain, role, certificate chain). The config (the
 //! seed's `config.toml`) and `join-encryption.jwk` lie beside each other (default `/etc/bca-agent`).
 
+pub mod identity;
 pub mod nodekey;
 pub mod run;
 pub mod tlsclient;

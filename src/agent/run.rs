@@ -1,15 +1,13 @@
 //! `bca agent run` and `bca agent doctor`: a joined node keeps its session, renews at about 60%
 //! of its certificate's lifetime, and reconnects with capped exponential backoff and full jitter.
-//!
-//! Renewal writes the new identity so that a crash at any point leaves a loadable one:
-//! 1. the new key goes to `node.key.next` (atomically);
-//! 2. `identity.json` is replaced atomically with the new chain;
-//! 3. `node.key.next` is renamed over `node.key`.
-//!
-//! [`load_identity`] finishes step 3 when it finds an identity whose key is `node.key.next`.
+//! A renewal writes the new identity as `agent::identity` says, so a crash at any point leaves a
+//! loadable one.
 
+use crate::agent::identity;
+/// The identity on disk, as callers of `run` have always named it.
+pub use crate::agent::identity::{load_identity, write_renewed, Loaded};
 use crate::agent::nodekey::NodeKey;
-use crate::agent::{self, GatewayStream, Identity};
+use crate::agent::{self, GatewayStream};
 use crate::base::crypto;
 use crate::base::error::{ApiError, ApiResult, Code};
 use crate::proto::agent_config::AgentConfig;
@@ -21,67 +19,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A loaded identity: the record, its key, and the leaf's validity.
-pub struct Loaded {
-    pub identity: Identity,
-    pub key: NodeKey,
-    pub chain_der: Vec<Vec<u8>>,
-    pub not_before: i64,
-    pub not_after: i64,
-}
-
-/// The key in `p` when it is the one `want` (a SubjectPublicKeyInfo) names.
-fn read_key(p: &Path, want: &[u8]) -> ApiResult<Option<NodeKey>> {
-    Ok(NodeKey::load(p)?.filter(|k| k.spki_der() == want))
-}
-
-/// Loads `identity.json` and the key it certifies, completing an interrupted renewal.
-pub fn load_identity(data_dir: &Path) -> ApiResult<Loaded> {
-    let ip = data_dir.join("identity.json");
-    let bytes = std::fs::read(&ip)
-        .map_err(|_| ApiError::invalid_state("not joined: run bca agent join"))?;
-    let identity: Identity = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::invalid_state(format!("{} does not load: {e}; join again as root: bca agent join --reset --yes, then bca agent join", ip.display())))?;
-    let chain_der: Vec<Vec<u8>> = identity
-        .certificate_chain
-        .iter()
-        .filter_map(|p| {
-            crate::proto::x509::pem_decode_all(p, "CERTIFICATE")
-                .into_iter()
-                .next()
-        })
-        .collect();
-    let leaf = chain_der.first().and_then(|d| crate::proto::x509::parse_node_leaf(d)).ok_or_else(|| {
-        ApiError::invalid_state(format!("{} holds no node certificate; join again as root: bca agent join --reset --yes, then bca agent join", ip.display()))
-    })?;
-    let want = crypto::p256_spki_from_point(&leaf.public_point);
-    let (kp, next) = (data_dir.join("node.key"), data_dir.join("node.key.next"));
-    let key = match read_key(&kp, &want)? {
-        Some(k) => k,
-        None => {
-            let k = read_key(&next, &want)?.ok_or_else(|| {
-                ApiError::invalid_state("node.key does not match the identity's certificate; join again as root: bca agent join --reset --yes, then bca agent join")
-            })?;
-            std::fs::rename(&next, &kp)
-                .map_err(|e| ApiError::invalid_state(format!("cannot finish the renewal: {e}")))?;
-            k
-        }
-    };
-    let not_before = {
-        use x509_parser::prelude::*;
-        X509Certificate::from_der(&chain_der[0])
-            .map(|(_, c)| c.validity().not_before.timestamp())
-            .unwrap_or(0)
-    };
-    Ok(Loaded {
-        identity,
-        key,
-        chain_der,
-        not_before,
-        not_after: leaf.not_after,
-    })
-}
-
 /// Renews over an mTLS connection and writes the new identity; returns the new leaf's serial.
 pub async fn renew(
     cfg: &AgentConfig,
@@ -89,21 +26,9 @@ pub async fn renew(
     cur: &Loaded,
     s: &mut GatewayStream,
 ) -> ApiResult<(String, Option<AgentConfig>)> {
-    // The next key is made where the current one lives; a TPM-held key is attested by the AK
-    // the certificate names, checked before anything is sent.
-    let (key, key_attestation) = match cur.key.tpm() {
-        None => (NodeKey::generate(), None),
-        Some(k) => {
-            let tcti: crate::tpm::Tcti = k.tcti().parse().map_err(ApiError::internal)?;
-            let key = NodeKey::generate_in(&tcti)?;
-            (key, Some(()))
-        }
-    };
+    let key = identity::next_key(cur)?;
     let csr = key.csr()?;
-    let key_attestation = match key_attestation {
-        None => None,
-        Some(()) => Some(attest_key(cur, &key, &csr)?),
-    };
+    let key_attestation = identity::key_attestation(cur, &key, &csr)?;
     let now = crate::base::clock::now();
     let msg = renew_pop_message(&crypto::sha256(&csr), &cur.identity.node_id, now);
     let req = Request {
@@ -126,11 +51,8 @@ pub async fn renew(
     let resp = reply
         .renew_response
         .ok_or_else(|| ApiError::internal("the answer carries no renewal"))?;
-    let body = agent::verify_response_for(cfg, &resp, &csr, &key.spki_der(), &cur.identity.role)?;
-    if body.node_id != cur.identity.node_id {
-        return Err(ApiError::access_denied("the renewal names another node"));
-    }
-    let learned = agent::pins_learned(cfg, &resp, &body);
+    let (body, learned) =
+        identity::install(cfg, data_dir, cur, (&key, &csr), &resp, "the renewal")?;
     let serial = body
         .certificate_chain
         .first()
@@ -142,67 +64,7 @@ pub async fn renew(
         .and_then(|d| crate::proto::x509::parse_node_leaf(&d))
         .map(|l| l.serial_hex)
         .unwrap_or_default();
-    write_renewed(
-        data_dir,
-        &key,
-        Identity {
-            certificate_chain: body.certificate_chain,
-            ..cur.identity.clone()
-        },
-    )?;
     Ok((serial, learned))
-}
-
-/// The AK's `TPM2_Certify` of the new TPM-held `key` over the CSR's SHA-256, once the TPM
-/// derives the AK the current certificate names: otherwise the renewal fails here, unsent.
-pub(crate) fn attest_key(
-    cur: &Loaded,
-    key: &NodeKey,
-    csr: &[u8],
-) -> ApiResult<crate::proto::protocol::KeyAttestation> {
-    let tpm_key = key
-        .tpm()
-        .ok_or_else(|| ApiError::internal("the next key is not held by the TPM"))?;
-    let (ak, ak_public) = tpm_key.with_tpm(|t| t.ak_public())?;
-    let named = crate::proto::x509::parse_node_leaf(&cur.chain_der[0]).and_then(|l| {
-        l.statements
-            .iter()
-            .find_map(|s| crate::proto::x509::statement_ak_name(s))
-    });
-    match named {
-        Some(n) if n == ak.name => {}
-        Some(n) => {
-            return Err(ApiError::invalid_state(format!(
-                "the TPM derives another AK ({}) than the certificate names ({}); it was cleared or replaced: join again as root: bca agent join --reset --yes --attestor tpm",
-                crypto::hex(&ak.name),
-                crypto::hex(&n)
-            )))
-        }
-        // A TPM-held key from before a statement: nothing to prove, nothing sent.
-        None => {}
-    }
-    let c = tpm_key.with_tpm(|t| t.certify(tpm_key.blob(), &crypto::sha256(csr)))?;
-    Ok(crate::proto::protocol::KeyAttestation {
-        ak_public: crypto::b64(&ak_public),
-        key_public: crypto::b64(&tpm_key.blob().public),
-        attest: crypto::b64(&c.attest),
-        signature: crypto::b64(&c.signature),
-    })
-}
-
-/// The three steps of the module's doc, each atomic.
-pub fn write_renewed(data_dir: &Path, key: &NodeKey, identity: Identity) -> ApiResult<()> {
-    let next = data_dir.join("node.key.next");
-    crate::base::fsutil::write_atomic(&next, &key.file_bytes(), 0o600)
-        .map_err(ApiError::invalid_state)?;
-    crate::base::fsutil::write_atomic(
-        &data_dir.join("identity.json"),
-        &serde_json::to_vec_pretty(&identity).expect("serializes"),
-        0o600,
-    )
-    .map_err(ApiError::invalid_state)?;
-    std::fs::rename(&next, data_dir.join("node.key"))
-        .map_err(|e| ApiError::invalid_state(e.to_string()))
 }
 
 /// Full jitter: a random delay in `[0, min(cap, base * 2^attempt)]`.

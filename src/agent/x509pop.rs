@@ -3,16 +3,16 @@
 //! old one was there, attested by the AK the certificate names, as at renewal), and signs with
 //! the key of its expired certificate the challenge, the new CSR's SHA-256 and its node id. The
 //! answer is a certificate for the same node and role; it is written as a renewal is
-//! (`run::write_renewed`), so a crash at any point leaves a loadable identity. The new key is
+//! (`identity::install`), so a crash at any point leaves a loadable identity. The new key is
 //! kept in `node.key.x509pop` from before the request until the new identity is written, so a
 //! lost answer is retried with the same key (the appliance answers it again).
 //!
 //! `bca agent join --attestor x509pop` does it by hand; `bca agent run` does it by itself when
 //! it finds its certificate expired.
 
+use crate::agent;
+use crate::agent::identity::{self, Loaded};
 use crate::agent::nodekey::NodeKey;
-use crate::agent::run::Loaded;
-use crate::agent::{self, Identity};
 use crate::base::crypto;
 use crate::base::error::{ApiError, ApiResult};
 use crate::proto::agent_config::AgentConfig;
@@ -28,7 +28,7 @@ pub const MAX_EXPIRED: i64 = 7 * 86_400;
 /// Re-joins with the expired identity in `data_dir`; returns the node id. Pins the answer
 /// teaches are saved as a renewal's are.
 pub fn rejoin(cfg: &AgentConfig, data_dir: &Path) -> ApiResult<String> {
-    let cur = crate::agent::run::load_identity(data_dir)?;
+    let cur = identity::load_identity(data_dir)?;
     let now = crate::base::clock::now();
     if cur.not_after > now {
         return Err(ApiError::invalid_state(format!(
@@ -44,23 +44,14 @@ pub fn rejoin(cfg: &AgentConfig, data_dir: &Path) -> ApiResult<String> {
     let key = match NodeKey::load(&pending)? {
         Some(k) => k,
         None => {
-            let k = match cur.key.tpm() {
-                None => NodeKey::generate(),
-                Some(k) => {
-                    let tcti: crate::tpm::Tcti = k.tcti().parse().map_err(ApiError::internal)?;
-                    NodeKey::generate_in(&tcti)?
-                }
-            };
+            let k = identity::next_key(&cur)?;
             crate::base::fsutil::write_atomic(&pending, &k.file_bytes(), 0o600)
                 .map_err(ApiError::invalid_state)?;
             k
         }
     };
     let csr = key.csr()?;
-    let key_attestation = match key.tpm() {
-        Some(_) => Some(crate::agent::run::attest_key(&cur, &key, &csr)?),
-        None => None,
-    };
+    let key_attestation = identity::key_attestation(&cur, &key, &csr)?;
     let ask = Request {
         v: 1,
         x509pop_challenge: Some(Empty {}),
@@ -104,21 +95,11 @@ pub fn rejoin(cfg: &AgentConfig, data_dir: &Path) -> ApiResult<String> {
     let resp = reply
         .join_response
         .ok_or_else(|| ApiError::internal("the gateway's answer carries no response"))?;
-    let body = agent::verify_response_for(cfg, &resp, &csr, &key.spki_der(), &cur.identity.role)?;
-    if body.node_id != cur.identity.node_id {
-        return Err(ApiError::access_denied("the answer names another node"));
-    }
-    if let Some(learned) = agent::pins_learned(cfg, &resp, &body) {
+    let (body, learned) =
+        identity::install(cfg, data_dir, &cur, (&key, &csr), &resp, "the answer")?;
+    if let Some(learned) = learned {
         agent::save_learned(data_dir, &learned)?;
     }
-    crate::agent::run::write_renewed(
-        data_dir,
-        &key,
-        Identity {
-            certificate_chain: body.certificate_chain,
-            ..cur.identity.clone()
-        },
-    )?;
     // The key is `node.key` now.
     let _ = std::fs::remove_file(&pending);
     Ok(body.node_id)
