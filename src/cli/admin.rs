@@ -2,6 +2,7 @@
 
 use super::args::*;
 use super::conn::*;
+use super::duration::parse_duration;
 use super::output::*;
 use crate::base::error::{ApiError, ApiResult};
 use serde_json::{json, Value};
@@ -139,12 +140,7 @@ pub(crate) fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> 
                 return Ok(());
             }
             if let Some(o) = &out {
-                if std::fs::symlink_metadata(o).is_ok() {
-                    return Err(ApiError::already_exists(format!(
-                        "{} exists; --out never writes over a file",
-                        o.display()
-                    )));
-                }
+                refuse_existing_out(o)?;
             }
             let c = conn.client();
             let tenant = tenant_or_root(&c, tenant)?;
@@ -182,16 +178,7 @@ pub(crate) fn cmd_join_tokens(cmd: JoinTokensCmd, conn: &Conn) -> ApiResult<()> 
                         s(&v["id"])
                     )));
                 };
-                crate::base::fsutil::write_new_private(
-                    o,
-                    format!("{}\n", token.as_str()).as_bytes(),
-                )
-                .map_err(|e| {
-                    ApiError::already_exists(format!(
-                        "{e}; the token {} was minted: revoke it",
-                        s(&v["id"])
-                    ))
-                })?;
+                write_token_file(o, &token, &s(&v["id"]))?;
                 if let Some(o) = v.as_object_mut() {
                     o.remove("token");
                 }

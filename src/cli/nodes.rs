@@ -189,14 +189,9 @@ pub fn run(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
             ttl,
             out: file,
         } => {
-            let ttl = crate::cli::args::parse_duration(&ttl).map_err(ApiError::invalid_input)?;
+            let ttl = super::duration::parse_duration(&ttl).map_err(ApiError::invalid_input)?;
             if let Some(f) = &file {
-                if std::fs::symlink_metadata(f).is_ok() {
-                    return Err(ApiError::already_exists(format!(
-                        "{} exists; --out never writes over a file",
-                        f.display()
-                    )));
-                }
+                crate::cli::output::refuse_existing_out(f)?;
             }
             let tenant = tenant_or_root(&c, tenant)?;
             let mut v = c.call(
@@ -209,16 +204,7 @@ pub fn run(cmd: NodesCmd, conn: &Conn) -> ApiResult<()> {
             }
             match &file {
                 Some(f) => {
-                    crate::base::fsutil::write_new_private(
-                        f,
-                        format!("{}\n", token.as_str()).as_bytes(),
-                    )
-                    .map_err(|e| {
-                        ApiError::already_exists(format!(
-                            "{e}; the token {} was minted: revoke it",
-                            s(&v["id"])
-                        ))
-                    })?;
+                    crate::cli::output::write_token_file(f, &token, &s(&v["id"]))?;
                     if conn.json {
                         println!("{}", serde_json::to_string_pretty(&v).expect("serializes"));
                     } else {

@@ -1,7 +1,27 @@
 //! What the commands print: tables for people, or the API's JSON with `--json`.
 
 use super::conn::*;
+use crate::base::error::{ApiError, ApiResult};
 use serde_json::Value;
+use std::path::Path;
+
+/// `--out`: a token file is never written over; checked before anything is minted.
+pub(crate) fn refuse_existing_out(path: &Path) -> ApiResult<()> {
+    if std::fs::symlink_metadata(path).is_ok() {
+        return Err(ApiError::already_exists(format!(
+            "{} exists; --out never writes over a file",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Writes a token just minted (`id`) to a new 0600 file; when that fails, the token exists all
+/// the same, and the error says to revoke it.
+pub(crate) fn write_token_file(path: &Path, token: &str, id: &str) -> ApiResult<()> {
+    crate::base::fsutil::write_new_private(path, format!("{token}\n").as_bytes())
+        .map_err(|e| ApiError::already_exists(format!("{e}; the token {id} was minted: revoke it")))
+}
 
 pub(crate) fn print(conn: &Conn, v: &Value, table: impl FnOnce(&Value)) {
     if conn.json {
