@@ -182,22 +182,7 @@ pub fn dispatch(store: &Store, ctx: &Ctx<'_>, path: &str, body: &[u8]) -> Option
 fn void_provisioned(tx: &Tx<'_>, ctx: &Ctx<'_>, node: &str) -> ApiResult<()> {
     for (id, tenant) in crate::store::tenancy::revoke_provisioned(tx, node, ctx.now)? {
         let data = json!({"tokenId": id, "nodeId": node, "role": "provisioned"});
-        publish(
-            tx,
-            ctx.now,
-            &tenant,
-            "security.join-token.revoked",
-            data.clone(),
-        )?;
-        audit(
-            tx,
-            ctx.now,
-            &tenant,
-            "joinTokens.revoke",
-            ctx.caller,
-            &id,
-            data,
-        )?;
+        crate::admin::tokens::record_revoked(tx, ctx, &tenant, &id, data)?;
     }
     Ok(())
 }
@@ -214,7 +199,7 @@ fn provision_token(
     node: &str,
     ttl: i64,
 ) -> ApiResult<Value> {
-    use crate::domain::token::{Bearer, Expect, TokenRow};
+    use crate::domain::token::{Expect, TokenRow};
     let v = load(tx, tenant, node)?;
     if v["state"] == "retired" {
         return Err(ApiError::invalid_state(format!("node {node} is retired")));
@@ -249,19 +234,14 @@ fn provision_token(
         crate::store::tenancy::pool_load(tx, tenant, v["poolId"].as_str().unwrap_or_default())?;
     void_provisioned(tx, ctx, node)?;
     let id = crate::base::ids::new_id("jt", ctx.now * 1000);
-    let mut secret = zeroize::Zeroizing::new([0u8; 32]);
-    crate::base::crypto::fill_random(secret.as_mut());
-    let bearer = Bearer {
-        id: id.clone(),
-        secret,
-    };
+    let (bearer, secret_sha256) = crate::admin::tokens::new_bearer(&id);
     let t = TokenRow {
         id: id.clone(),
         tenant_id: tenant.to_string(),
         pool_id: pool.id.clone(),
         site_id: pool.site_id.clone(),
         role: "provisioned".into(),
-        secret_sha256: crate::base::crypto::sha256(bearer.secret.as_ref()).to_vec(),
+        secret_sha256,
         max_uses: 1,
         uses_left: 1,
         expect: Some(expect),

@@ -84,19 +84,14 @@ pub(super) fn join_tokens_create(
             pool.id, pool.agent
         )));
     }
-    let mut secret = zeroize::Zeroizing::new([0u8; 32]);
-    crypto::fill_random(secret.as_mut());
-    let bearer = Bearer {
-        id: id.clone(),
-        secret,
-    };
+    let (bearer, secret_sha256) = new_bearer(&id);
     let t = TokenRow {
         id: id.clone(),
         tenant_id: i.tenant_id,
         pool_id: pool.id.clone(),
         site_id: pool.site_id.clone(),
         role: "node".into(),
-        secret_sha256: crypto::sha256(bearer.secret.as_ref()).to_vec(),
+        secret_sha256,
         max_uses,
         uses_left: max_uses,
         expect: i.expect,
@@ -131,6 +126,47 @@ pub(super) fn join_tokens_create(
     let mut v = t.to_json();
     v["token"] = json!(bearer.render().as_str());
     Ok(v)
+}
+
+/// A new bearer for token `id`: the secret, shown once, and its SHA-256, the only thing stored.
+pub(super) fn new_bearer(id: &str) -> (Bearer, Vec<u8>) {
+    let mut secret = zeroize::Zeroizing::new([0u8; 32]);
+    crypto::fill_random(secret.as_mut());
+    let sha = crypto::sha256(secret.as_ref()).to_vec();
+    (
+        Bearer {
+            id: id.to_string(),
+            secret,
+        },
+        sha,
+    )
+}
+
+/// A token revoked: `security.join-token.revoked` and the `joinTokens.revoke` audit row, in its
+/// tenant.
+pub(super) fn record_revoked(
+    tx: &Tx<'_>,
+    ctx: &Ctx<'_>,
+    tenant: &str,
+    token_id: &str,
+    data: Value,
+) -> ApiResult<()> {
+    publish(
+        tx,
+        ctx.now,
+        tenant,
+        "security.join-token.revoked",
+        data.clone(),
+    )?;
+    audit(
+        tx,
+        ctx.now,
+        tenant,
+        "joinTokens.revoke",
+        ctx.caller,
+        token_id,
+        data,
+    )
 }
 
 /// The most tokens one `createMany` mints.
@@ -265,22 +301,7 @@ pub(super) fn join_tokens_revoke(
         tenancy::token_revoke(tx, &t.id, ctx.now)?;
         t.revoked_at = Some(ctx.now);
         let data = json!({"tokenId": t.id, "poolId": t.pool_id});
-        publish(
-            tx,
-            ctx.now,
-            &t.tenant_id,
-            "security.join-token.revoked",
-            data.clone(),
-        )?;
-        audit(
-            tx,
-            ctx.now,
-            &t.tenant_id,
-            "joinTokens.revoke",
-            ctx.caller,
-            &t.id,
-            data,
-        )?;
+        record_revoked(tx, ctx, &t.tenant_id, &t.id, data)?;
     }
     Ok(t.to_json())
 }
