@@ -1,6 +1,6 @@
 //! Acceptance, the appliance's side (the rule is `domain::acceptance`): after an admission a pool
-//! without checks adopts the node at once; with checks it stays `adopting`, disconnected, until
-//! its `Hello` starts acceptance (`node.acceptance.started`, then `node.adopted`, or
+//! without checks adopts the node at once (`join::admit::write`); with checks it stays
+//! `adopting`, disconnected, until its `Hello` starts acceptance (`node.acceptance.started`, then `node.adopted`, or
 //! `node.acceptance.failed` with an `AcceptanceFailed` condition). `nodes.adopt` runs the checks
 //! again after a fix, and so does every later `Hello` while the node is still `adopting`.
 //!
@@ -19,21 +19,6 @@ use serde_json::json;
 
 /// The largest claims a `Hello` may report (as a join's claims are bounded).
 const MAX_CLAIMS: usize = 16 * 1024;
-
-/// After an admission: adopted at once unless the pool runs acceptance checks.
-pub(crate) fn after_admission(
-    tx: &Tx<'_>,
-    tenant: &str,
-    node_id: &str,
-    pool_id: &str,
-    now: i64,
-) -> ApiResult<()> {
-    let pool = crate::store::tenancy::pool_by_id(tx, pool_id)?;
-    if pool.as_ref().and_then(|p| p.policy.acceptance()).is_some() {
-        return Ok(());
-    }
-    crate::join::issue::adopt(tx, tenant, node_id, pool_id, now)
-}
 
 /// At the `Hello` of an `adopting` node (its session just opened with `leaf`): the evidence
 /// recorded when its signature verifies under the node's key, then acceptance.

@@ -8,7 +8,7 @@
 //! adoption (at once, unless the pool runs acceptance checks: `join::acceptance`).
 
 use crate::base::error::ApiResult;
-use crate::join::issue::{certify, Decided, Ready, Signer, Subject};
+use crate::join::issue::{adopt, certify, Decided, Ready, Signer, Subject};
 use crate::join::site::Site;
 use crate::store::nodes::{revoke_all, Again, NewNode};
 use crate::store::Tx;
@@ -55,7 +55,8 @@ pub(crate) struct Admission<'a> {
     pub actor: String,
     pub tenant_id: &'a str,
     pub site_id: &'a str,
-    pub pool_id: &'a str,
+    /// The pool it joins (its policy decides whether it is adopted at once).
+    pub pool: &'a crate::domain::pool::Pool,
     /// The certificate's (and the node's) role.
     pub role: &'a str,
     pub target: Target<'a>,
@@ -93,7 +94,7 @@ pub(crate) fn write(
                     id: &id,
                     tenant_id: a.tenant_id,
                     site_id: a.site_id,
-                    pool_id: a.pool_id,
+                    pool_id: &a.pool.id,
                     role: a.role,
                     trust,
                     hardware_key: r.key.as_ref().map(|k| k.hex.as_str()),
@@ -160,7 +161,7 @@ pub(crate) fn write(
     }
     let mut data = json!({
         "nodeId": node_id,
-        "poolId": a.pool_id,
+        "poolId": a.pool.id,
         "attestor": a.attestor,
         "reclaim": reclaim,
         "hardwareKeyTrusted": a.hardware_key_trusted,
@@ -178,6 +179,10 @@ pub(crate) fn write(
         "node.joined"
     };
     crate::store::events::audit(tx, now, a.tenant_id, action, &a.actor, &node_id, data)?;
-    crate::join::acceptance::after_admission(tx, a.tenant_id, &node_id, a.pool_id, now)?;
+    // Adopted at once, unless the pool runs acceptance checks: then at its `Hello`
+    // (`join::acceptance`).
+    if a.pool.policy.acceptance().is_none() {
+        adopt(tx, a.tenant_id, &node_id, &a.pool.id, now)?;
+    }
     Ok(Decided::Issued(response))
 }

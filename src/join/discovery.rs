@@ -332,13 +332,16 @@ fn reclaim(
         generation: k.generation + 1,
         trust: None,
     };
+    // The node's own pool (a node's pool always exists).
+    let pool = crate::store::tenancy::pool_by_id(tx, &k.pool_id)?
+        .ok_or_else(|| crate::base::error::ApiError::internal("a node's pool is missing"))?;
     issue(
         tx,
         site,
         signer,
         r,
         token_id,
-        (&k.tenant_id, &k.pool_id, target, record),
+        (&k.tenant_id, &pool, target, record),
         &by,
         ttl,
         now,
@@ -377,7 +380,7 @@ fn admit_new(
         signer,
         r,
         token_id,
-        (&pool.tenant_id, &pool.id, target, record),
+        (&pool.tenant_id, pool, target, record),
         &by,
         ttl,
         now,
@@ -393,7 +396,7 @@ fn issue(
     signer: &Signer,
     r: &Ready,
     token_id: &str,
-    (tenant_id, pool_id, target, record): (&str, &str, Target<'_>, Record),
+    (tenant_id, pool, target, record): (&str, &crate::domain::pool::Pool, Target<'_>, Record),
     by: &Vouched<'_>,
     ttl: i64,
     now: i64,
@@ -404,7 +407,7 @@ fn issue(
         actor: format!("discovery:{}", by.label()),
         tenant_id,
         site_id: &site.config.site_id,
-        pool_id,
+        pool,
         role: "ramdisk",
         target,
         record,

@@ -74,7 +74,7 @@ pub(crate) fn admit(
         actor: format!("join-token:{}", token.id),
         tenant_id: &token.tenant_id,
         site_id: &token.site_id,
-        pool_id: &pool.id,
+        pool: &pool,
         role: &adm.role,
         target,
         record: Record {

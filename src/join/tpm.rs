@@ -317,7 +317,7 @@ pub(crate) fn admit(
         actor: format!("tpm:{}", p.ek_sha256),
         tenant_id: &pool.tenant_id,
         site_id: &cfg.site_id,
-        pool_id: &pool.id,
+        pool: &pool,
         role: &r.role,
         target,
         record: Record {

@@ -214,7 +214,7 @@ pub(crate) fn admit(
             actor: format!("x509pop:{}", row.serial),
             tenant_id: &row.tenant,
             site_id: &pool.site_id,
-            pool_id: &pool.id,
+            pool: &pool,
             role: &row.role,
             target: Target::Same {
                 node_id: row.node_id.clone(),

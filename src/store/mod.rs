@@ -191,7 +191,10 @@ impl Store {
         let tx = Tx(conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?);
         let out = f(&tx)?;
         tx.0.commit()?;
-        if WRITE_FAULT.swap(0, std::sync::atomic::Ordering::Relaxed) != 0 {
+        // A load first: every commit passes here, and the flag is almost always clear.
+        if WRITE_FAULT.load(std::sync::atomic::Ordering::Relaxed) != 0
+            && WRITE_FAULT.swap(0, std::sync::atomic::Ordering::Relaxed) != 0
+        {
             tracing::info!("the state directory's disk takes writes again");
         }
         Ok(out)

@@ -23,27 +23,45 @@ pub fn insert_challenge(
     (per_source, open): (i64, i64),
     now: i64,
 ) -> ApiResult<()> {
-    crate::store::exec(
-        tx,
-        "DELETE FROM tpm_challenges WHERE expires_at <= ?1",
-        [now],
-    )?;
-    crate::store::exec(
-        tx,
-        "DELETE FROM tpm_challenges WHERE id IN (SELECT id FROM tpm_challenges WHERE source = ?1
-         ORDER BY rowid DESC LIMIT -1 OFFSET ?2)",
-        params![c.source, per_source - 1],
-    )?;
-    crate::store::exec(
-        tx,
-        "DELETE FROM tpm_challenges WHERE id IN (SELECT id FROM tpm_challenges
-         ORDER BY rowid DESC LIMIT -1 OFFSET ?1)",
-        [open - 1],
-    )?;
+    make_room(tx, "tpm_challenges", c.source, (per_source, open), now)?;
     crate::store::exec(tx,
         "INSERT INTO tpm_challenges (id, source, ek_sha256, ak_name, secret_sha256, ek_certified, created_at, expires_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         params![c.id, c.source, c.ek_sha256, c.ak_name_hex, c.secret_sha256, c.ek_certified as i64, now, c.expires_at],
+    )?;
+    Ok(())
+}
+
+/// Before a challenge is recorded in `table` (`tpm_challenges`, `x509pop_challenges`): the
+/// expired ones dropped, then the source's oldest past `per_source`, then the oldest of all past
+/// `open`, so a flood never locks the attestor for everyone.
+pub(in crate::store) fn make_room(
+    tx: &Tx<'_>,
+    table: &'static str,
+    source: &str,
+    (per_source, open): (i64, i64),
+    now: i64,
+) -> ApiResult<()> {
+    crate::store::exec(
+        tx,
+        &format!("DELETE FROM {table} WHERE expires_at <= ?1"),
+        [now],
+    )?;
+    crate::store::exec(
+        tx,
+        &format!(
+            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE source = ?1
+             ORDER BY rowid DESC LIMIT -1 OFFSET ?2)"
+        ),
+        params![source, per_source - 1],
+    )?;
+    crate::store::exec(
+        tx,
+        &format!(
+            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table}
+             ORDER BY rowid DESC LIMIT -1 OFFSET ?1)"
+        ),
+        [open - 1],
     )?;
     Ok(())
 }

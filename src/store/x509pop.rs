@@ -4,8 +4,7 @@ use crate::base::error::ApiResult;
 use crate::store::Tx;
 use rusqlite::{params, OptionalExtension};
 
-/// Records a challenge, first dropping the expired ones and making room under the limits: the
-/// source's oldest past `per_source`, then the oldest of all past `open`.
+/// Records a challenge, first making room under the limits (`tpm::make_room`).
 pub fn insert_challenge(
     tx: &Tx<'_>,
     (id, source, secret_sha256): (&str, &str, &[u8]),
@@ -13,23 +12,7 @@ pub fn insert_challenge(
     (per_source, open): (i64, i64),
     now: i64,
 ) -> ApiResult<()> {
-    crate::store::exec(
-        tx,
-        "DELETE FROM x509pop_challenges WHERE expires_at <= ?1",
-        [now],
-    )?;
-    crate::store::exec(
-        tx,
-        "DELETE FROM x509pop_challenges WHERE id IN (SELECT id FROM x509pop_challenges
-         WHERE source = ?1 ORDER BY rowid DESC LIMIT -1 OFFSET ?2)",
-        params![source, per_source - 1],
-    )?;
-    crate::store::exec(
-        tx,
-        "DELETE FROM x509pop_challenges WHERE id IN (SELECT id FROM x509pop_challenges
-         ORDER BY rowid DESC LIMIT -1 OFFSET ?1)",
-        [open - 1],
-    )?;
+    crate::store::tpm::make_room(tx, "x509pop_challenges", source, (per_source, open), now)?;
     crate::store::exec(
         tx,
         "INSERT INTO x509pop_challenges (id, source, secret_sha256, created_at, expires_at)
