@@ -125,25 +125,53 @@ fn downloads_are_recorded_served_and_checked() {
     }
 }
 
-fn script(a: &Appliance, pool: &str, sha: &str) -> std::path::PathBuf {
-    let o = a.cli(&[
+/// Records this `bca` as agent 0.1.0 for amd64 (`bca downloads add`): its SHA-256.
+pub(crate) fn add_agent(a: &Appliance) -> String {
+    a.cli_json(&[
+        "downloads",
+        "add",
+        bin(),
+        "--version",
+        "0.1.0",
+        "--arch",
+        "amd64",
+    ]);
+    sha256_of(Path::new(bin()))
+}
+
+/// The install script for `pool` and agent `version`, its digests given by `digests`
+/// (`--sha256 …`, or `--release-manifest … --release-pins …`).
+pub(crate) fn script_with(
+    a: &Appliance,
+    pool: &str,
+    version: &str,
+    digests: &[&str],
+) -> std::path::PathBuf {
+    let gateway = format!("https://{}", a.gateway);
+    let base = format!("http://{}", a.http);
+    let mut args = vec![
         "daemon",
         "install-script",
         "--pool",
         pool,
         "--gateway-url",
-        &format!("https://{}", a.gateway),
+        &gateway,
         "--base-url",
-        &format!("http://{}", a.http),
+        &base,
         "--bcd-version",
-        "0.1.0",
-        "--sha256",
-        &format!("amd64={sha}"),
-    ]);
+        version,
+    ];
+    args.extend_from_slice(digests);
+    let o = a.cli(&args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let p = a.dir.path().join(format!("install-{}.sh", rand_hex(3)));
     std::fs::write(&p, &o.stdout).unwrap();
     p
+}
+
+/// The install script with the amd64 binary's SHA-256 written in.
+pub(crate) fn script(a: &Appliance, pool: &str, sha: &str) -> std::path::PathBuf {
+    script_with(a, pool, "0.1.0", &["--sha256", &format!("amd64={sha}")])
 }
 
 fn run_script(
@@ -169,16 +197,7 @@ fn the_install_script_installs_joins_refuses_a_bad_digest_and_upgrades() {
     let a = Appliance::start();
     let pool = a.pool("brownfield");
     let (_, token) = a.token(&pool, json!({"maxUses": 2}));
-    a.cli_json(&[
-        "downloads",
-        "add",
-        bin(),
-        "--version",
-        "0.1.0",
-        "--arch",
-        "amd64",
-    ]);
-    let sha = sha256_of(Path::new(bin()));
+    let sha = add_agent(&a);
     let claims = write_claims(&a, &machine());
 
     // A wrong SHA-256: refused, nothing installed.
@@ -450,26 +469,12 @@ fn manifest_script(
     pins: &str,
     version: &str,
 ) -> std::path::PathBuf {
-    let o = a.cli(&[
-        "daemon",
-        "install-script",
-        "--pool",
+    script_with(
+        a,
         pool,
-        "--gateway-url",
-        &format!("https://{}", a.gateway),
-        "--base-url",
-        &format!("http://{}", a.http),
-        "--bcd-version",
         version,
-        "--release-manifest",
-        url,
-        "--release-pins",
-        pins,
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let p = a.dir.path().join(format!("install-{}.sh", rand_hex(3)));
-    std::fs::write(&p, &o.stdout).unwrap();
-    p
+        &["--release-manifest", url, "--release-pins", pins],
+    )
 }
 
 #[test]
@@ -477,16 +482,7 @@ fn the_install_script_trusts_a_release_manifest_only_under_its_pins() {
     let a = Appliance::start();
     let pool = a.pool("brownfield");
     let (_, token) = a.token(&pool, json!({"maxUses": 3}));
-    a.cli_json(&[
-        "downloads",
-        "add",
-        bin(),
-        "--version",
-        "0.1.0",
-        "--arch",
-        "amd64",
-    ]);
-    let sha = sha256_of(Path::new(bin()));
+    let sha = add_agent(&a);
     let cfg = a.agent_config(&a.agent_dir());
     let claims = write_claims(&a, &machine());
     let url = format!("http://{}/api/compute/downloads/manifest", a.http);

@@ -196,6 +196,11 @@ impl Appliance {
 
     /// Every row of every table, to assert that a refused call changed nothing.
     pub fn snapshot(&self) -> String {
+        self.snapshot_but(&[])
+    }
+
+    /// Every row of every table but `skip`'s.
+    pub fn snapshot_but(&self, skip: &[&str]) -> String {
         let c = self.db();
         let tables: Vec<String> = c
             .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
@@ -205,22 +210,9 @@ impl Appliance {
             .collect::<Result<_, _>>()
             .unwrap();
         let mut out = String::new();
-        for t in tables {
-            let mut st = c
-                .prepare(&format!("SELECT * FROM {t} ORDER BY rowid"))
-                .unwrap();
-            let n = st.column_count();
-            let rows = st
-                .query_map([], |r| {
-                    let cells: Vec<String> = (0..n)
-                        .map(|i| format!("{:?}", r.get_ref(i).unwrap()))
-                        .collect();
-                    Ok(cells.join("|"))
-                })
-                .unwrap()
-                .collect::<Result<Vec<_>, _>>()
-                .unwrap();
-            out.push_str(&format!("{t}:\n{}\n", rows.join("\n")));
+        for t in tables.iter().filter(|t| !skip.contains(&t.as_str())) {
+            let rows = query_rows(&c, &format!("SELECT * FROM {t} ORDER BY rowid"));
+            out.push_str(&format!("{t}:\n{rows}\n"));
         }
         out
     }
@@ -743,4 +735,21 @@ pub fn send_from(a: &Appliance, from: &str, req: Vec<u8>) -> Vec<u8> {
 pub fn vm_lock() -> std::sync::MutexGuard<'static, ()> {
     static VM: std::sync::Mutex<()> = std::sync::Mutex::new(());
     VM.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The rows `sql` selects, a line each, their cells `|`-separated as SQLite holds them.
+pub fn query_rows(c: &rusqlite::Connection, sql: &str) -> String {
+    let mut st = c.prepare(sql).unwrap();
+    let n = st.column_count();
+    let rows = st
+        .query_map([], |r| {
+            Ok((0..n)
+                .map(|i| format!("{:?}", r.get_ref(i).unwrap()))
+                .collect::<Vec<_>>()
+                .join("|"))
+        })
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    rows.join("\n")
 }

@@ -51,6 +51,23 @@ fn discovery_join(sim: &Sim, m: &Waiting) -> Result<Vec<u8>, bca::base::error::A
     bca::agent::exchange_raw(&sim.cfg, &req)
 }
 
+/// A waiting machine's join with its approved CSR: `(serial, node id)` when admitted; nothing when
+/// refused or when the appliance died under it.
+fn admitted_join(sim: &Sim, m: &Waiting) -> Option<(String, String)> {
+    let raw = discovery_join(sim, m).ok()?;
+    let resp = serde_json::from_slice::<Reply>(&raw).ok()?.join_response?;
+    let (serial, node, _) = issued(sim, &resp, &m.csr, &m.key, "ramdisk");
+    Some((serial, node))
+}
+
+/// Adds `i` to the list unless it is there.
+fn push_once(list: &Mutex<Vec<usize>>, i: usize) {
+    let mut l = list.lock().unwrap();
+    if !l.contains(&i) {
+        l.push(i);
+    }
+}
+
 /// `(serial, node id)` of the certificate in a verified answer.
 fn issued(
     sim: &Sim,
@@ -264,10 +281,7 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
                 );
                 if let Ok(v) = r {
                     assert_eq!(v["state"], "approved", "{v}");
-                    let mut ap = approved.lock().unwrap();
-                    if !ap.contains(&i) {
-                        ap.push(i);
-                    }
+                    push_once(&approved, i);
                 }
             }));
         }
@@ -287,23 +301,12 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
                 if admitted.lock().unwrap().contains(&i) {
                     return;
                 }
-                let m = &waiting[i];
-                let Ok(raw) = discovery_join(&sim, m) else {
-                    return;
-                };
-                let Ok(reply) = serde_json::from_slice::<Reply>(&raw) else {
-                    return;
-                };
-                if let Some(resp) = reply.join_response {
-                    let (serial, node, _) = issued(&sim, &resp, &m.csr, &m.key, "ramdisk");
-                    acked.lock().unwrap().push((serial, node));
+                if let Some(a) = admitted_join(&sim, &waiting[i]) {
+                    acked.lock().unwrap().push(a);
                     let mut ad = admitted.lock().unwrap();
                     assert!(!ad.contains(&i), "request {i} admitted twice");
                     ad.push(i);
-                    let mut ap = approved.lock().unwrap();
-                    if !ap.contains(&i) {
-                        ap.push(i);
-                    }
+                    push_once(&approved, i);
                 }
             }));
         }
@@ -321,16 +324,8 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
                     ap.iter().copied().find(|i| !ad.contains(i))
                 };
                 let Some(i) = next else { return };
-                let m = &waiting[i];
-                let Ok(raw) = discovery_join(&sim, m) else {
-                    return;
-                };
-                let Ok(reply) = serde_json::from_slice::<Reply>(&raw) else {
-                    return;
-                };
-                if let Some(resp) = reply.join_response {
-                    let (serial, node, _) = issued(&sim, &resp, &m.csr, &m.key, "ramdisk");
-                    acked.lock().unwrap().push((serial, node));
+                if let Some(a) = admitted_join(&sim, &waiting[i]) {
+                    acked.lock().unwrap().push(a);
                     admitted.lock().unwrap().push(i);
                 }
             }));

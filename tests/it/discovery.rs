@@ -91,6 +91,11 @@ pub(crate) fn succeeded(agent: Child) -> String {
 
 /// `bca agent join --attestor discovery` from an unpacked per-boot archive.
 pub(crate) fn discovery_join(dir: &Path, claims: &Path, wait: u32) -> Child {
+    discovery_join_with(dir, claims, wait, 1)
+}
+
+/// [`discovery_join`] asking again every `retry` seconds, with the same key and CSR.
+pub(crate) fn discovery_join_with(dir: &Path, claims: &Path, wait: u32, retry: u32) -> Child {
     let etc = dir.join("etc/bca-agent");
     Command::new(bin())
         .args([
@@ -109,7 +114,12 @@ pub(crate) fn discovery_join(dir: &Path, claims: &Path, wait: u32) -> Child {
         .arg(dir.join("data"))
         .arg("--claims")
         .arg(claims)
-        .args(["--wait-seconds", &wait.to_string(), "--retry-seconds", "1"])
+        .args([
+            "--wait-seconds",
+            &wait.to_string(),
+            "--retry-seconds",
+            &retry.to_string(),
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -124,7 +134,8 @@ fn vm_claims(a: &Appliance, mac: &str) -> PathBuf {
     )
 }
 
-fn pending(a: &Appliance, mac: &str) -> Option<Value> {
+/// The pending join request of a MAC, as `bca join-requests list` shows it.
+pub(crate) fn pending(a: &Appliance, mac: &str) -> Option<Value> {
     a.cli_json(&["join-requests", "list"])["items"]
         .as_array()
         .unwrap()

@@ -306,7 +306,8 @@ fn renew(cfg: &bca::proto::agent_config::AgentConfig, n: &Held) -> Option<(Strin
 /// disk of its own: made on the host (init, a pool and a token, the agents' files), booted and
 /// checked by the fault tests.
 struct VmSite {
-    dir: tempfile::TempDir,
+    /// The site as made on the host (stopped); its folder holds the disk image.
+    a: Appliance,
     img: PathBuf,
     mnt: PathBuf,
     state: PathBuf,
@@ -329,120 +330,41 @@ impl Drop for VmSite {
 
 impl VmSite {
     fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let img = dir.path().join("state.img");
-        let mnt = dir.path().join("mnt");
-        std::fs::create_dir(&mnt).unwrap();
-        sh(&format!(
-            "dd if=/dev/zero of={} bs=1M count=64 status=none && mkfs.ext4 -q -F {}",
-            img.display(),
-            img.display()
-        ));
-        let state = mnt.join("state");
-        let (gw, http) = (free_tcp(), free_tcp());
-
-        // The site, made on the host: init, a pool and a token, the agents' files.
-        sh(&format!(
-            "mount -o loop {} {}",
-            img.display(),
-            mnt.display()
-        ));
-        let o = Command::new(bin())
-            .args([
-                "init",
-                "--trust-domain",
-                "compute.example.com",
-                "--site",
-                "rack1",
-            ])
-            .args(["--key-protection", "file", "--state-dir"])
-            .arg(&state)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        // The VM has no users for the network child to run as: privilege separation off there.
-        let cfg_path = state.join("config.toml");
-        let text = std::fs::read_to_string(&cfg_path).unwrap();
-        std::fs::write(
-            &cfg_path,
+        // The site, made on the host (a pool, a token, the agents' files), then its state
+        // directory moved onto the VM's disk. The VM has no user for the network child to run
+        // as: privilege separation off.
+        let mut a = Appliance::start_cfg("file", &[], |t| {
             replace_table(
-                &text,
+                &t,
                 "privsep",
                 "[privsep]\nenabled = false\nuser = \"nobody\"\n\n",
-            ),
-        )
-        .unwrap();
-        let token = {
-            let mut serve = Command::new(bin())
-                .args([
-                    "serve",
-                    "--listen-http",
-                    "127.0.0.1:0",
-                    "--listen-gateway",
-                    "127.0.0.1:0",
-                ])
-                .env("BCA_STATE_DIR", &state)
-                .env("BCA_LOG", "warn")
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
-            let mut line = String::new();
-            std::io::BufRead::read_line(
-                &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
-                &mut line,
             )
-            .unwrap();
-            let cli = |args: &[&str]| {
-                let o = Command::new(bin())
-                    .args(args)
-                    .arg("--json")
-                    .env("BCA_STATE_DIR", &state)
-                    .output()
-                    .unwrap();
-                assert!(
-                    o.status.success(),
-                    "{args:?}: {}",
-                    String::from_utf8_lossy(&o.stderr)
-                );
-                serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
-            };
-            let pool = cli(&["pools", "create", "--name", "rack"])["id"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            let t = cli(&[
-                "join-tokens",
-                "create",
-                "--pool",
-                &pool,
-                "--ttl",
-                "24h",
-                "--max-uses",
-                "10000",
-                "--key",
-                "power",
-            ]);
-            let _ = Command::new("kill")
-                .args(["-TERM", &serve.id().to_string()])
-                .status();
-            serve.wait().unwrap();
-            t["token"].as_str().unwrap().to_string()
-        };
-        let agent = dir.path().join("agent");
-        let o = Command::new(bin())
-            .args([
-                "daemon",
-                "agent-config",
-                "--gateway-url",
-                &format!("https://127.0.0.1:{gw}"),
-                "--out",
-            ])
-            .arg(&agent)
-            .env("BCA_STATE_DIR", &state)
-            .output()
-            .unwrap();
+        });
+        let pool = a.pool("rack");
+        let (_, token) = a.token(&pool, json!({"maxUses": 10000}));
+        a.stop();
+        let (gw, http) = (free_tcp(), free_tcp());
+        let agent = a.dir.path().join("agent");
+        let o = a.cli(&[
+            "daemon",
+            "agent-config",
+            "--gateway-url",
+            &format!("https://127.0.0.1:{gw}"),
+            "--out",
+            agent.to_str().unwrap(),
+        ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        sh(&format!("umount {}", mnt.display()));
+        let img = a.dir.path().join("state.img");
+        let mnt = a.dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        sh(&format!(
+            "dd if=/dev/zero of={img} bs=1M count=64 status=none && mkfs.ext4 -q -F {img} \
+             && mount -o loop {img} {mnt} && cp -a {state} {mnt}/ && umount {mnt}",
+            img = img.display(),
+            mnt = mnt.display(),
+            state = a.state().display()
+        ));
+        let state = mnt.join("state");
         let cfg = bca::proto::agent_config::AgentConfig::load(&agent.join("config.toml")).unwrap();
         let enc = cfg
             .join_encryption_point(&agent.join("config.toml"))
@@ -450,7 +372,7 @@ impl VmSite {
         let sim = Sim { cfg, enc };
 
         VmSite {
-            dir,
+            a,
             img,
             mnt,
             state,
@@ -548,7 +470,7 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
     let nodes = std::sync::Mutex::new(Vec::<Held>::new());
     let (mut joins, mut renewals) = (0usize, 0usize);
     for cut in 0..power_cuts() {
-        let console = site.dir.path().join(format!("console-{cut}.log"));
+        let console = site.a.dir.path().join(format!("console-{cut}.log"));
         // `bca serve` starts by itself on what the cut left: its gateway answers.
         let mut vm = site.boot(&console, &[]);
         // A storm of joins and renewals; the power goes at a random moment within it.
@@ -670,8 +592,8 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
 fn a_dying_disk_answers_unavailable_stops_acknowledging_and_says_so() {
     let _vm = vm_lock();
     let site = VmSite::new();
-    let console = site.dir.path().join("console-dying.log");
-    let monitor = site.dir.path().join("monitor.sock");
+    let console = site.a.dir.path().join("console-dying.log");
+    let monitor = site.a.dir.path().join("monitor.sock");
     let mut vm = site.boot(
         &console,
         &[
@@ -763,8 +685,8 @@ fn step_clock(ctl: &Path, console: &Path, step: &str) {
 fn a_clock_that_jumps_issues_nothing_from_the_future_and_is_reported() {
     let _vm = vm_lock();
     let site = VmSite::new();
-    let console = site.dir.path().join("console-clock.log");
-    let ctl = site.dir.path().join("ctl.sock");
+    let console = site.a.dir.path().join("console-clock.log");
+    let ctl = site.a.dir.path().join("ctl.sock");
     let mut vm = site.boot(
         &console,
         &[
@@ -861,8 +783,8 @@ fn power_cuts_during_backup_and_rotation_leave_a_state_that_starts() {
         .into_iter()
         .enumerate()
     {
-        let console = site.dir.path().join(format!("console-op-{i}.log"));
-        let ctl = site.dir.path().join(format!("ctl-{i}.sock"));
+        let console = site.a.dir.path().join(format!("console-op-{i}.log"));
+        let ctl = site.a.dir.path().join(format!("ctl-{i}.sock"));
         let mut vm = site.boot(
             &console,
             &[
@@ -892,11 +814,11 @@ fn power_cuts_during_backup_and_rotation_leave_a_state_that_starts() {
         if let Some(n) = cmd.strip_prefix("backup:") {
             site.mount();
             let file = site.mnt.join(format!("backup-{n}.bca"));
-            let copy = site.dir.path().join(format!("backup-{n}.bca"));
+            let copy = site.a.dir.path().join(format!("backup-{n}.bca"));
             let taken = std::fs::copy(&file, &copy).is_ok();
             site.umount();
             if taken {
-                let restored = site.dir.path().join(format!("restored-{n}"));
+                let restored = site.a.dir.path().join(format!("restored-{n}"));
                 let o = Command::new(bin())
                     .args(["restore"])
                     .arg(&copy)
@@ -933,7 +855,7 @@ fn power_cuts_during_backup_and_rotation_leave_a_state_that_starts() {
         }
     }
     // After every cut the appliance starts by itself on what was left.
-    let console = site.dir.path().join("console-after.log");
+    let console = site.a.dir.path().join("console-after.log");
     let mut vm = site.boot(&console, &[]);
     vm.kill().unwrap();
     vm.wait().unwrap();

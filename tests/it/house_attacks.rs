@@ -19,38 +19,6 @@ fn mode(p: &Path) -> u32 {
     std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777
 }
 
-/// Every row of every table but `skip`'s (a refusal publishes `security.join.refused`; an
-/// operator's approval writes its request and audit row).
-fn snapshot_but(a: &Appliance, skip: &[&str]) -> String {
-    let c = a.db();
-    let tables: Vec<String> = c
-        .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
-    let mut out = String::new();
-    for t in tables.iter().filter(|t| !skip.contains(&t.as_str())) {
-        let mut st = c
-            .prepare(&format!("SELECT * FROM {t} ORDER BY rowid"))
-            .unwrap();
-        let n = st.column_count();
-        let rows = st
-            .query_map([], |r| {
-                Ok((0..n)
-                    .map(|i| format!("{:?}", r.get_ref(i).unwrap()))
-                    .collect::<Vec<_>>()
-                    .join("|"))
-            })
-            .unwrap()
-            .collect::<Result<Vec<_>, _>>()
-            .unwrap();
-        out.push_str(&format!("{t}:\n{}\n", rows.join("\n")));
-    }
-    out
-}
-
 const NODE_COLS: [&str; 14] = [
     "role",
     "trust",
@@ -183,7 +151,7 @@ fn a_join_token_never_reclaims_a_node_of_another_tenant_or_pool() {
         a.token(&pool_b, json!({"tenantId": tb, "allowReclaim": true}));
     let (_, b_plain) = a.token(&pool_b, json!({"tenantId": tb}));
     let (a2_reclaim, a2_tok) = a.token(&pool_a2, json!({"allowReclaim": true}));
-    let before = snapshot_but(&a, &["events"]);
+    let before = a.snapshot_but(&["events"]);
     for (who, tok) in [
         ("tenant B, allowReclaim", &b_reclaim_tok),
         ("tenant B, plain", &b_plain),
@@ -202,7 +170,7 @@ fn a_join_token_never_reclaims_a_node_of_another_tenant_or_pool() {
         }
     }
     assert_eq!(
-        snapshot_but(&a, &["events"]),
+        a.snapshot_but(&["events"]),
         before,
         "a refused reclaim wrote something"
     );
@@ -357,7 +325,7 @@ fn an_approval_into_another_tenants_pool_never_reclaims_a_discovered_node() {
     let agent = discovery_join(&dir, &write_claims(&a, &m), 30);
     let req = wait_for("a pending request", 20, || pending(&a, &mac));
     assert_eq!(req["conflictingNode"]["nodeId"], json!(node));
-    let before = snapshot_but(&a, &["events", "audit", "join_requests"]);
+    let before = a.snapshot_but(&["events", "audit", "join_requests"]);
     a.cli_json(&[
         "join-requests",
         "approve",
@@ -378,7 +346,7 @@ fn an_approval_into_another_tenants_pool_never_reclaims_a_discovered_node() {
         "join:reclaim"
     );
     assert_eq!(
-        snapshot_but(&a, &["events", "audit", "join_requests"]),
+        a.snapshot_but(&["events", "audit", "join_requests"]),
         before,
         "the refused retry wrote something"
     );
@@ -496,7 +464,7 @@ fn a_known_ek_reclaims_only_its_own_node_in_its_own_pool() {
     );
 
     // A `node` back to `ramdisk`: refused, nothing written.
-    let before = snapshot_but(&a, &["events"]);
+    let before = a.snapshot_but(&["events"]);
     let o = tpm_join(
         &dir,
         &renamed,
@@ -508,20 +476,20 @@ fn a_known_ek_reclaims_only_its_own_node_in_its_own_pool() {
         a.last_event("security.join.refused").unwrap().1["reason"],
         "join:reclaim"
     );
-    assert_eq!(snapshot_but(&a, &["events"]), before);
+    assert_eq!(a.snapshot_but(&["events"]), before);
 
     // The EK allow-listed into tenant B's pool: the node stays tenant A's.
     assert!(a.cli(&["tpm", "remove-ek", &ek]).status.success());
     let o = a.cli(&["tpm", "allow-ek", &ek, "--pool", &pool_b, "--tenant", &tb]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let before = snapshot_but(&a, &["events"]);
+    let before = a.snapshot_but(&["events"]);
     let o = tpm_join(&dir, &renamed, &tpm, &["--reset", "--yes"]);
     assert!(!o.status.success());
     assert_eq!(
         a.last_event("security.join.refused").unwrap().1["reason"],
         "join:reclaim"
     );
-    assert_eq!(snapshot_but(&a, &["events"]), before);
+    assert_eq!(a.snapshot_but(&["events"]), before);
     assert_eq!(node_record(&a, &node), second);
     assert_eq!(unrevoked_certs(&a, &node), 1);
     assert_eq!(

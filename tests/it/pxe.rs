@@ -296,12 +296,7 @@ fn boot_and_approve_with(ns: &Netns, a: &Appliance, mac: &str, uefi: bool, extra
     let pool = a.pool(&format!("intake-{}", rand_hex(2)));
     let (_vm, console) = vm_with(ns, a, mac, uefi, extra);
     let req = wait_for("the VM's join request", 300, &console, || {
-        a.cli_json(&["join-requests", "list"])["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["mac"] == mac)
-            .cloned()
+        crate::discovery::pending(a, mac)
     });
     assert_eq!(req["attestor"], "discovery");
     assert!(req["ip"].as_str().unwrap().starts_with(&ns.net), "{req}");
@@ -402,12 +397,8 @@ fn a_vm_with_a_tpm_pxe_boots_and_joins_with_its_tpm_when_its_ek_is_allowed() {
     std::fs::create_dir(&state).unwrap();
     let hash = {
         let t = crate::tpm::Swtpm::start_at(&state, true);
-        a.cli_json(&["tpm", "status", "--tpm", &t.tcti()])["ek"]["rsa"]["publicKeySha256"]
-            .as_str()
-            .unwrap()
-            .to_string()
+        crate::tpmjoin::allow_ek(&a, &t.tcti(), &pool).0
     };
-    a.cli_json(&["tpm", "allow-ek", &hash, "--pool", &pool]);
     let (_swtpm, tpm) = vm_tpm(&state);
     let mac = "52:54:00:79:70:01";
     let (_vm, console) = vm_with(&ns, &a, mac, false, &tpm);
@@ -583,12 +574,7 @@ fn a_vm_lives_its_whole_life_discovered_provisioned_renewed_and_back_by_x509pop(
     // Discovered and approved: a ramdisk node.
     let (vm, console) = vm_with(&ns, &a, mac, false, &drive);
     let req = wait_for("the VM's join request", 300, &console, || {
-        a.cli_json(&["join-requests", "list"])["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["mac"] == mac)
-            .cloned()
+        crate::discovery::pending(&a, mac)
     });
     a.cli_json(&[
         "join-requests",

@@ -20,16 +20,6 @@ use std::process::{Child, Command, Output, Stdio};
 // Join requests: helpers
 // ---------------------------------------------------------------------------------------------
 
-/// The pending request of a MAC, as `bca join-requests list` shows it.
-fn pending_of(a: &Appliance, mac: &str) -> Option<Value> {
-    a.cli_json(&["join-requests", "list"])["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["mac"] == mac)
-        .cloned()
-}
-
 /// A request in any state, by id, as `bca join-requests list --state all` shows it.
 fn request(a: &Appliance, id: &str) -> Value {
     a.cli_json(&["join-requests", "list", "--state", "all"])["items"]
@@ -70,42 +60,15 @@ fn ask_once(a: &Appliance) -> (String, String) {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("still pending"), "{err}");
-    let r = pending_of(a, &mac).unwrap_or_else(|| panic!("no pending request for {mac}"));
+    let r = crate::discovery::pending(a, &mac)
+        .unwrap_or_else(|| panic!("no pending request for {mac}"));
     (mac, r["id"].as_str().unwrap().to_string())
 }
 
 /// A discovery join that waits up to a minute and asks again every `retry` seconds, with the same
 /// key and CSR: the decisions a test makes between two attempts all land before the next one.
 fn discovery_agent(dir: &Path, claims: &Path, retry: u32) -> Child {
-    let etc = dir.join("etc/bca-agent");
-    Command::new(bin())
-        .args([
-            "agent",
-            "join",
-            "--attestor",
-            "discovery",
-            "--role",
-            "ramdisk",
-            "--config",
-        ])
-        .arg(etc.join("config.toml"))
-        .arg("--token-file")
-        .arg(etc.join("discovery-token"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--claims")
-        .arg(claims)
-        .args([
-            "--wait-seconds",
-            "60",
-            "--retry-seconds",
-            &retry.to_string(),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    crate::discovery::discovery_join_with(dir, claims, 60, retry)
 }
 
 /// Moves a request's expiry into the past. The clock is the appliance's (nothing in the API
@@ -138,7 +101,9 @@ fn reject_withdraws_an_unused_approval() {
     let (_, dir) = boot(&a, &mac);
     // A long retry: the approval and its withdrawal both land before the machine asks again.
     let agent = discovery_agent(&dir, &write_claims(&a, &m), 8);
-    let req = wait_for("a pending request", 20, || pending_of(&a, &mac));
+    let req = wait_for("a pending request", 20, || {
+        crate::discovery::pending(&a, &mac)
+    });
     let id = req["id"].as_str().unwrap().to_string();
     let approved = a.cli_json(&["join-requests", "approve", &id, "--pool", &pool]);
     assert_eq!(approved["state"], "approved");
@@ -321,7 +286,7 @@ fn a_request_past_its_expiry_expires_pending_or_approved() {
     let (mac1, r1) = ask_once(&a);
     expire_now(&a, &r1);
     assert!(
-        pending_of(&a, &mac1).is_none(),
+        crate::discovery::pending(&a, &mac1).is_none(),
         "an expired request is listed as pending"
     );
     let expired = ids_of(&a.cli_json(&["join-requests", "list", "--state", "expired"]));
@@ -341,7 +306,9 @@ fn a_request_past_its_expiry_expires_pending_or_approved() {
     let mac2 = m["macs"][0].as_str().unwrap().to_string();
     let (_, dir) = boot(&a, &mac2);
     let agent = discovery_agent(&dir, &write_claims(&a, &m), 6);
-    let req = wait_for("a pending request", 20, || pending_of(&a, &mac2));
+    let req = wait_for("a pending request", 20, || {
+        crate::discovery::pending(&a, &mac2)
+    });
     let r2 = req["id"].as_str().unwrap().to_string();
     let approved = a.cli_json(&["join-requests", "approve", &r2, "--pool", &pool]);
     assert_eq!(approved["state"], "approved");
@@ -353,7 +320,7 @@ fn a_request_past_its_expiry_expires_pending_or_approved() {
     assert_eq!(request(&a, &r2)["state"], "expired");
     // The machine's retry, with the CSR the approval was for: not admitted; a new request waits.
     let fresh = wait_for("the machine's new request", 30, || {
-        pending_of(&a, &mac2).filter(|r| r["id"] != r2.as_str())
+        crate::discovery::pending(&a, &mac2).filter(|r| r["id"] != r2.as_str())
     });
     assert_eq!(fresh["csrSha256"], approved["csrSha256"]);
     assert_eq!(fresh["state"], "pending");
@@ -537,11 +504,7 @@ fn deleting_a_node_frees_its_ek() {
     let tpm = Swtpm::start(false);
     let a = Appliance::start();
     let pool = a.pool("tpm-rack");
-    let hash = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()])["ek"]["rsa"]["publicKeySha256"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    a.cli_json(&["tpm", "allow-ek", &hash, "--pool", &pool]);
+    let (hash, _) = crate::tpmjoin::allow_ek(&a, &tpm.tcti(), &pool);
     let claims = write_claims(&a, &machine());
     let join = |extra: &[&str]| tpm_join(&a.agent_dir(), &claims, &tpm, extra);
     let o = join(&[]);
@@ -620,12 +583,7 @@ fn deleting_a_retired_tpm_node_gives_its_ek_back_to_the_ek_ca_bundle() {
     let tpm = Swtpm::start(true);
     let mut a = Appliance::start();
     let pool = a.pool("certified");
-    let bundle = a.dir.path().join("ek-cas.pem");
-    let mut pem = std::fs::read_to_string("/var/lib/swtpm-localca/issuercert.pem").unwrap();
-    pem.push_str(
-        &std::fs::read_to_string("/var/lib/swtpm-localca/swtpm-localca-rootca-cert.pem").unwrap(),
-    );
-    std::fs::write(&bundle, pem).unwrap();
+    let bundle = crate::tpmjoin::ek_ca_bundle(&a);
     a.stop();
     let cfg = a.state().join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
@@ -796,36 +754,10 @@ fn a_token_file_on_a_read_only_mount_joins_with_a_warning() {
     assert_eq!(a.uses_left(rec["id"].as_str().unwrap()), 0);
 }
 
-/// The install script for `pool`, its binary download recorded (amd64, as `adopt.rs`).
+/// The install script for `pool`, its binary download recorded (amd64).
 fn install_script(a: &Appliance, pool: &str) -> PathBuf {
-    a.cli_json(&[
-        "downloads",
-        "add",
-        bin(),
-        "--version",
-        "0.1.0",
-        "--arch",
-        "amd64",
-    ]);
-    let sha = crypto::hex(&crypto::sha256(&std::fs::read(bin()).unwrap()));
-    let o = a.cli(&[
-        "daemon",
-        "install-script",
-        "--pool",
-        pool,
-        "--gateway-url",
-        &format!("https://{}", a.gateway),
-        "--base-url",
-        &format!("http://{}", a.http),
-        "--bcd-version",
-        "0.1.0",
-        "--sha256",
-        &format!("amd64={sha}"),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let p = a.dir.path().join(format!("install-{}.sh", rand_hex(3)));
-    std::fs::write(&p, &o.stdout).unwrap();
-    p
+    let sha = crate::adopt::add_agent(a);
+    crate::adopt::script(a, pool, &sha)
 }
 
 /// `sh SCRIPT` into the scratch root `root`, with `input` on standard input and no token in the
@@ -848,24 +780,6 @@ fn run_script_stdin(script: &Path, root: &Path, claims: &Path, input: &str) -> O
         let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
     }
     child.wait_with_output().unwrap()
-}
-
-/// Every regular file under `dir` (recursively).
-fn files_in(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            let m = std::fs::symlink_metadata(&p).unwrap();
-            if m.is_dir() {
-                stack.push(p);
-            } else if m.is_file() {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 /// The install script reads the token from standard input when `BCD_JOIN_TOKEN` is unset: it
@@ -912,7 +826,11 @@ fn the_install_script_reads_the_token_from_standard_input() {
     // The token is in no file the script wrote (the binary aside).
     let secret = token.split('.').nth(1).unwrap();
     for sub in ["etc", "var"] {
-        for f in files_in(&root.join(sub)) {
+        // Regular files only (mode S_IFREG).
+        for (f, _, mode) in sha256_file_tree(&root.join(sub)) {
+            if mode & 0o170000 != 0o100000 {
+                continue;
+            }
             let bytes = std::fs::read(&f).unwrap();
             assert!(
                 !bytes.windows(secret.len()).any(|w| w == secret.as_bytes()),

@@ -36,6 +36,31 @@ fn tpm_join_cmd(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Comma
     c
 }
 
+/// The operator reads the machine's EK hash and AK Name with `bca tpm status` (on the machine,
+/// TPM `tcti`) and allows the EK into `pool`: (EK hash, AK Name).
+pub(crate) fn allow_ek(a: &Appliance, tcti: &str, pool: &str) -> (String, String) {
+    let status = a.cli_json(&["tpm", "status", "--tpm", tcti]);
+    let hash = status["ek"]["rsa"]["publicKeySha256"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ak = status["ak"]["name"].as_str().unwrap().to_string();
+    a.cli_json(&["tpm", "allow-ek", &hash, "--pool", pool]);
+    (hash, ak)
+}
+
+/// The manufacturer's CAs as an EK CA bundle in the appliance's folder: here swtpm_setup's local
+/// CA, its issuing CA and its root.
+pub(crate) fn ek_ca_bundle(a: &Appliance) -> std::path::PathBuf {
+    let bundle = a.dir.path().join("ek-cas.pem");
+    let mut pem = std::fs::read_to_string("/var/lib/swtpm-localca/issuercert.pem").unwrap();
+    pem.push_str(
+        &std::fs::read_to_string("/var/lib/swtpm-localca/swtpm-localca-rootca-cert.pem").unwrap(),
+    );
+    std::fs::write(&bundle, pem).unwrap();
+    bundle
+}
+
 /// [`tpm_join_cmd`], run to its end.
 pub(crate) fn tpm_join(dir: &Path, claims: &Path, tpm: &Swtpm, extra: &[&str]) -> Output {
     tpm_join_cmd(dir, claims, tpm, extra).output().unwrap()
@@ -129,14 +154,7 @@ fn a_machine_joins_with_its_tpm_renews_only_with_its_ak_and_reclaims_its_node() 
     let a = Appliance::start();
     let pool = a.pool("tpm-rack");
     // The operator reads the machine's EK hash and AK with `bca tpm status` on the machine.
-    let status = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()]);
-    let hash = status["ek"]["rsa"]["publicKeySha256"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let ak = status["ak"]["name"].as_str().unwrap().to_string();
-    let o = a.cli(&["tpm", "allow-ek", &hash, "--pool", &pool]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (hash, ak) = allow_ek(&a, &tpm.tcti(), &pool);
 
     let dir = a.agent_dir();
     let claims = write_claims(&a, &machine());
@@ -560,11 +578,7 @@ fn without_enrollment_an_unknown_ek_is_refused_and_the_pool_is_checked_at_every_
     // The allow-list has no foreign key: a pool that stopped accepting the attestor, or was
     // archived, refuses the EK at the join.
     let pool = a.pool("tpm-rack");
-    let hash = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()])["ek"]["rsa"]["publicKeySha256"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    a.cli_json(&["tpm", "allow-ek", &hash, "--pool", &pool]);
+    allow_ek(&a, &tpm.tcti(), &pool);
     a.api_ok(
         "pools/update",
         serde_json::json!({"tenantId": a.root_tenant(), "poolId": pool,
@@ -623,13 +637,7 @@ fn an_ek_the_ek_ca_bundle_certifies_joins_its_pool_and_others_wait() {
     let bare = Swtpm::start(false);
     let mut a = Appliance::start();
     let pool = a.pool("certified");
-    // The manufacturer's CAs: here swtpm_setup's local CA, its issuing CA and its root.
-    let bundle = a.dir.path().join("ek-cas.pem");
-    let mut pem = std::fs::read_to_string("/var/lib/swtpm-localca/issuercert.pem").unwrap();
-    pem.push_str(
-        &std::fs::read_to_string("/var/lib/swtpm-localca/swtpm-localca-rootca-cert.pem").unwrap(),
-    );
-    std::fs::write(&bundle, pem).unwrap();
+    let bundle = ek_ca_bundle(&a);
 
     a.stop();
     let cfg = a.state().join("config.toml");

@@ -124,27 +124,30 @@ fn rejoin_keyed(
 /// What a refusal must leave as it was: the nodes and their certificates.
 fn nodes_and_certs(a: &Appliance) -> String {
     let c = a.db();
-    let mut out = String::new();
-    for q in [
+    let nodes = query_rows(
+        &c,
         "SELECT id, state, identity_generation, role, pool_id, tenant_id FROM nodes ORDER BY id",
+    );
+    let certs = query_rows(
+        &c,
         "SELECT serial, node_id, identity_generation, not_after, revoked_at FROM node_certs ORDER BY serial",
-    ] {
-        let mut st = c.prepare(q).unwrap();
-        let n = st.column_count();
-        let rows = st
-            .query_map([], |r| {
-                Ok((0..n)
-                    .map(|i| format!("{:?}", r.get_ref(i).unwrap()))
-                    .collect::<Vec<_>>()
-                    .join("|"))
-            })
-            .unwrap()
-            .collect::<Result<Vec<_>, _>>()
-            .unwrap();
-        out.push_str(&rows.join("\n"));
-        out.push('\n');
-    }
-    out
+    );
+    format!("{nodes}\n{certs}\n")
+}
+
+/// An `x509pop` join presenting `leaf`, signed by `key` for `node` over a fresh challenge, is
+/// refused with `reason` ([`assert_refused`]).
+fn refuses(
+    a: &Appliance,
+    cfg: &AgentConfig,
+    (leaf, key, node): (&[u8], &SigningKey, &str),
+    reason: &str,
+    tenant: &str,
+) {
+    let before = nodes_and_certs(a);
+    let ch = challenge(cfg).unwrap();
+    let (raw, _, _) = rejoin_raw(cfg, leaf, key, node, &ch);
+    assert_refused(a, &raw, reason, tenant, &before);
 }
 
 /// The refusal is the uniform one, recorded with `reason` in `tenant`'s stream, and nothing of
@@ -358,18 +361,30 @@ fn an_expired_node_comes_back_by_x509pop_and_every_bad_claim_is_refused() {
     assert_refused(&a, &raw, "x509pop:not-newest", &t, &before);
 
     // A live certificate: not expired (renew instead).
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &live.leaf, &live.key, &live.id, &ch);
-    assert_refused(&a, &raw, "x509pop:not-expired", &t, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&live.leaf, &live.key, &live.id),
+        "x509pop:not-expired",
+        &t,
+    );
 
     // The wrong key: the proof fails, and the event goes to the root tenant.
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &wrong_pop.leaf, &live.key, &wrong_pop.id, &ch);
-    assert_refused(&a, &raw, "x509pop:pop", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&wrong_pop.leaf, &live.key, &wrong_pop.id),
+        "x509pop:pop",
+        &root,
+    );
     // Signed for another node id than the certificate's: the same.
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &wrong_pop.leaf, &wrong_pop.key, &live.id, &ch);
-    assert_refused(&a, &raw, "x509pop:pop", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&wrong_pop.leaf, &wrong_pop.key, &live.id),
+        "x509pop:pop",
+        &root,
+    );
     // That refusal spent its challenge: answered again, properly, it is refused.
     let (raw, _, _) = rejoin_raw(
         &sim.cfg,
@@ -401,9 +416,13 @@ fn an_expired_node_comes_back_by_x509pop_and_every_bad_claim_is_refused() {
     let mut forged = wrong_pop.leaf.clone();
     let n = forged.len();
     forged[n - 3] ^= 1;
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &forged, &wrong_pop.key, &wrong_pop.id, &ch);
-    assert_refused(&a, &raw, "x509pop:unknown", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&forged, &wrong_pop.key, &wrong_pop.id),
+        "x509pop:unknown",
+        &root,
+    );
     // A self-made certificate naming a real node, for the caller's own key: unknown.
     let own = SigningKey::generate();
     let self_made = {
@@ -418,56 +437,65 @@ fn an_expired_node_comes_back_by_x509pop_and_every_bad_claim_is_refused() {
         )];
         p.self_signed(&kp).unwrap().der().to_vec()
     };
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &self_made, &own, &wrong_pop.id, &ch);
-    assert_refused(&a, &raw, "x509pop:unknown", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&self_made, &own, &wrong_pop.id),
+        "x509pop:unknown",
+        &root,
+    );
     // Evidence that is not well-formed.
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, b"not a certificate", &own, &wrong_pop.id, &ch);
-    assert_refused(&a, &raw, "x509pop:unknown", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (b"not a certificate", &own, &wrong_pop.id),
+        "x509pop:unknown",
+        &root,
+    );
 
     // Revoked by an operator.
     a.api_ok(
         "nodes/revokeIdentity",
         json!({"tenantId": t, "nodeId": revoked.id}),
     );
-    let before = nodes_and_certs(&a);
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &revoked.leaf, &revoked.key, &revoked.id, &ch);
     // A revoked certificate proves no current identity: the event goes to the root tenant.
-    assert_refused(&a, &raw, "x509pop:revoked", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&revoked.leaf, &revoked.key, &revoked.id),
+        "x509pop:revoked",
+        &root,
+    );
 
     // Retired.
     a.api_ok("nodes/retire", json!({"tenantId": t, "nodeId": retired.id}));
-    let before = nodes_and_certs(&a);
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &retired.leaf, &retired.key, &retired.id, &ch);
-    assert_refused(&a, &raw, "x509pop:retired", &t, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&retired.leaf, &retired.key, &retired.id),
+        "x509pop:retired",
+        &t,
+    );
 
     // Reclaimed since (the machine joined again): an earlier identity generation.
     let again = held(&sim, &token, &m);
     assert_eq!(again.id, reclaimed.id);
-    let before = nodes_and_certs(&a);
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(
+    refuses(
+        &a,
         &sim.cfg,
-        &reclaimed.leaf,
-        &reclaimed.key,
-        &reclaimed.id,
-        &ch,
+        (&reclaimed.leaf, &reclaimed.key, &reclaimed.id),
+        "x509pop:generation",
+        &root,
     );
-    assert_refused(&a, &raw, "x509pop:generation", &root, &before);
 
     // A pool that does not allow x509pop.
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(
+    refuses(
+        &a,
         &sim.cfg,
-        &other_pool.leaf,
-        &other_pool.key,
-        &other_pool.id,
-        &ch,
+        (&other_pool.leaf, &other_pool.key, &other_pool.id),
+        "join:pool-attestor",
+        &t2,
     );
-    assert_refused(&a, &raw, "join:pool-attestor", &t2, &before);
 
     // `agent run` on an expired identity comes back by itself and opens its session.
     let (run_id, run_leaf) = leaf_of(&by_run);
@@ -583,14 +611,7 @@ fn a_tpm_bound_node_comes_back_only_with_its_aks_attestation_of_the_new_key() {
     let a = Appliance::start_cfg("file", &[], |c| x509pop_on(c, 604_800));
     let sim = Sim::new(&a);
     let pool = a.pool("tpm-rack");
-    let status = a.cli_json(&["tpm", "status", "--tpm", &tpm.tcti()]);
-    let hash = status["ek"]["rsa"]["publicKeySha256"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let ak = status["ak"]["name"].as_str().unwrap().to_string();
-    let o = a.cli(&["tpm", "allow-ek", &hash, "--pool", &pool]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (_, ak) = crate::tpmjoin::allow_ek(&a, &tpm.tcti(), &pool);
     let dir = a.agent_dir();
     let claims = write_claims(&a, &machine());
     let o = crate::tpmjoin::tpm_join(&dir, &claims, &tpm, &[]);
@@ -725,15 +746,21 @@ fn the_reviews_attacks_on_x509pop_are_refused() {
         "nodes/delete",
         json!({"tenantId": root, "nodeId": deleted.id}),
     );
-    let before = nodes_and_certs(&a);
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &deleted.leaf, &deleted.key, &deleted.id, &ch);
-    assert_refused(&a, &raw, "x509pop:unknown", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&deleted.leaf, &deleted.key, &deleted.id),
+        "x509pop:unknown",
+        &root,
+    );
 
     // An archived pool admits no one.
     a.api_ok("pools/archive", json!({"tenantId": root, "poolId": pool2}));
-    let before = nodes_and_certs(&a);
-    let ch = challenge(&sim.cfg).unwrap();
-    let (raw, _, _) = rejoin_raw(&sim.cfg, &archived.leaf, &archived.key, &archived.id, &ch);
-    assert_refused(&a, &raw, "join:pool", &root, &before);
+    refuses(
+        &a,
+        &sim.cfg,
+        (&archived.leaf, &archived.key, &archived.id),
+        "join:pool",
+        &root,
+    );
 }
