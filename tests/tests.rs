@@ -33,6 +33,8 @@ mod install;
 mod join;
 #[path = "it/layers.rs"]
 mod layers;
+#[path = "it/lossy.rs"]
+mod lossy;
 #[path = "it/operate.rs"]
 mod operate;
 #[path = "it/privsep.rs"]

@@ -34,12 +34,53 @@ struct Held {
 
 /// A machine that PXE-booted the discovery ramdisk: its discovery token and the one CSR its
 /// request (and so its approval) is pinned to.
-struct Waiting {
-    mac: String,
+pub(crate) struct Waiting {
+    pub(crate) mac: String,
     token: String,
     key: SigningKey,
     csr: Vec<u8>,
-    request: String,
+    pub(crate) request: String,
+}
+
+/// A machine with `mac` boots the discovery ramdisk on `a` (a discovery appliance) and asks to
+/// join: its request waits for an operator.
+pub(crate) fn waiting_machine(a: &Appliance, mac: &str) -> Waiting {
+    let mut m = booted_machine(a, mac);
+    ask(&Sim::new(a), &m);
+    m.request = a
+        .db()
+        .query_row("SELECT id FROM join_requests WHERE mac = ?1", [mac], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    m
+}
+
+/// A machine with `mac` that booted the discovery ramdisk on `a`: its discovery token and the
+/// one key and CSR it will ask with (no request yet).
+pub(crate) fn booted_machine(a: &Appliance, mac: &str) -> Waiting {
+    let (_, dir) = crate::discovery::boot(a, mac);
+    let token = std::fs::read_to_string(dir.join("etc/bca-agent/discovery-token")).unwrap();
+    let key = SigningKey::generate();
+    let csr = bca::proto::csr::create(&key);
+    Waiting {
+        mac: mac.to_string(),
+        token: token.trim().to_string(),
+        key,
+        csr,
+        request: String::new(),
+    }
+}
+
+/// The machine's first discovery join: it is told to wait (its request made).
+pub(crate) fn ask(sim: &Sim, m: &Waiting) {
+    let raw = discovery_join(sim, m).unwrap();
+    let reply: Reply = serde_json::from_slice(&raw).unwrap();
+    assert!(
+        reply.join_deferred.is_some(),
+        "{}",
+        String::from_utf8_lossy(&raw)
+    );
 }
 
 /// A discovery join of a waiting machine, always with its one CSR.
@@ -53,7 +94,7 @@ fn discovery_join(sim: &Sim, m: &Waiting) -> Result<Vec<u8>, bca::base::error::A
 
 /// A waiting machine's join with its approved CSR: `(serial, node id)` when admitted; nothing when
 /// refused or when the appliance died under it.
-fn admitted_join(sim: &Sim, m: &Waiting) -> Option<(String, String)> {
+pub(crate) fn admitted_join(sim: &Sim, m: &Waiting) -> Option<(String, String)> {
     let raw = discovery_join(sim, m).ok()?;
     let resp = serde_json::from_slice::<Reply>(&raw).ok()?.join_response?;
     let (serial, node, _) = issued(sim, &resp, &m.csr, &m.key, "ramdisk");
@@ -126,35 +167,7 @@ fn fifty_kills_lose_nothing_and_overspend_nothing() {
     let root = a.root_tenant();
     let waiting: Arc<Vec<Waiting>> = Arc::new(
         (0..WAITING)
-            .map(|i| {
-                let mac = format!("52:54:00:cc:00:{i:02x}");
-                let (_, dir) = crate::discovery::boot(&a, &mac);
-                let token =
-                    std::fs::read_to_string(dir.join("etc/bca-agent/discovery-token")).unwrap();
-                let key = SigningKey::generate();
-                let csr = bca::proto::csr::create(&key);
-                let mut m = Waiting {
-                    mac: mac.clone(),
-                    token: token.trim().to_string(),
-                    key,
-                    csr,
-                    request: String::new(),
-                };
-                let raw = discovery_join(&Sim::new(&a), &m).unwrap();
-                let reply: Reply = serde_json::from_slice(&raw).unwrap();
-                assert!(
-                    reply.join_deferred.is_some(),
-                    "{}",
-                    String::from_utf8_lossy(&raw)
-                );
-                m.request = a
-                    .db()
-                    .query_row("SELECT id FROM join_requests WHERE mac = ?1", [&mac], |r| {
-                        r.get(0)
-                    })
-                    .unwrap();
-                m
-            })
+            .map(|i| waiting_machine(&a, &format!("52:54:00:cc:00:{i:02x}")))
             .collect(),
     );
     // Indexes into `waiting` whose approval the admin API acknowledged, and those admitted.

@@ -221,6 +221,9 @@ fn a_full_disk_answers_unavailable_loses_nothing_and_recovers_by_itself() {
 }
 
 /// How many power cuts `make test` makes (`BCA_POWER_CUTS`, more under `make soak`).
+/// Discovered machines waiting for an approval in the power-cut storm.
+const WAITING: usize = 12;
+
 fn power_cuts() -> usize {
     std::env::var("BCA_POWER_CUTS")
         .ok()
@@ -314,7 +317,12 @@ struct VmSite {
     gw: u16,
     http: u16,
     token: String,
+    /// A token that expires half an hour after the site is made.
+    short: String,
     sim: Sim,
+    /// Machines that booted discovery on the host; [`VmSite::ask`] makes their requests.
+    waiting: Vec<crate::crash::Waiting>,
+    intake: String,
 }
 
 impl Drop for VmSite {
@@ -330,6 +338,11 @@ impl Drop for VmSite {
 
 impl VmSite {
     fn new() -> Self {
+        Self::with_waiting(0)
+    }
+
+    /// [`VmSite::new`], with `waiting` machines whose join requests wait for an approval.
+    fn with_waiting(waiting: usize) -> Self {
         // The site, made on the host (a pool, a token, the agents' files), then its state
         // directory moved onto the VM's disk. The VM has no user for the network child to run
         // as: privilege separation off.
@@ -342,7 +355,30 @@ impl VmSite {
         });
         let pool = a.pool("rack");
         let (_, token) = a.token(&pool, json!({"maxUses": 10000}));
-        a.stop();
+        let (_, short) = a.token(&pool, json!({"maxUses": 10, "ttlSeconds": 1800}));
+        let intake = a.pool("intake");
+        let mut machines = Vec::new();
+        if waiting > 0 {
+            // The machines boot discovery against the appliance while it runs on the host (its
+            // boot server on loopback), then the site goes to the VM with its config as it was.
+            // They ask to join through the VM ([`VmSite::ask`]): a request answers only the
+            // address its first join came from, and the VM sees the host as 10.0.2.2.
+            let cfg = a.state().join("config.toml");
+            let saved = std::fs::read_to_string(&cfg).unwrap();
+            std::fs::write(
+                &cfg,
+                format!("gateway_url = \"https://{}\"\n{saved}", a.gateway),
+            )
+            .unwrap();
+            enable_sightings(&mut a);
+            machines = (0..waiting)
+                .map(|i| crate::crash::booted_machine(&a, &format!("52:54:00:dd:00:{i:02x}")))
+                .collect();
+            a.stop();
+            std::fs::write(&cfg, saved).unwrap();
+        } else {
+            a.stop();
+        }
         let (gw, http) = (free_tcp(), free_tcp());
         let agent = a.dir.path().join("agent");
         let o = a.cli(&[
@@ -379,8 +415,37 @@ impl VmSite {
             gw,
             http,
             token,
+            short,
             sim,
+            waiting: machines,
+            intake,
         }
+    }
+
+    /// The waiting machines ask to join through the VM (one boot, then the power cut), and
+    /// their requests' ids are read off the disk.
+    fn ask(&mut self) {
+        let console = self.a.dir.path().join("console-ask.log");
+        let mut vm = self.boot(&console, &[]);
+        for m in &self.waiting {
+            crate::crash::ask(&self.sim, m);
+        }
+        vm.kill().unwrap();
+        vm.wait().unwrap();
+        self.mount();
+        {
+            let db = rusqlite::Connection::open(self.state.join("bca.db")).unwrap();
+            for m in &mut self.waiting {
+                m.request = db
+                    .query_row(
+                        "SELECT id FROM join_requests WHERE mac = ?1",
+                        [&m.mac],
+                        |r| r.get(0),
+                    )
+                    .unwrap();
+            }
+        }
+        self.umount();
     }
 
     fn mount(&self) {
@@ -398,6 +463,28 @@ impl VmSite {
     /// Boots the VM on the state disk (`cache=none`), its console to `console`, with `extra`
     /// QEMU arguments, and waits until `bca serve` answers on its gateway.
     fn boot(&self, console: &Path, extra: &[String]) -> std::process::Child {
+        let drive = format!(
+            "file={},format=raw,if=virtio,cache=none",
+            self.img.display()
+        );
+        self.boot_on(console, extra, &drive)
+    }
+
+    /// [`VmSite::boot`] on a disk that loses what the guest did not flush when the power goes
+    /// (`crate::lossy`; cut number `cut` chooses whether some unflushed sectors survive): kill
+    /// QEMU, then `LossyDisk::cut`.
+    fn boot_lossy(
+        &self,
+        console: &Path,
+        extra: &[String],
+        cut: usize,
+    ) -> (std::process::Child, crate::lossy::LossyDisk) {
+        let disk = crate::lossy::LossyDisk::serve(&self.img, self.a.dir.path(), cut);
+        let vm = self.boot_on(console, extra, &disk.drive());
+        (vm, disk)
+    }
+
+    fn boot_on(&self, console: &Path, extra: &[String], drive: &str) -> std::process::Child {
         let mut vm = Command::new("qemu-system-x86_64")
             .args([
                 "-accel",
@@ -416,10 +503,7 @@ impl VmSite {
             .arg(image().join("initrd.img"))
             .args(["-append", "console=ttyS0 bca.serve"])
             .arg("-drive")
-            .arg(format!(
-                "file={},format=raw,if=virtio,cache=none",
-                self.img.display()
-            ))
+            .arg(drive)
             .args([
                 "-netdev",
                 &format!(
@@ -456,23 +540,41 @@ impl VmSite {
 }
 
 /// Real power cuts: `bca serve` (the static binary, in the ramdisk image's `bca.serve` mode) runs
-/// in a QEMU VM whose state directory is on a virtio disk opened with `cache=none` (O_DIRECT on
-/// the host: what the guest did not flush never reached the host's page cache either, so killing
-/// QEMU loses it as a power cut does), while the host drives joins and renewals through the VM's
-/// gateway and records every acknowledged certificate. QEMU is killed (-9) at a random moment
+/// in a QEMU VM whose state directory is on a virtio disk with a volatile write cache
+/// (`crate::lossy`: what the guest did not flush is lost with the power, or a random part of it
+/// kept, in no order, as a real drive's cache may have written some), while the host drives joins and renewals through the VM's
+/// gateway and an operator approves waiting machines through the VM's CLI (its control port),
+/// each approved machine then joining with its approved CSR; every acknowledged certificate and
+/// approval is recorded. QEMU is killed (-9) at a random moment
 /// under load, the disk is checked (journal replayed by the host's mount, as a reboot would), and
 /// the VM boots again on it.
 #[test]
-fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
+fn power_cuts_under_joins_renewals_and_approvals_lose_nothing_acknowledged() {
     let _vm = vm_lock();
-    let site = VmSite::new();
+    let mut site = VmSite::with_waiting(WAITING);
+    site.ask();
+    let site = site;
     let acked = std::sync::Mutex::new(Vec::<String>::new());
     let nodes = std::sync::Mutex::new(Vec::<Held>::new());
+    // Indexes into `site.waiting`: approvals acknowledged (`join-requests approve` exited 0 in
+    // the VM), and machines admitted with their approved CSR.
+    let approved = std::sync::Mutex::new(Vec::<usize>::new());
+    let admitted = std::sync::Mutex::new(Vec::<usize>::new());
     let (mut joins, mut renewals) = (0usize, 0usize);
+    // Unflushed sectors the cuts lost and kept, and the flushes the guest made.
+    let (mut lost, mut kept, mut flushes, mut sharp) = (0usize, 0usize, 0usize, 0usize);
     for cut in 0..power_cuts() {
         let console = site.a.dir.path().join(format!("console-{cut}.log"));
+        let ctl = site.a.dir.path().join(format!("ctl-storm-{cut}.sock"));
         // `bca serve` starts by itself on what the cut left: its gateway answers.
-        let mut vm = site.boot(&console, &[]);
+        let (mut vm, disk) = site.boot_lossy(
+            &console,
+            &[
+                "-serial".into(),
+                format!("unix:{},server,nowait", ctl.display()),
+            ],
+            cut,
+        );
         // A storm of joins and renewals; the power goes at a random moment within it.
         let mut r = [0u8; 2];
         bca::base::crypto::fill_random(&mut r);
@@ -532,11 +634,89 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
                     })
                 })
                 .collect();
+            // The operator approves the waiting machines one by one through the VM's CLI...
+            let approver = {
+                let (site, approved, stop, ctl, console) =
+                    (&site, &approved, &stop, &ctl, &console);
+                s.spawn(move || {
+                    use std::io::Write;
+                    // Refused this boot: approved before a cut took the answer (then the
+                    // approval was never acknowledged, and is not counted).
+                    let mut refused = Vec::new();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let next = {
+                            let ap = approved.lock().unwrap();
+                            (0..site.waiting.len())
+                                .find(|i| !ap.contains(i) && !refused.contains(i))
+                        };
+                        let Some(i) = next else { break };
+                        let id = &site.waiting[i].request;
+                        let Ok(mut c) = std::os::unix::net::UnixStream::connect(ctl) else {
+                            break;
+                        };
+                        let line = format!("approve:{id}:{}\n", site.intake);
+                        // (The connection stays open until the answer: QEMU drops what a
+                        // client that hung up at once had written.)
+                        if c.write_all(line.as_bytes()).is_err() {
+                            break;
+                        }
+                        let done = format!("bca: approve {id} ended with status ");
+                        let status = loop {
+                            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                break None;
+                            }
+                            let text = std::fs::read_to_string(console).unwrap_or_default();
+                            if let Some(rest) = text.split(&done).nth(1) {
+                                break rest.split_whitespace().next().map(str::to_string);
+                            }
+                            std::thread::sleep(std::time::Duration::from_millis(100));
+                        };
+                        // The operator's pace: a pause, so that approvals spread over the
+                        // boots and some are cut in flight.
+                        let mut r = [0u8; 1];
+                        bca::base::crypto::fill_random(&mut r);
+                        std::thread::sleep(std::time::Duration::from_millis(300 + 6 * r[0] as u64));
+                        match status.as_deref() {
+                            Some("0") => approved.lock().unwrap().push(i),
+                            Some(_) => refused.push(i),
+                            None => break,
+                        }
+                    }
+                })
+            };
+            // ...and each approved machine, retrying with its approved CSR, is admitted.
+            let consumer = {
+                let (site, approved, admitted, acked, stop) =
+                    (&site, &approved, &admitted, &acked, &stop);
+                s.spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let next = {
+                            let (ap, ad) = (approved.lock().unwrap(), admitted.lock().unwrap());
+                            ap.iter().copied().find(|i| !ad.contains(i))
+                        };
+                        let Some(i) = next else {
+                            std::thread::sleep(std::time::Duration::from_millis(200));
+                            continue;
+                        };
+                        if let Some((serial, _)) =
+                            crate::crash::admitted_join(&site.sim, &site.waiting[i])
+                        {
+                            acked.lock().unwrap().push(serial);
+                            admitted.lock().unwrap().push(i);
+                        }
+                    }
+                })
+            };
             std::thread::sleep(after);
-            // The power cut.
+            // The power cut, the moment the guest next waits on a flush with writes pending.
+            if disk.arm(std::time::Duration::from_secs(10)) {
+                sharp += 1;
+            }
             vm.kill().unwrap();
             vm.wait().unwrap();
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            approver.join().unwrap();
+            consumer.join().unwrap();
             workers
                 .into_iter()
                 .map(|w| w.join().unwrap())
@@ -544,6 +724,10 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
         });
         joins += counts.0;
         renewals += counts.1;
+        let c = disk.cut();
+        lost += c.unflushed - c.kept;
+        kept += c.kept;
+        flushes += c.flushes;
 
         // What the disk holds after the cut (the host's mount replays the journal; SQLite its WAL).
         site.mount();
@@ -563,9 +747,29 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
                     .unwrap();
                 assert_eq!(n, 1, "cut {cut}: the acknowledged certificate {s} is lost");
             }
+            for &i in approved.lock().unwrap().iter() {
+                let m = &site.waiting[i];
+                let state: String = db
+                    .query_row(
+                        "SELECT state FROM join_requests WHERE id = ?1",
+                        [&m.request],
+                        |r| r.get(0),
+                    )
+                    .unwrap();
+                let want: &[&str] = if admitted.lock().unwrap().contains(&i) {
+                    &["consumed"]
+                } else {
+                    &["approved", "consumed"]
+                };
+                assert!(
+                    want.contains(&state.as_str()),
+                    "cut {cut}: the acknowledged approval of {} is {state}",
+                    m.request
+                );
+            }
             let (nodes_n, spent): (i64, i64) = db
                 .query_row(
-                    "SELECT (SELECT count(*) FROM nodes), (SELECT max_uses - uses_left FROM join_tokens)",
+                    "SELECT (SELECT count(*) FROM nodes WHERE attestor = 'join-token'), (SELECT max_uses - uses_left FROM join_tokens)",
                     [],
                     |r| Ok((r.get(0)?, r.get(1)?)),
                 )
@@ -578,11 +782,24 @@ fn power_cuts_under_joins_and_renewals_lose_nothing_acknowledged() {
         }
         site.umount();
     }
+    let (approvals, consumed) = (
+        approved.lock().unwrap().len(),
+        admitted.lock().unwrap().len(),
+    );
     eprintln!(
-        "power cuts: {} survived; acknowledged across them: {joins} joins, {renewals} renewals; nothing lost",
+        "power cuts: {} survived; acknowledged across them: {joins} joins, {renewals} renewals, \
+         {approvals} approvals, {consumed} approved machines admitted; nothing lost \
+         (the disk's cache lost {lost} unflushed sectors and kept {kept}; {flushes} flushes; \
+         {sharp} cuts with a flush in flight)",
         power_cuts()
     );
+    assert!(
+        lost > 0 && sharp > 0,
+        "no cut found anything unflushed to lose: the cut is not a cut"
+    );
     assert!(joins > 0, "no join was acknowledged");
+    assert!(approvals > 0, "no approval was acknowledged");
+    assert!(consumed > 0, "no approved machine was admitted");
 }
 
 /// A dying disk: the VM's state disk starts failing every I/O (its backend removed under it,
@@ -735,14 +952,21 @@ fn a_clock_that_jumps_issues_nothing_from_the_future_and_is_reported() {
     }
     assert_eq!(status(), "degraded");
 
-    // Back to the right time: it serves again.
+    // Back to the right time: it serves again. The half-hour token, expired in the jumped
+    // clock's eyes, is alive again: nothing the jump judged was kept.
     step_clock(&ctl, &console, "-3600");
     let renewed = renew(&site.sim.cfg, &nodes[0]).expect("a renewal at the right time");
-    let (raw, _, _) = site.sim.join(&site.token, &machine());
-    assert!(serde_json::from_slice::<Reply>(&raw)
-        .unwrap()
-        .join_response
-        .is_some());
+    for token in [&site.token, &site.short] {
+        let (raw, _, _) = site.sim.join(token, &machine());
+        assert!(
+            serde_json::from_slice::<Reply>(&raw)
+                .unwrap()
+                .join_response
+                .is_some(),
+            "{}",
+            String::from_utf8_lossy(&raw)
+        );
+    }
 
     // An hour back: the newest records are in its future ("went backwards"); machines' times
     // are refused again.
@@ -785,12 +1009,13 @@ fn power_cuts_during_backup_and_rotation_leave_a_state_that_starts() {
     {
         let console = site.a.dir.path().join(format!("console-op-{i}.log"));
         let ctl = site.a.dir.path().join(format!("ctl-{i}.sock"));
-        let mut vm = site.boot(
+        let (mut vm, disk) = site.boot_lossy(
             &console,
             &[
                 "-serial".into(),
                 format!("unix:{},server,nowait", ctl.display()),
             ],
+            i,
         );
         let mut r = [0u8; 2];
         bca::base::crypto::fill_random(&mut r);
@@ -807,6 +1032,7 @@ fn power_cuts_during_backup_and_rotation_leave_a_state_that_starts() {
         ));
         vm.kill().unwrap();
         vm.wait().unwrap();
+        disk.cut();
         let said = std::fs::read_to_string(&console).unwrap_or_default();
         if let Some(l) = said.lines().find(|l| l.contains("ended with status")) {
             outcomes.push(format!("{cmd}: {l}"));
