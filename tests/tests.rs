@@ -37,6 +37,8 @@ mod layers;
 mod lossy;
 #[path = "it/operate.rs"]
 mod operate;
+#[path = "it/postgres.rs"]
+mod postgres;
 #[path = "it/privsep.rs"]
 mod privsep;
 #[path = "it/provision.rs"]

@@ -43,13 +43,13 @@ impl App {
     pub fn load(state_dir: &Path) -> Result<Self, String> {
         let config = Config::load(state_dir)?;
         let db = state_dir.join("bca.db");
-        if !db.exists() {
+        if config.store.is_embedded() && !db.exists() {
             return Err(format!(
                 "{} is missing: the state directory is incomplete",
                 db.display()
             ));
         }
-        let store = Arc::new(Store::open(&db, false)?);
+        let store = Arc::new(Store::open_at(state_dir, config.store.at(), false)?);
         let root_tenant = crate::store::maintenance::root_tenant(&store)
             .map_err(|e| format!("the database has no root tenant: {e}"))?;
         let pki = PublicPki::load(&crate::pki::pki_dir(state_dir))?;

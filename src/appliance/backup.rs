@@ -141,6 +141,15 @@ pub fn backup(state_dir: &Path, out: &Path) -> ApiResult<Manifest> {
     collect(&crate::pki::pki_dir(state_dir), "pki", &mut public).map_err(ApiError::internal)?;
     collect(&state_dir.join("downloads"), "downloads", &mut public).map_err(ApiError::internal)?;
     members.extend(public);
+    if !config.store.is_embedded() {
+        // The site's rows live in PostgreSQL: its own tools back them up, consistently and
+        // while it serves. The rest of the box (config, keys, PKI) is in this file.
+        eprintln!(
+            "the store is PostgreSQL ({}): back its database up with PostgreSQL's own tools (pg_dump, or base backups with WAL archiving); this backup holds the rest of the box",
+            config.store.url.as_deref().unwrap_or_default()
+        );
+        return finish(out, &config, protection, members);
+    }
     let db = state_dir.join("bca.db");
     let pages = crate::store::maintenance::page_count(&db).map_err(ApiError::invalid_state)?;
     let mut progress = crate::base::progress::Progress::new("copying the database (pages)", pages);
@@ -152,7 +161,16 @@ pub fn backup(state_dir: &Path, out: &Path) -> ApiResult<Manifest> {
     progress.set(pages);
     crate::base::fsutil::align_db_sidecars(&db);
     members.push(("bca.db".into(), db_bytes));
+    finish(out, &config, protection, members)
+}
 
+/// The manifest, then the archive written (0600, never over a file).
+fn finish(
+    out: &Path,
+    config: &Config,
+    protection: KeyProtection,
+    members: Vec<(String, Vec<u8>)>,
+) -> ApiResult<Manifest> {
     let manifest = Manifest {
         format: FORMAT,
         bca_version: env!("CARGO_PKG_VERSION").into(),
@@ -233,7 +251,17 @@ pub fn open(file: &Path) -> ApiResult<(Manifest, Vec<cpio::Entry>)> {
             return Err(bad(format!("{need} is missing")));
         }
     }
+    // A site on PostgreSQL has no database file here (its database has its own backups).
+    let on_postgres = entries
+        .iter()
+        .find(|e| e.name == "config.toml")
+        .and_then(|e| std::str::from_utf8(&e.data).ok())
+        .and_then(|t| toml::from_str::<Config>(t).ok())
+        .is_some_and(|c| !c.store.is_embedded());
     for need in ["bca.db", "config.toml", "keys/keys.sealed"] {
+        if need == "bca.db" && on_postgres {
+            continue;
+        }
         if !m.files.contains_key(need) {
             return Err(bad(format!("{need} is missing")));
         }
@@ -296,9 +324,13 @@ pub fn restore(file: &Path, state_dir: &Path) -> ApiResult<Manifest> {
         progress.inc();
     }
     let db = staging.path().join("bca.db");
-    let check = crate::store::maintenance::restore_check(&db).map_err(|e| {
-        ApiError::invalid_input(format!("the backup's database does not open: {e}"))
-    })?;
+    let check = if db.exists() {
+        crate::store::maintenance::restore_check(&db).map_err(|e| {
+            ApiError::invalid_input(format!("the backup's database does not open: {e}"))
+        })?
+    } else {
+        "ok".to_string()
+    };
     if check != "ok" {
         return Err(ApiError::invalid_input(format!(
             "the backup's database fails integrity_check: {check}"

@@ -25,6 +25,8 @@ pub struct InitOptions {
     pub escrow: Option<(PathBuf, zeroize::Zeroizing<String>)>,
     pub listen_http: Option<String>,
     pub listen_gateway: Option<String>,
+    /// Where the site's state lives (`--store`, `--store-password-file`): SQLite by default.
+    pub store: crate::config::StoreConfig,
 }
 
 pub struct Initialised {
@@ -194,12 +196,18 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         retention: Default::default(),
         health: Default::default(),
         privsep: Default::default(),
+        store: o.store.clone(),
     };
     config.gateway_server_name = None;
     let keys = KeyBundle::generate();
     let issued = pki::create(&config, &keys, sans, now).map_err(ApiError::internal)?;
 
-    let store = Store::open(&o.state_dir.join("bca.db"), true).map_err(ApiError::internal)?;
+    let store = Store::open_at(&o.state_dir, o.store.at(), true).map_err(ApiError::internal)?;
+    if !o.store.is_embedded() && crate::store::maintenance::has_site(&store)? {
+        return Err(ApiError::invalid_state(
+            "the store's database already holds a site: an appliance joins it, it does not init it again",
+        ));
+    }
     store.write(|tx| {
         crate::store::maintenance::site_create(
             tx,

@@ -12,3 +12,4 @@ pub mod init;
 pub mod leases;
 pub mod retention;
 pub mod rotation;
+pub mod store_move;

@@ -71,6 +71,9 @@ pub enum Command {
     },
     /// Restore a backup into a new or empty state directory (--state-dir).
     Restore { file: PathBuf },
+    /// The site's store: move a SQLite appliance's state into PostgreSQL.
+    #[command(subcommand)]
+    Store(StoreCmd),
     /// The audit trail: who did what, when.
     #[command(subcommand)]
     Audit(AuditCmd),
@@ -173,6 +176,30 @@ pub struct InitArgs {
     /// `bca tpm reseal --escrow FILE`.
     #[arg(long, value_name = "LIST")]
     pub tpm_pcrs: Option<String>,
+    /// Keep the site's state in PostgreSQL instead of the embedded SQLite file:
+    /// postgres://USER@HOST[:PORT]/DB (no password in it; a Unix socket's folder, percent-encoded,
+    /// or loopback). The database must hold no site yet.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// With --store: the file holding the database user's password (mode 0600), kept by path in
+    /// config.toml and read at each start.
+    #[arg(long, value_name = "FILE")]
+    pub store_password_file: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+pub enum StoreCmd {
+    /// Copy the whole state (tokens, nodes, certificates, requests, events, audit) into an
+    /// empty PostgreSQL database, check it row for row, and point config.toml at it. Stop bca
+    /// serve first; bca.db is kept, renamed.
+    Migrate {
+        /// postgres://USER@HOST[:PORT]/DB (no password in it).
+        #[arg(long, value_name = "URL")]
+        to: String,
+        /// The file holding the database user's password (mode 0600).
+        #[arg(long, value_name = "FILE")]
+        store_password_file: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Default)]

@@ -81,6 +81,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
             escrow: None,
             listen_http: Some(http.clone()),
             listen_gateway: Some(gateway.clone()),
+            store: Default::default(),
         },
         crate::base::clock::now(),
     )?;

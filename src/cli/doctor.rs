@@ -211,26 +211,58 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
 
     // The database, read-only.
     let db = state_dir.join("bca.db");
-    let newest = match crate::store::maintenance::inspect(&db) {
-        Ok((integrity, newest)) => {
-            match integrity {
-                Ok(s) if s == "ok" => r.line(
-                    Level::Ok,
+    let newest = if let Some(url) = config.store.url.clone() {
+        // PostgreSQL: reachable, writable (not a standby), its schema, its standbys.
+        match crate::store::Store::open_at(state_dir, config.store.at(), false)
+            .and_then(|s| crate::store::maintenance::pg_status(&s).map_err(|e| e.message))
+        {
+            Ok(st) => {
+                r.line(
+                    if st.writable { Level::Ok } else { Level::Fail },
                     "database",
-                    format!("{}: integrity_check ok", db.display()),
-                ),
-                Ok(s) => r.line(
-                    Level::Fail,
-                    "database",
-                    format!("{}: integrity_check says {s}", db.display()),
-                ),
-                Err(e) => r.line(Level::Fail, "database", format!("{}: {e}", db.display())),
+                    format!(
+                        "PostgreSQL {url}: reachable, {}, schema version {}, {} standby(s){}",
+                        if st.writable {
+                            "writable"
+                        } else {
+                            "read-only (a standby)"
+                        },
+                        st.schema_version,
+                        st.standbys,
+                        st.lag_bytes
+                            .map(|b| format!(", replay lag {b} bytes"))
+                            .unwrap_or_default()
+                    ),
+                );
+                st.newest
             }
-            newest
+            Err(e) => {
+                r.line(Level::Fail, "database", format!("PostgreSQL {url}: {e}"));
+                None
+            }
         }
-        Err(e) => {
-            r.line(Level::Fail, "database", format!("{}: {e}", db.display()));
-            None
+    } else {
+        match crate::store::maintenance::inspect(&db) {
+            Ok((integrity, newest)) => {
+                match integrity {
+                    Ok(s) if s == "ok" => r.line(
+                        Level::Ok,
+                        "database",
+                        format!("{}: integrity_check ok", db.display()),
+                    ),
+                    Ok(s) => r.line(
+                        Level::Fail,
+                        "database",
+                        format!("{}: integrity_check says {s}", db.display()),
+                    ),
+                    Err(e) => r.line(Level::Fail, "database", format!("{}: {e}", db.display())),
+                }
+                newest
+            }
+            Err(e) => {
+                r.line(Level::Fail, "database", format!("{}: {e}", db.display()));
+                None
+            }
         }
     };
 

@@ -50,11 +50,42 @@ pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
             escrow,
             listen_http: None,
             listen_gateway: None,
+            store: store_config(a.store, a.store_password_file)?,
         },
         crate::base::clock::now(),
     )?;
     print_init(&state_dir, &out, conn.json);
     Ok(())
+}
+
+/// `--store` and `--store-password-file` as `[store]`, checked before anything is made.
+pub(crate) fn store_config(
+    url: Option<String>,
+    password_file: Option<PathBuf>,
+) -> ApiResult<crate::config::StoreConfig> {
+    match (&url, &password_file) {
+        (None, Some(_)) => Err(ApiError::invalid_input(
+            "--store-password-file goes with --store postgres://…",
+        )),
+        (Some(u), _) => {
+            crate::store::pg::config(u, None).map_err(ApiError::invalid_input)?;
+            let password_file =
+                match password_file {
+                    Some(p) => {
+                        crate::store::read_password_file(&p).map_err(ApiError::invalid_input)?;
+                        Some(std::fs::canonicalize(&p).map_err(|e| {
+                            ApiError::invalid_input(format!("{}: {e}", p.display()))
+                        })?)
+                    }
+                    None => None,
+                };
+            Ok(crate::config::StoreConfig {
+                url: url.clone(),
+                password_file,
+            })
+        }
+        (None, None) => Ok(Default::default()),
+    }
 }
 
 pub(crate) fn print_init(dir: &Path, out: &crate::appliance::init::Initialised, as_json: bool) {
@@ -98,6 +129,7 @@ pub(crate) fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
                 escrow: None,
                 listen_http: Some(a.listen_http.clone()),
                 listen_gateway: Some(a.listen_gateway.clone()),
+                store: Default::default(),
             },
             crate::base::clock::now(),
         )?;

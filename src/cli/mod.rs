@@ -218,6 +218,24 @@ fn run(cli: Cli) -> ApiResult<()> {
             );
             Ok(())
         }
+        Command::Store(StoreCmd::Migrate {
+            to,
+            store_password_file,
+        }) => {
+            let dir = conn.state_dir();
+            let cfg = crate::cli::local::store_config(Some(to), store_password_file)?;
+            let m =
+                crate::appliance::store_move::migrate_to(&dir, &cfg, crate::base::clock::now())?;
+            for (t, n) in &m.copied {
+                eprintln!("{t}: {n} rows");
+            }
+            eprintln!(
+                "the store is now {} (checked row for row); the SQLite file is kept as {}; start bca serve",
+                cfg.url.as_deref().unwrap_or_default(),
+                m.kept.display()
+            );
+            Ok(())
+        }
         Command::Doctor => {
             if crate::cli::doctor::run(&conn.state_dir(), conn.socket.as_deref()) {
                 Ok(())

@@ -85,6 +85,31 @@ pub struct Config {
     pub health: HealthConfig,
     #[serde(default)]
     pub privsep: PrivsepConfig,
+    #[serde(default, skip_serializing_if = "StoreConfig::is_embedded")]
+    pub store: StoreConfig,
+}
+
+/// `[store]`: where the site's state lives. Absent: the embedded SQLite file `bca.db` in the
+/// state directory. With `url`: a PostgreSQL database (`postgres://USER@HOST[:PORT]/DB`, never
+/// with a password), its password read from `password_file` (0600) at each start.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_file: Option<PathBuf>,
+}
+
+impl StoreConfig {
+    pub fn is_embedded(&self) -> bool {
+        self.url.is_none()
+    }
+
+    /// The URL and the password file, as `store::Store::open_at` takes them.
+    pub fn at(&self) -> (Option<&str>, Option<&std::path::Path>) {
+        (self.url.as_deref(), self.password_file.as_deref())
+    }
 }
 
 /// The `x509pop` attestor: a node whose certificate expired while it was offline comes back by

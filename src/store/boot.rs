@@ -2,8 +2,8 @@
 
 use crate::base::clock::rfc3339;
 use crate::base::error::ApiResult;
+use crate::store::params;
 use crate::store::{Store, Tx};
-use rusqlite::params;
 use serde_json::{json, Value};
 
 /// One boot lease row: who booted what, when. Returns its epoch.
@@ -16,12 +16,13 @@ pub fn lease_insert(
     now: i64,
 ) -> ApiResult<i64> {
     store.write(|tx| {
-        crate::store::exec(
+        Ok(crate::store::query_row(
             tx,
-            "INSERT INTO boot_leases (mac, ip, arch, stage, file, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            "INSERT INTO boot_leases (mac, ip, arch, stage, file, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             RETURNING epoch",
             params![mac, ip, arch, stage, file, now],
-        )?;
-        Ok(tx.c().last_insert_rowid())
+            |r| r.get(0),
+        )?)
     })
 }
 
@@ -33,30 +34,34 @@ pub fn leases(
     mac: Option<&str>,
     limit: i64,
 ) -> ApiResult<Vec<(i64, Value)>> {
-    let mut st = tx.c().prepare(
+    let rows = crate::store::query_all(
+        tx,
         "SELECT epoch, mac, ip, arch, stage, file, created_at FROM boot_leases
-         WHERE epoch < ?1 AND (?2 IS NULL OR mac = ?2) ORDER BY epoch DESC LIMIT ?3",
+         WHERE epoch < ?1 AND (CAST(?2 AS TEXT) IS NULL OR mac = ?2) ORDER BY epoch DESC LIMIT ?3",
+        params![before, mac, limit],
+        |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                json!({
+                    "epoch": r.get::<_, i64>(0)?, "mac": r.get::<_, String>(1)?, "ip": r.get::<_, Option<String>>(2)?,
+                    "arch": r.get::<_, Option<i64>>(3)?, "stage": r.get::<_, String>(4)?, "file": r.get::<_, Option<String>>(5)?,
+                    "createdAt": rfc3339(r.get(6)?),
+                }),
+            ))
+        },
     )?;
-    let rows = st
-        .query_map(params![before, mac, limit], |r| {
-            Ok((r.get::<_, i64>(0)?, json!({
-                "epoch": r.get::<_, i64>(0)?, "mac": r.get::<_, String>(1)?, "ip": r.get::<_, Option<String>>(2)?,
-                "arch": r.get::<_, Option<i64>>(3)?, "stage": r.get::<_, String>(4)?, "file": r.get::<_, Option<String>>(5)?,
-                "createdAt": rfc3339(r.get(6)?),
-            })))
-        })?
-        .collect::<Result<_, _>>()?;
     Ok(rows)
 }
 
 /// Every DHCP lease: MAC, address, expiry.
 pub fn dhcp_leases(store: &Store) -> ApiResult<Vec<(String, String, i64)>> {
     store.read(|tx| {
-        Ok(tx
-            .c()
-            .prepare("SELECT mac, ip, expires_at FROM dhcp_leases")?
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
-            .collect::<Result<Vec<_>, _>>()?)
+        Ok(crate::store::query_all(
+            tx,
+            "SELECT mac, ip, expires_at FROM dhcp_leases",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )?)
     })
 }
 
@@ -64,11 +69,13 @@ pub fn dhcp_leases(store: &Store) -> ApiResult<Vec<(String, String, i64)>> {
 /// gives way. Committed before the caller answers.
 pub fn dhcp_lease(store: &Store, mac: &str, ip: &str, until: i64) -> ApiResult<()> {
     store.write(|tx| {
-        tx.c().execute(
+        crate::store::exec(
+            tx,
             "DELETE FROM dhcp_leases WHERE ip = ?1 AND mac != ?2",
             params![ip, mac],
         )?;
-        tx.c().execute(
+        crate::store::exec(
+            tx,
             "INSERT INTO dhcp_leases (mac, ip, expires_at) VALUES (?1, ?2, ?3)
              ON CONFLICT (mac) DO UPDATE SET ip = excluded.ip, expires_at = excluded.expires_at",
             params![mac, ip, until],

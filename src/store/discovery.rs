@@ -2,7 +2,7 @@
 
 use crate::base::error::ApiResult;
 use crate::store::Tx;
-use rusqlite::{params, OptionalExtension};
+use crate::store::{params, OptionalExtension};
 
 /// A MAC's unspent tokens voided, except one whose request an operator approved.
 pub fn void_for_mac(tx: &Tx<'_>, mac: &str, now: i64) -> ApiResult<()> {

@@ -3,8 +3,8 @@
 use crate::base::clock::rfc3339;
 use crate::base::error::ApiResult;
 use crate::base::ids;
+use crate::store::params;
 use crate::store::Tx;
-use rusqlite::params;
 use serde_json::{json, Value};
 
 /// Publishes an event to a tenant's stream.
@@ -44,13 +44,9 @@ pub fn list(
     prefix: &str,
     limit: i64,
 ) -> ApiResult<Vec<(i64, Value)>> {
-    let mut st = tx.c().prepare(
-        "SELECT seq, id, tenant_id, type, data, created_at FROM events
-         WHERE seq < ?1 AND (?2 IS NULL OR tenant_id = ?2) AND substr(type, 1, length(?3)) = ?3
-         ORDER BY seq DESC LIMIT ?4",
-    )?;
-    let rows = st
-        .query_map(params![before, tenant, prefix, limit], |r| {
+    let rows = crate::store::query_all(tx, "SELECT seq, id, tenant_id, type, data, created_at FROM events
+         WHERE seq < ?1 AND (CAST(?2 AS TEXT) IS NULL OR tenant_id = ?2) AND substr(type, 1, length(?3)) = ?3
+         ORDER BY seq DESC LIMIT ?4", params![before, tenant, prefix, limit], |r| {
             Ok((
                 r.get::<_, i64>(0)?,
                 json!({
@@ -61,8 +57,7 @@ pub fn list(
                     "createdAt": rfc3339(r.get(5)?),
                 }),
             ))
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
+        })?;
     Ok(rows)
 }
 
@@ -76,14 +71,10 @@ pub fn audit_list(
     since: i64,
     limit: i64,
 ) -> ApiResult<Vec<(i64, Value)>> {
-    let mut st = tx.c().prepare(
-        "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit
-         WHERE seq < ?1 AND (?2 IS NULL OR tenant_id = ?2) AND substr(action, 1, length(?3)) = ?3
+    let rows = crate::store::query_all(tx, "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit
+         WHERE seq < ?1 AND (CAST(?2 AS TEXT) IS NULL OR tenant_id = ?2) AND substr(action, 1, length(?3)) = ?3
            AND created_at >= ?4
-         ORDER BY seq DESC LIMIT ?5",
-    )?;
-    let rows = st
-        .query_map(params![before, tenant, prefix, since, limit], |r| {
+         ORDER BY seq DESC LIMIT ?5", params![before, tenant, prefix, since, limit], |r| {
             Ok((
                 r.get::<_, i64>(0)?,
                 json!({
@@ -96,7 +87,6 @@ pub fn audit_list(
                     "createdAt": rfc3339(r.get(6)?),
                 }),
             ))
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
+        })?;
     Ok(rows)
 }

@@ -25,11 +25,17 @@ pub mod downloads;
 pub mod events;
 pub mod maintenance;
 pub mod nodes;
+pub mod pg;
+pub mod pg_cluster;
 pub mod requests;
+pub mod sql;
 pub mod tenancy;
 pub mod tpm;
 pub mod tpm_eks;
 pub mod x509pop;
+
+pub(crate) use sql::params;
+pub use sql::{OptionalExtension, Row, SqlError, SqlResult};
 
 /// Every migration, in order. A migration is never edited once released: add a new file.
 pub const MIGRATIONS: &[(&str, &str)] = &[
@@ -71,18 +77,84 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ),
 ];
 
-pub struct Store {
-    conn: Mutex<Connection>,
+/// The engine under the store: SQLite (the embedded default) or PostgreSQL (a site that outgrew
+/// one box).
+enum Conn {
+    Sqlite(Connection),
+    Postgres(pg::PgConn),
 }
 
-/// One transaction of the store: a write (`BEGIN IMMEDIATE`) or a read. The callers above the
-/// store reach the database only through the operations defined on it.
-pub struct Tx<'c>(Transaction<'c>);
+/// PostgreSQL's migrations, numbered as SQLite's (`migrations/postgres/`): the same tables,
+/// columns and constraints in PostgreSQL's types (checked by `tests/it/postgres.rs`).
+pub const PG_MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "0001_initial",
+        include_str!("../../migrations/postgres/0001_initial.sql"),
+    ),
+    (
+        "0002_sessions_downloads",
+        include_str!("../../migrations/postgres/0002_sessions_downloads.sql"),
+    ),
+    (
+        "0003_discovery",
+        include_str!("../../migrations/postgres/0003_discovery.sql"),
+    ),
+    (
+        "0004_tpm_eks",
+        include_str!("../../migrations/postgres/0004_tpm_eks.sql"),
+    ),
+    (
+        "0005_tpm_attestor",
+        include_str!("../../migrations/postgres/0005_tpm_attestor.sql"),
+    ),
+    (
+        "0006_discovery_trust",
+        include_str!("../../migrations/postgres/0006_discovery_trust.sql"),
+    ),
+    (
+        "0007_x509pop",
+        include_str!("../../migrations/postgres/0007_x509pop.sql"),
+    ),
+    (
+        "0008_acceptance",
+        include_str!("../../migrations/postgres/0008_acceptance.sql"),
+    ),
+    (
+        "0009_provisioned",
+        include_str!("../../migrations/postgres/0009_provisioned.sql"),
+    ),
+];
+
+pub struct Store {
+    conn: Mutex<Conn>,
+}
+
+/// One transaction of the store: a write or a read. The callers above the store reach the
+/// database only through the operations defined on it.
+pub struct Tx<'c>(TxInner<'c>);
+
+enum TxInner<'c> {
+    Sqlite(Transaction<'c>),
+    Postgres(&'c pg::PgConn),
+}
 
 impl<'c> Tx<'c> {
-    /// The engine's transaction, for the store's own modules.
-    pub(in crate::store) fn c(&self) -> &Transaction<'c> {
-        &self.0
+    /// The SQLite transaction, for what only SQLite has (its online backup, `PRAGMA`s); `None`
+    /// on PostgreSQL.
+    #[cfg(test)]
+    pub(in crate::store) fn sqlite(&self) -> Option<&Transaction<'c>> {
+        match &self.0 {
+            TxInner::Sqlite(t) => Some(t),
+            TxInner::Postgres(_) => None,
+        }
+    }
+
+    /// Which engine runs this transaction (`sqlite` or `postgres`).
+    pub fn engine(&self) -> &'static str {
+        match &self.0 {
+            TxInner::Sqlite(_) => "sqlite",
+            TxInner::Postgres(_) => "postgres",
+        }
     }
 
     /// Runs `f` in a savepoint: kept when `keep` says so of its result, rolled back otherwise (a
@@ -176,36 +248,141 @@ impl Store {
         // Hot paths reuse their prepared statements (see `exec` and `query_row`).
         conn.set_prepared_statement_cache_capacity(128);
         Ok(Self {
-            conn: Mutex::new(conn),
+            conn: Mutex::new(Conn::Sqlite(conn)),
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Connection> {
+    /// Opens the state directory's store as `[store]` says: the embedded SQLite file `bca.db`,
+    /// or PostgreSQL with the password from its file (which must be the owner's alone).
+    /// (`url` and `password_file` are `[store]`'s keys.)
+    pub fn open_at(
+        state_dir: &Path,
+        (url, password_file): (Option<&str>, Option<&Path>),
+        create: bool,
+    ) -> Result<Self, String> {
+        let Some(url) = url else {
+            return Self::open(&state_dir.join("bca.db"), create);
+        };
+        let password = match password_file {
+            Some(p) => Some(read_password_file(p)?),
+            None => None,
+        };
+        Self::open_postgres(url, password.as_deref().map(|p| p.as_str()))
+    }
+
+    /// Opens the store on PostgreSQL (`postgres://USER@HOST[:PORT]/DB`, the password from a
+    /// file, never the URL), applying pending migrations under an advisory lock: one appliance
+    /// migrates at a time.
+    pub fn open_postgres(url: &str, password: Option<&str>) -> Result<Self, String> {
+        let conn = pg::PgConn::connect(pg::config(url, password)?)?;
+        migrate_postgres(&conn)?;
+        Ok(Self {
+            conn: Mutex::new(Conn::Postgres(conn)),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Conn> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs `f` in one write transaction (`BEGIN IMMEDIATE`): committed when `f` returns `Ok`,
-    /// rolled back otherwise.
+    /// Runs `f` in one write transaction (SQLite's `BEGIN IMMEDIATE`): committed when `f`
+    /// returns `Ok`, rolled back otherwise.
     pub fn write<T>(&self, f: impl FnOnce(&Tx<'_>) -> ApiResult<T>) -> ApiResult<T> {
         let mut conn = self.lock();
-        let tx = Tx(conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?);
-        let out = f(&tx)?;
-        tx.0.commit()?;
-        // A load first: every commit passes here, and the flag is almost always clear.
-        if WRITE_FAULT.load(std::sync::atomic::Ordering::Relaxed) != 0
-            && WRITE_FAULT.swap(0, std::sync::atomic::Ordering::Relaxed) != 0
-        {
-            tracing::info!("the state directory's disk takes writes again");
+        match &mut *conn {
+            Conn::Sqlite(c) => {
+                let tx = Tx(TxInner::Sqlite(c.transaction_with_behavior(
+                    rusqlite::TransactionBehavior::Immediate,
+                )?));
+                let out = f(&tx)?;
+                if let TxInner::Sqlite(t) = tx.0 {
+                    t.commit()?;
+                }
+                // A load first: every commit passes here, and the flag is almost always clear.
+                if WRITE_FAULT.load(std::sync::atomic::Ordering::Relaxed) != 0
+                    && WRITE_FAULT.swap(0, std::sync::atomic::Ordering::Relaxed) != 0
+                {
+                    tracing::info!("the state directory's disk takes writes again");
+                }
+                Ok(out)
+            }
+            Conn::Postgres(p) => pg_transaction(p, true, f),
         }
-        Ok(out)
     }
 
     /// Runs `f` in a read transaction.
     pub fn read<T>(&self, f: impl FnOnce(&Tx<'_>) -> ApiResult<T>) -> ApiResult<T> {
         let mut conn = self.lock();
-        let tx = Tx(conn.transaction_with_behavior(rusqlite::TransactionBehavior::Deferred)?);
-        f(&tx)
+        match &mut *conn {
+            Conn::Sqlite(c) => {
+                let tx = Tx(TxInner::Sqlite(c.transaction_with_behavior(
+                    rusqlite::TransactionBehavior::Deferred,
+                )?));
+                f(&tx)
+            }
+            Conn::Postgres(p) => pg_transaction(p, false, f),
+        }
     }
+
+    /// Which engine the store runs on (`sqlite` or `postgres`).
+    pub fn engine(&self) -> &'static str {
+        match &*self.lock() {
+            Conn::Sqlite(_) => "sqlite",
+            Conn::Postgres(_) => "postgres",
+        }
+    }
+}
+
+/// The database password from its file: the file must be readable by its owner alone (0600 or
+/// 0400); its first line is the password.
+pub fn read_password_file(p: &Path) -> Result<zeroize::Zeroizing<String>, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(p)
+        .map_err(|e| format!("cannot read the store's password file {}: {e}", p.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "the store's password file {} is readable by others (mode {:o}): chmod 600 it",
+            p.display(),
+            meta.permissions().mode() & 0o777
+        ));
+    }
+    let text = zeroize::Zeroizing::new(
+        std::fs::read_to_string(p)
+            .map_err(|e| format!("cannot read the store's password file {}: {e}", p.display()))?,
+    );
+    let line = text.lines().next().unwrap_or_default();
+    if line.is_empty() {
+        return Err(format!(
+            "the store's password file {} is empty",
+            p.display()
+        ));
+    }
+    Ok(zeroize::Zeroizing::new(line.to_string()))
+}
+
+/// A PostgreSQL transaction around `f`: committed on `Ok`, rolled back on `Err` or a panic.
+fn pg_transaction<T>(
+    p: &pg::PgConn,
+    write: bool,
+    f: impl FnOnce(&Tx<'_>) -> ApiResult<T>,
+) -> ApiResult<T> {
+    struct Open<'a>(&'a pg::PgConn, bool);
+    impl Drop for Open<'_> {
+        fn drop(&mut self) {
+            if self.1 {
+                let _ = self.0.rollback();
+            }
+        }
+    }
+    p.begin(write)?;
+    let mut open = Open(p, true);
+    let out = f(&Tx(TxInner::Postgres(p)))?;
+    open.1 = false;
+    if let Err(e) = p.commit() {
+        let _ = p.rollback();
+        return Err(e.into());
+    }
+    Ok(out)
 }
 
 /// Applies the migrations past `PRAGMA user_version`, each in its own transaction.
@@ -230,34 +407,125 @@ fn migrate(conn: &mut Connection) -> Result<(), String> {
     Ok(())
 }
 
-/// `execute` through the connection's statement cache: the hot paths (joins, renewals, sessions,
-/// events) do not parse their SQL again for every row.
-pub(in crate::store) fn exec(
-    tx: &Tx<'_>,
-    sql: &str,
-    params: impl rusqlite::Params,
-) -> rusqlite::Result<usize> {
-    tx.0.prepare_cached(sql)?.execute(params)
+/// The schema version of a PostgreSQL store (0 before the first migration).
+fn pg_version(conn: &pg::PgConn) -> SqlResult<usize> {
+    let rows = conn.query("SELECT max(version) FROM bca_schema", Vec::new())?;
+    Ok(rows
+        .first()
+        .and_then(|r| r.get::<_, Option<i64>>(0).ok().flatten())
+        .unwrap_or(0) as usize)
 }
 
-/// `query_row` through the statement cache.
+/// PostgreSQL's migrations (`migrations/postgres/`, the same numbers as SQLite's), each in its own
+/// transaction holding the advisory lock `bca-migrate`: two appliances starting at once migrate
+/// one after the other, and the second finds nothing left to do.
+fn migrate_postgres(conn: &pg::PgConn) -> Result<(), String> {
+    let fail = |e: SqlError| format!("cannot migrate the store's database: {e}");
+    loop {
+        conn.begin(true).map_err(fail)?;
+        let step = (|| -> SqlResult<Option<String>> {
+            conn.query("SELECT pg_advisory_xact_lock(7262034211)", Vec::new())?;
+            conn.batch("CREATE TABLE IF NOT EXISTS bca_schema (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)")?;
+            let current = pg_version(conn)?;
+            if current > PG_MIGRATIONS.len() {
+                return Ok(Some(format!(
+                    "the database is at schema version {current}, newer than this bca knows ({}); run a newer bca",
+                    PG_MIGRATIONS.len()
+                )));
+            }
+            let Some((name, sql)) = PG_MIGRATIONS.get(current) else {
+                return Ok(None);
+            };
+            conn.batch(sql)?;
+            conn.exec(
+                "INSERT INTO bca_schema (version, name, applied_at) VALUES (?1, ?2, ?3)",
+                vec![
+                    sql::Value::Int(current as i64 + 1),
+                    sql::Value::Text(name.to_string()),
+                    sql::Value::Int(crate::base::clock::now()),
+                ],
+            )?;
+            Ok(Some(String::new()))
+        })();
+        match step {
+            Ok(Some(refused)) if !refused.is_empty() => {
+                let _ = conn.rollback();
+                return Err(refused);
+            }
+            Ok(Some(_)) => conn.commit().map_err(fail)?,
+            Ok(None) => {
+                conn.commit().map_err(fail)?;
+                return Ok(());
+            }
+            Err(e) => {
+                let _ = conn.rollback();
+                return Err(fail(e));
+            }
+        }
+    }
+}
+
+/// Runs a statement; the rows it changed.
+pub(in crate::store) fn exec(tx: &Tx<'_>, sql: &str, params: impl sql::Params) -> SqlResult<usize> {
+    match &tx.0 {
+        TxInner::Sqlite(t) => Ok(t
+            .prepare_cached(sql)?
+            .execute(rusqlite::params_from_iter(params.values()))?),
+        TxInner::Postgres(p) => p.exec(sql, params.values()),
+    }
+}
+
+/// Every row of a query, each turned into a `T` by `f`.
+pub(in crate::store) fn query_all<T>(
+    tx: &Tx<'_>,
+    sql: &str,
+    params: impl sql::Params,
+    mut f: impl FnMut(&Row) -> SqlResult<T>,
+) -> SqlResult<Vec<T>> {
+    match &tx.0 {
+        TxInner::Sqlite(t) => {
+            let mut st = t.prepare_cached(sql)?;
+            let n = st.column_count();
+            let mut rows = st.query(rusqlite::params_from_iter(params.values()))?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                out.push(f(&sql::sqlite_row(r, n)?)?);
+            }
+            Ok(out)
+        }
+        TxInner::Postgres(p) => p.query(sql, params.values())?.iter().map(f).collect(),
+    }
+}
+
+/// The first row of a query turned into a `T` by `f`; `SqlError::NoRows` when there is none.
 pub(in crate::store) fn query_row<T>(
     tx: &Tx<'_>,
     sql: &str,
-    params: impl rusqlite::Params,
-    f: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
-) -> rusqlite::Result<T> {
-    tx.0.prepare_cached(sql)?.query_row(params, f)
+    params: impl sql::Params,
+    f: impl FnOnce(&Row) -> SqlResult<T>,
+) -> SqlResult<T> {
+    match &tx.0 {
+        TxInner::Sqlite(t) => {
+            let mut st = t.prepare_cached(sql)?;
+            let n = st.column_count();
+            let mut rows = st.query(rusqlite::params_from_iter(params.values()))?;
+            match rows.next()? {
+                Some(r) => f(&sql::sqlite_row(r, n)?),
+                None => Err(SqlError::NoRows),
+            }
+        }
+        TxInner::Postgres(p) => match p.query(sql, params.values())?.first() {
+            Some(r) => f(r),
+            None => Err(SqlError::NoRows),
+        },
+    }
 }
 
 /// Maps "no row" to `NOT_FOUND` with the given message.
-pub(in crate::store) fn found<T>(
-    r: rusqlite::Result<T>,
-    what: impl FnOnce() -> String,
-) -> ApiResult<T> {
+pub(in crate::store) fn found<T>(r: SqlResult<T>, what: impl FnOnce() -> String) -> ApiResult<T> {
     match r {
         Ok(v) => Ok(v),
-        Err(rusqlite::Error::QueryReturnedNoRows) => Err(ApiError::not_found(what())),
+        Err(SqlError::NoRows) => Err(ApiError::not_found(what())),
         Err(e) => Err(e.into()),
     }
 }
@@ -266,46 +534,232 @@ pub(in crate::store) fn found<T>(
 mod tests {
     use super::*;
 
+    /// A new store on each engine: SQLite in a temporary folder, PostgreSQL in a new database of
+    /// the test process's throwaway cluster.
+    fn engines() -> Vec<(tempfile::TempDir, Store)> {
+        let dir = tempfile::tempdir().unwrap();
+        let sqlite = Store::open(&dir.path().join("db"), true).unwrap();
+        let url = pg_cluster::Cluster::shared().new_database();
+        let postgres = Store::open_postgres(&url, None).unwrap();
+        vec![(dir, sqlite), (tempfile::tempdir().unwrap(), postgres)]
+    }
+
     #[test]
     fn migrations_are_numbered_in_order_and_apply_twice_safely() {
-        for (i, (name, _)) in MIGRATIONS.iter().enumerate() {
-            assert!(
-                name.starts_with(&format!("{:04}_", i + 1)),
-                "{name} is out of order"
-            );
+        for list in [MIGRATIONS, PG_MIGRATIONS] {
+            assert_eq!(list.len(), MIGRATIONS.len());
+            for (i, (name, _)) in list.iter().enumerate() {
+                assert!(
+                    name.starts_with(&format!("{:04}_", i + 1)),
+                    "{name} is out of order"
+                );
+                assert_eq!(*name, MIGRATIONS[i].0);
+            }
         }
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("db");
         drop(Store::open(&p, true).unwrap());
         let s = Store::open(&p, false).unwrap();
         let v: i64 = s
-            .read(|tx| Ok(tx.c().query_row("PRAGMA user_version", [], |r| r.get(0))?))
+            .read(|tx| {
+                Ok(tx
+                    .sqlite()
+                    .unwrap()
+                    .query_row("PRAGMA user_version", [], |r| r.get(0))?)
+            })
             .unwrap();
         assert_eq!(v as usize, MIGRATIONS.len());
         let mode: String = s
-            .read(|tx| Ok(tx.c().query_row("PRAGMA journal_mode", [], |r| r.get(0))?))
+            .read(|tx| {
+                Ok(tx
+                    .sqlite()
+                    .unwrap()
+                    .query_row("PRAGMA journal_mode", [], |r| r.get(0))?)
+            })
             .unwrap();
         assert_eq!(mode, "wal");
+
+        // PostgreSQL: twice, and two appliances at once (the advisory lock), end at the same
+        // version, each migration applied once.
+        let url = pg_cluster::Cluster::shared().new_database();
+        let both: Vec<_> = (0..2)
+            .map(|_| {
+                let url = url.clone();
+                std::thread::spawn(move || Store::open_postgres(&url, None).map(|_| ()))
+            })
+            .collect();
+        for t in both {
+            t.join().unwrap().unwrap();
+        }
+        let s = Store::open_postgres(&url, None).unwrap();
+        let (n, max): (i64, i64) = s
+            .read(|tx| {
+                Ok(query_row(
+                    tx,
+                    "SELECT count(*), max(version) FROM bca_schema",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )?)
+            })
+            .unwrap();
+        assert_eq!(
+            (n as usize, max as usize),
+            (PG_MIGRATIONS.len(), PG_MIGRATIONS.len())
+        );
     }
 
     #[test]
     fn a_failed_write_changes_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let s = Store::open(&dir.path().join("db"), true).unwrap();
-        let r: ApiResult<()> = s.write(|tx| {
-            tx.c()
-                .execute("INSERT INTO site VALUES ('site_x','a','b',1)", [])?;
-            Err(ApiError::invalid_input("no"))
-        });
-        assert!(r.is_err());
-        let n: i64 = s
-            .read(|tx| {
-                Ok(tx
-                    .c()
-                    .query_row("SELECT count(*) FROM site", [], |r| r.get(0))?)
+        for (_dir, s) in engines() {
+            let r: ApiResult<()> = s.write(|tx| {
+                exec(tx, "INSERT INTO site VALUES ('site_x','a','b',1)", [])?;
+                Err(ApiError::invalid_input("no"))
+            });
+            assert!(r.is_err());
+            let n: i64 = s
+                .read(|tx| {
+                    Ok(query_row(tx, "SELECT count(*) FROM site", [], |r| {
+                        r.get(0)
+                    })?)
+                })
+                .unwrap();
+            assert_eq!(n, 0, "{}", s.engine());
+            // A savepoint rolled back keeps nothing; the transaction around it commits.
+            s.write(|tx| {
+                exec(tx, "INSERT INTO site VALUES ('site_a','a','b',1)", [])?;
+                let inner = tx.savepoint(
+                    |tx| {
+                        exec(tx, "INSERT INTO site VALUES ('site_b','a','b',1)", [])?;
+                        Err::<(), _>(ApiError::invalid_input("refused"))
+                    },
+                    |r| r.is_ok(),
+                )?;
+                assert!(inner.is_err());
+                Ok(())
             })
             .unwrap();
-        assert_eq!(n, 0);
+            let ids: Vec<String> = s
+                .read(|tx| {
+                    Ok(query_all(tx, "SELECT id FROM site ORDER BY id", [], |r| {
+                        r.get(0)
+                    })?)
+                })
+                .unwrap();
+            assert_eq!(ids, ["site_a"], "{}", s.engine());
+        }
+    }
+
+    #[test]
+    fn values_round_trip_alike_on_both_engines() {
+        for (_dir, s) in engines() {
+            let row = s
+                .write(|tx| {
+                    exec(
+                        tx,
+                        "INSERT INTO site VALUES (?1, ?2, ?3, ?4)",
+                        params!["site_v", "n\u{e9}", "td", i64::MAX],
+                    )?;
+                    Ok(query_row(
+                        tx,
+                        "SELECT id, name, created_at, NULL FROM site WHERE id = ?1",
+                        ["site_v"],
+                        |r| {
+                            Ok((
+                                r.get::<_, String>(0)?,
+                                r.get::<_, String>(1)?,
+                                r.get::<_, i64>(2)?,
+                                r.get::<_, Option<String>>(3)?,
+                            ))
+                        },
+                    )?)
+                })
+                .unwrap();
+            assert_eq!(
+                row,
+                ("site_v".into(), "n\u{e9}".into(), i64::MAX, None),
+                "{}",
+                s.engine()
+            );
+            let none = s
+                .read(|tx| {
+                    Ok(
+                        query_row(tx, "SELECT id FROM site WHERE id = ?1", ["nope"], |r| {
+                            r.get::<_, String>(0)
+                        })
+                        .optional()?,
+                    )
+                })
+                .unwrap();
+            assert_eq!(none, None);
+        }
+    }
+
+    /// The two engines' schemas have the same tables, columns (name, order, nullability),
+    /// named indexes and row counts after the same writes; PostgreSQL's only extra column is
+    /// `rowid` where the store orders by SQLite's rowid.
+    #[test]
+    fn the_two_schemas_are_one() {
+        let engines = engines();
+        let shape = |s: &Store| -> Vec<String> {
+            s.read(|tx| {
+                let mut out = Vec::new();
+                let tables: Vec<String> = match tx.engine() {
+                    "sqlite" => query_all(
+                        tx,
+                        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name",
+                        [],
+                        |r| r.get(0),
+                    )?,
+                    _ => query_all(
+                        tx,
+                        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'
+                         AND table_name != 'bca_schema' ORDER BY table_name",
+                        [],
+                        |r| r.get(0),
+                    )?,
+                };
+                for t in tables {
+                    let cols: Vec<String> = match tx.engine() {
+                        "sqlite" => query_all(
+                            tx,
+                            "SELECT name, \"notnull\" OR pk FROM pragma_table_info(?1) ORDER BY cid",
+                            [&t],
+                            |r| Ok(format!("{}.{} {}", t, r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+                        )?,
+                        _ => query_all(
+                            tx,
+                            "SELECT column_name::text, CASE WHEN is_nullable = 'NO' THEN 1 ELSE 0 END
+                             FROM information_schema.columns WHERE table_name = ?1 AND column_name != 'rowid'
+                             ORDER BY ordinal_position",
+                            [&t],
+                            |r| Ok(format!("{}.{} {}", t, r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+                        )?,
+                    };
+                    out.extend(cols);
+                }
+                let indexes: Vec<String> = match tx.engine() {
+                    "sqlite" => query_all(
+                        tx,
+                        "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL ORDER BY name",
+                        [],
+                        |r| r.get(0),
+                    )?,
+                    _ => query_all(
+                        tx,
+                        "SELECT indexname::text FROM pg_indexes WHERE schemaname = 'public'
+                         AND indexname NOT IN (SELECT conname FROM pg_constraint) ORDER BY indexname",
+                        [],
+                        |r| r.get(0),
+                    )?,
+                };
+                out.extend(indexes.into_iter().map(|i| format!("index {i}")));
+                Ok(out)
+            })
+            .unwrap()
+        };
+        let (sqlite, postgres) = (shape(&engines[0].1), shape(&engines[1].1));
+        assert!(sqlite.len() > 100, "{sqlite:?}");
+        assert_eq!(sqlite, postgres);
     }
 
     #[test]
@@ -318,5 +772,37 @@ mod tests {
         }
         let e = Store::open(&p, false).err().unwrap();
         assert!(e.contains("newer than this bca knows"), "{e}");
+
+        let url = pg_cluster::Cluster::shared().new_database();
+        let s = Store::open_postgres(&url, None).unwrap();
+        s.write(|tx| {
+            Ok(exec(
+                tx,
+                "INSERT INTO bca_schema (version, name, applied_at) VALUES (999, 'future', 0)",
+                [],
+            )?)
+        })
+        .unwrap();
+        drop(s);
+        let e = Store::open_postgres(&url, None).err().unwrap();
+        assert!(e.contains("newer than this bca knows"), "{e}");
+    }
+
+    #[test]
+    fn a_password_file_others_can_read_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("pw");
+        std::fs::write(&p, "s3cret\n").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = read_password_file(&p).err().unwrap();
+        assert!(
+            e.contains("readable by others") && !e.contains("s3cret"),
+            "{e}"
+        );
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_password_file(&p).unwrap().as_str(), "s3cret");
+        std::fs::write(&p, "").unwrap();
+        assert!(read_password_file(&p).err().unwrap().contains("is empty"));
     }
 }

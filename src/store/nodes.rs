@@ -6,7 +6,7 @@ use crate::base::error::ApiResult;
 use crate::domain::admission::{HeldBy, KnownNode};
 use crate::store::found;
 use crate::store::Tx;
-use rusqlite::{params, OptionalExtension};
+use crate::store::{params, OptionalExtension};
 use serde_json::{json, Value};
 
 /// Revokes every unrevoked certificate of `node_id` (`reason`, with a
@@ -18,11 +18,12 @@ pub fn revoke_all(
     reason: &str,
     now: i64,
 ) -> ApiResult<Vec<String>> {
-    let serials: Vec<String> = tx
-        .c()
-        .prepare("SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL")?
-        .query_map([node_id], |row| row.get(0))?
-        .collect::<Result<_, _>>()?;
+    let serials: Vec<String> = crate::store::query_all(
+        tx,
+        "SELECT serial FROM node_certs WHERE node_id = ?1 AND revoked_at IS NULL",
+        [node_id],
+        |row| row.get(0),
+    )?;
     for serial in &serials {
         crate::store::exec(
             tx,
@@ -355,12 +356,8 @@ pub struct IssuedCert {
 
 /// The node's last two certificates issued, newest first, whatever their state.
 pub fn newest_certs(tx: &Tx<'_>, node_id: &str) -> ApiResult<Vec<IssuedCert>> {
-    let mut st = tx.c().prepare_cached(
-        "SELECT serial, identity_generation, role, spki_sha256, der, not_after, revoked_at FROM node_certs
-         WHERE node_id = ?1 ORDER BY created_at DESC, rowid DESC LIMIT 2",
-    )?;
-    let out = st
-        .query_map([node_id], |x| {
+    let out = crate::store::query_all(tx, "SELECT serial, identity_generation, role, spki_sha256, der, not_after, revoked_at FROM node_certs
+         WHERE node_id = ?1 ORDER BY created_at DESC, rowid DESC LIMIT 2", [node_id], |x| {
             Ok(IssuedCert {
                 serial: x.get(0)?,
                 generation: x.get(1)?,
@@ -370,8 +367,7 @@ pub fn newest_certs(tx: &Tx<'_>, node_id: &str) -> ApiResult<Vec<IssuedCert>> {
                 not_after: x.get(5)?,
                 revoked: x.get::<_, Option<i64>>(6)?.is_some(),
             })
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
+        })?;
     Ok(out)
 }
 
@@ -484,7 +480,7 @@ pub fn mark_disconnected(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Option<
 const SHOWN: &str = "id, tenant_id, site_id, pool_id, role, state, trust, hardware_key, hardware_key_trusted, identity_generation,
     attestor, hostname, claims_json, created_at, updated_at, retired_at, connected, last_seen, rediscover, boot_mac, conditions";
 
-fn shown_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
+fn shown_row(r: &crate::store::Row) -> crate::store::SqlResult<Value> {
     let mut v = json!({
         "id": r.get::<_, String>(0)?, "tenantId": r.get::<_, String>(1)?, "siteId": r.get::<_, String>(2)?,
         "poolId": r.get::<_, String>(3)?, "role": r.get::<_, String>(4)?, "state": r.get::<_, String>(5)?,
@@ -511,7 +507,8 @@ fn shown_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
 /// A node of `tenant` as `nodes.get` shows it, or `NOT_FOUND`.
 pub fn shown(tx: &Tx<'_>, tenant: &str, node: &str) -> ApiResult<Value> {
     found(
-        tx.c().query_row(
+        crate::store::query_row(
+            tx,
             &format!("SELECT {SHOWN} FROM nodes WHERE id = ?1 AND tenant_id = ?2"),
             [node, tenant],
             shown_row,
@@ -522,19 +519,14 @@ pub fn shown(tx: &Tx<'_>, tenant: &str, node: &str) -> ApiResult<Value> {
 
 /// A node's certificates, as `nodes.get` shows them.
 pub fn certificates(tx: &Tx<'_>, node: &str) -> ApiResult<Vec<Value>> {
-    let mut st = tx.c().prepare(
-        "SELECT serial, identity_generation, role, not_before, not_after, revoked_at, revoke_reason FROM node_certs
-         WHERE node_id = ?1 ORDER BY created_at, serial",
-    )?;
-    let out = st
-        .query_map([node], |r| {
+    let out = crate::store::query_all(tx, "SELECT serial, identity_generation, role, not_before, not_after, revoked_at, revoke_reason FROM node_certs
+         WHERE node_id = ?1 ORDER BY created_at, serial", [node], |r| {
             Ok(json!({
                 "serial": r.get::<_, String>(0)?, "identityGeneration": r.get::<_, i64>(1)?, "role": r.get::<_, String>(2)?,
                 "notBefore": rfc3339(r.get(3)?), "notAfter": rfc3339(r.get(4)?),
                 "revokedAt": r.get::<_, Option<i64>>(5)?.map(rfc3339), "revokeReason": r.get::<_, Option<String>>(6)?,
             }))
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
+        })?;
     Ok(out)
 }
 
@@ -547,22 +539,22 @@ pub fn list(
     include_retired: bool,
     limit: i64,
 ) -> ApiResult<Vec<(String, Value)>> {
-    let mut st = tx.c().prepare(&format!(
-        "SELECT {SHOWN} FROM nodes WHERE tenant_id = ?1 AND (?2 IS NULL OR pool_id = ?2) AND id > ?3
-         AND (?4 OR state != 'retired') ORDER BY id LIMIT ?5"
-    ))?;
-    let rows = st
-        .query_map(
+    let rows = crate::store::query_all(tx, &format!(
+        "SELECT {SHOWN} FROM nodes WHERE tenant_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR pool_id = ?2) AND id > ?3
+         AND (?4 = 1 OR state != 'retired') ORDER BY id LIMIT ?5"
+    ),
             params![tenant, pool, cursor, include_retired, limit],
             shown_row,
         )?
-        .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
-        .collect::<Result<_, _>>()?;
+        .into_iter()
+        .map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v))
+        .collect();
     Ok(rows)
 }
 
 pub fn retire(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(
+        tx,
         "UPDATE nodes SET state = 'retired', retired_at = ?2, updated_at = ?2 WHERE id = ?1",
         params![node, now],
     )?;
@@ -571,13 +563,14 @@ pub fn retire(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
 
 /// A node's row gone (its certificates with it).
 pub fn delete(tx: &Tx<'_>, node: &str) -> ApiResult<()> {
-    tx.c().execute("DELETE FROM nodes WHERE id = ?1", [node])?;
+    crate::store::exec(tx, "DELETE FROM nodes WHERE id = ?1", [node])?;
     Ok(())
 }
 
 /// An operator's rediscovery mark set or cleared.
 pub fn set_rediscover(tx: &Tx<'_>, node: &str, on: bool, now: i64) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(
+        tx,
         "UPDATE nodes SET rediscover = ?2, updated_at = ?3 WHERE id = ?1",
         params![node, on as i64, now],
     )?;

@@ -3,7 +3,7 @@
 use crate::base::clock::rfc3339;
 use crate::base::error::ApiResult;
 use crate::store::Tx;
-use rusqlite::{params, OptionalExtension};
+use crate::store::{params, OptionalExtension};
 use serde_json::{json, Value};
 
 /// Marks requests past their expiry `expired`.
@@ -150,13 +150,12 @@ pub fn insert(tx: &Tx<'_>, n: &New<'_>, now: i64) -> ApiResult<()> {
 
 /// The addresses of the pending `tpm` requests (the enrollment queue's bound).
 pub fn pending_tpm_ips(tx: &Tx<'_>) -> ApiResult<Vec<Option<String>>> {
-    Ok(tx
-        .c()
-        .prepare_cached(
-            "SELECT ip FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'",
-        )?
-        .query_map([], |x| x.get::<_, Option<String>>(0))?
-        .collect::<Result<_, _>>()?)
+    Ok(crate::store::query_all(
+        tx,
+        "SELECT ip FROM join_requests WHERE attestor = 'tpm' AND state = 'pending'",
+        [],
+        |x| x.get::<_, Option<String>>(0),
+    )?)
 }
 
 /// A request answered by a join: consumed, with the node it became.
@@ -179,9 +178,9 @@ const COLS: &str = "id, site_id, pool_id, attestor, hardware_key, claims_json, m
        FROM nodes n WHERE r.hardware_key_trusted = 1 AND n.hardware_key = r.hardware_key AND n.hardware_key_trusted = 1
         AND n.state != 'retired' AND r.state IN ('pending', 'approved') AND (r.pool_id IS NULL OR n.pool_id != r.pool_id))";
 
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
+fn row(r: &crate::store::Row) -> crate::store::SqlResult<Value> {
     let claims: Value = serde_json::from_str(&r.get::<_, String>(5)?).unwrap_or(Value::Null);
-    let t = |i: usize| -> rusqlite::Result<Value> {
+    let t = |i: usize| -> crate::store::SqlResult<Value> {
         Ok(json!(r.get::<_, Option<i64>>(i)?.map(rfc3339)))
     };
     Ok(json!({
@@ -210,23 +209,23 @@ pub fn list(
     cursor: &str,
     limit: i64,
 ) -> ApiResult<Vec<(String, Value)>> {
-    let mut st = tx.c().prepare(&format!(
+    let rows = crate::store::query_all(tx, &format!(
         "SELECT {COLS} FROM join_requests r WHERE site_id = ?1
-         AND (pool_id IS NULL OR (?2 IS NOT NULL AND pool_id = ?2)
-              OR (?2 IS NULL AND EXISTS (SELECT 1 FROM pools p WHERE p.id = r.pool_id AND p.tenant_id = ?3)))
+         AND (pool_id IS NULL OR (CAST(?2 AS TEXT) IS NOT NULL AND pool_id = ?2)
+              OR (CAST(?2 AS TEXT) IS NULL AND EXISTS (SELECT 1 FROM pools p WHERE p.id = r.pool_id AND p.tenant_id = ?3)))
          AND (?4 = 'all' OR state = ?4) AND id > ?5 ORDER BY id LIMIT ?6"
-    ))?;
-    let rows = st
-        .query_map(params![site, pool, tenant, state, cursor, limit], row)?
-        .map(|r| r.map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v)))
-        .collect::<Result<_, _>>()?;
+    ), params![site, pool, tenant, state, cursor, limit], row)?
+        .into_iter()
+        .map(|v| (v["id"].as_str().unwrap_or_default().to_string(), v))
+        .collect();
     Ok(rows)
 }
 
 /// A request of `site`, as listed, or `NOT_FOUND`.
 pub fn get(tx: &Tx<'_>, id: &str, site: &str) -> ApiResult<Value> {
     crate::store::found(
-        tx.c().query_row(
+        crate::store::query_row(
+            tx,
             &format!("SELECT {COLS} FROM join_requests r WHERE id = ?1 AND site_id = ?2"),
             [id, site],
             row,
@@ -246,7 +245,7 @@ pub fn approve(
     (now, by, reason): Decision<'_>,
     expires_at: i64,
 ) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(tx,
         "UPDATE join_requests SET state = 'approved', pool_id = ?2, decided_at = ?3, decided_by = ?4, reason = ?5,
          expires_at = ?6, updated_at = ?3 WHERE id = ?1",
         params![id, pool, now, by, reason, expires_at],
@@ -256,7 +255,7 @@ pub fn approve(
 
 /// Rejected (the pool recorded when none was).
 pub fn reject(tx: &Tx<'_>, id: &str, pool: &str, (now, by, reason): Decision<'_>) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(tx,
         "UPDATE join_requests SET state = 'rejected', pool_id = COALESCE(pool_id, ?2), decided_at = ?3, decided_by = ?4,
          reason = ?5, updated_at = ?3 WHERE id = ?1",
         params![id, pool, now, by, reason],

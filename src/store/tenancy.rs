@@ -6,12 +6,12 @@ use crate::domain::token::TokenRow;
 use crate::domain::validate;
 use crate::store::found;
 use crate::store::Tx;
-use rusqlite::{params, OptionalExtension};
+use crate::store::{params, OptionalExtension};
 
 pub const POOL_COLS: &str =
     "id, tenant_id, site_id, name, agent, join_attestors, k8s_platform_operated, archived_at, created_at, updated_at, acceptance";
 
-pub fn pool_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Pool> {
+pub fn pool_row(r: &crate::store::Row) -> crate::store::SqlResult<Pool> {
     let attestors: Option<String> = r.get(5)?;
     let k8s: i64 = r.get(6)?;
     Ok(Pool {
@@ -40,7 +40,8 @@ pub fn pool_load(tx: &Tx<'_>, tenant: &str, pool: &str) -> ApiResult<Pool> {
     validate::tenant_id("tenantId", tenant)?;
     validate::pool_id("poolId", pool)?;
     found(
-        tx.c().query_row(
+        crate::store::query_row(
+            tx,
             &format!("SELECT {POOL_COLS} FROM pools WHERE id = ?1 AND tenant_id = ?2"),
             [pool, tenant],
             pool_row,
@@ -61,7 +62,7 @@ pub fn pool_by_id(tx: &Tx<'_>, pool: &str) -> ApiResult<Option<Pool>> {
 }
 
 pub fn pool_save(tx: &Tx<'_>, p: &Pool) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(tx,
         "UPDATE pools SET name = ?2, agent = ?3, join_attestors = ?4, k8s_platform_operated = ?5, archived_at = ?6, updated_at = ?7, acceptance = ?8 WHERE id = ?1",
         params![
             p.id,
@@ -79,7 +80,7 @@ pub fn pool_save(tx: &Tx<'_>, p: &Pool) -> ApiResult<()> {
 
 pub const TOKEN_COLS: &str = "id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json, allow_reclaim, hosted, created_at, expires_at, revoked_at, node_id";
 
-pub fn token_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TokenRow> {
+pub fn token_row(r: &crate::store::Row) -> crate::store::SqlResult<TokenRow> {
     let expect: Option<String> = r.get(8)?;
     Ok(TokenRow {
         id: r.get(0)?,
@@ -101,7 +102,8 @@ pub fn token_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<TokenRow> {
 }
 
 pub fn tenant_must_exist(tx: &Tx<'_>, tenant: &str) -> ApiResult<()> {
-    let n: i64 = tx.c().query_row(
+    let n: i64 = crate::store::query_row(
+        tx,
         "SELECT count(*) FROM tenants WHERE id = ?1",
         [tenant],
         |r| r.get(0),
@@ -135,17 +137,18 @@ pub fn token_spend_use(tx: &Tx<'_>, id: &str) -> ApiResult<()> {
 
 /// The id of the tenant with this name.
 pub fn tenant_named(tx: &Tx<'_>, name: &str) -> ApiResult<Option<String>> {
-    Ok(tx
-        .c()
-        .query_row("SELECT id FROM tenants WHERE name = ?1", [name], |r| {
+    Ok(
+        crate::store::query_row(tx, "SELECT id FROM tenants WHERE name = ?1", [name], |r| {
             r.get(0)
         })
-        .optional()?)
+        .optional()?,
+    )
 }
 
 /// A new (not root) tenant.
 pub fn tenant_insert(tx: &Tx<'_>, id: &str, name: &str, now: i64) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(
+        tx,
         "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?1, ?2, 0, ?3)",
         params![id, name, now],
     )?;
@@ -156,32 +159,29 @@ pub fn tenant_insert(tx: &Tx<'_>, id: &str, name: &str, now: i64) -> ApiResult<(
 pub type TenantRow = (String, String, bool, i64);
 
 pub fn tenants(tx: &Tx<'_>) -> ApiResult<Vec<TenantRow>> {
-    let mut st = tx
-        .c()
-        .prepare("SELECT id, name, is_root, created_at FROM tenants ORDER BY id")?;
-    let items = st
-        .query_map([], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? == 1, r.get(3)?))
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
+    let items = crate::store::query_all(
+        tx,
+        "SELECT id, name, is_root, created_at FROM tenants ORDER BY id",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? == 1, r.get(3)?)),
+    )?;
     Ok(items)
 }
 
 /// The id of the tenant's pool with this name.
 pub fn pool_named(tx: &Tx<'_>, tenant: &str, name: &str) -> ApiResult<Option<String>> {
-    Ok(tx
-        .c()
-        .query_row(
-            "SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2",
-            [tenant, name],
-            |r| r.get(0),
-        )
-        .optional()?)
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT id FROM pools WHERE tenant_id = ?1 AND name = ?2",
+        [tenant, name],
+        |r| r.get(0),
+    )
+    .optional()?)
 }
 
 /// A new pool (its policy written by [`pool_save`]).
 pub fn pool_insert(tx: &Tx<'_>, p: &Pool) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(tx,
         "INSERT INTO pools (id, tenant_id, site_id, name, agent, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
         params![p.id, p.tenant_id, p.site_id, p.name, p.agent, p.created_at],
     )?;
@@ -196,12 +196,9 @@ pub fn pools(
     include_archived: bool,
     limit: i64,
 ) -> ApiResult<Vec<Pool>> {
-    let mut st = tx.c().prepare(&format!(
-        "SELECT {POOL_COLS} FROM pools WHERE tenant_id = ?1 AND id > ?2 AND (?3 OR archived_at IS NULL) ORDER BY id LIMIT ?4"
-    ))?;
-    let rows = st
-        .query_map(params![tenant, cursor, include_archived, limit], pool_row)?
-        .collect::<Result<Vec<_>, _>>()?;
+    let rows = crate::store::query_all(tx, &format!(
+        "SELECT {POOL_COLS} FROM pools WHERE tenant_id = ?1 AND id > ?2 AND (?3 = 1 OR archived_at IS NULL) ORDER BY id LIMIT ?4"
+    ), params![tenant, cursor, include_archived, limit], pool_row)?;
     Ok(rows)
 }
 
@@ -212,7 +209,7 @@ pub fn token_insert(
     idempotency_key: &str,
     created_by: &str,
 ) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(tx,
         "INSERT INTO join_tokens (id, tenant_id, pool_id, site_id, role, secret_sha256, max_uses, uses_left, expect_json,
          allow_reclaim, hosted, idempotency_key, created_by, created_at, expires_at, node_id)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
@@ -246,23 +243,20 @@ pub fn tokens(
     now: i64,
     limit: i64,
 ) -> ApiResult<Vec<TokenRow>> {
-    let mut st = tx.c().prepare(&format!(
+    let rows = crate::store::query_all(tx, &format!(
         "SELECT {TOKEN_COLS} FROM join_tokens WHERE tenant_id = ?1 AND pool_id = ?2 AND id > ?3
-         AND (?4 OR (revoked_at IS NULL AND uses_left > 0 AND expires_at > ?5)) ORDER BY id LIMIT ?6"
-    ))?;
-    let rows = st
-        .query_map(
+         AND (?4 = 1 OR (revoked_at IS NULL AND uses_left > 0 AND expires_at > ?5)) ORDER BY id LIMIT ?6"
+    ),
             params![tenant, pool, cursor, include_inactive, now, limit],
             token_row,
-        )?
-        .collect::<Result<Vec<_>, _>>()?;
+        )?;
     Ok(rows)
 }
 
 /// A token of this tenant and pool, or `NOT_FOUND`.
 pub fn token_load(tx: &Tx<'_>, tenant: &str, pool: &str, id: &str) -> ApiResult<TokenRow> {
     found(
-        tx.c().query_row(
+        crate::store::query_row(tx,
             &format!("SELECT {TOKEN_COLS} FROM join_tokens WHERE id = ?1 AND tenant_id = ?2 AND pool_id = ?3"),
             [id, tenant, pool],
             token_row,
@@ -272,7 +266,8 @@ pub fn token_load(tx: &Tx<'_>, tenant: &str, pool: &str, id: &str) -> ApiResult<
 }
 
 pub fn token_revoke(tx: &Tx<'_>, id: &str, now: i64) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(
+        tx,
         "UPDATE join_tokens SET revoked_at = ?2 WHERE id = ?1",
         params![id, now],
     )?;
@@ -281,14 +276,13 @@ pub fn token_revoke(tx: &Tx<'_>, id: &str, now: i64) -> ApiResult<()> {
 
 /// The `provisioned` tokens of `node` that could still be spent, revoked: their ids.
 pub fn revoke_provisioned(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Vec<(String, String)>> {
-    let ids: Vec<(String, String)> = tx
-        .c()
-        .prepare(
-            "SELECT id, tenant_id FROM join_tokens WHERE node_id = ?1 AND role = 'provisioned'
+    let ids: Vec<(String, String)> = crate::store::query_all(
+        tx,
+        "SELECT id, tenant_id FROM join_tokens WHERE node_id = ?1 AND role = 'provisioned'
              AND revoked_at IS NULL AND uses_left > 0 AND expires_at > ?2",
-        )?
-        .query_map(params![node, now], |r| Ok((r.get(0)?, r.get(1)?)))?
-        .collect::<Result<_, _>>()?;
+        params![node, now],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
     for (id, _) in &ids {
         token_revoke(tx, id, now)?;
     }

@@ -2,7 +2,7 @@
 
 use crate::base::error::ApiResult;
 use crate::store::Tx;
-use rusqlite::{params, OptionalExtension};
+use crate::store::{params, OptionalExtension};
 
 pub struct NewChallenge<'a> {
     pub id: &'a str,

@@ -3,12 +3,12 @@
 use crate::base::clock::rfc3339;
 use crate::base::error::ApiResult;
 use crate::store::Tx;
-use rusqlite::{params, OptionalExtension};
+use crate::store::{params, OptionalExtension};
 use serde_json::{json, Value};
 
 const COLS: &str = "ek_sha256, tenant_id, pool_id, note, created_at, created_by";
 
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
+fn row(r: &crate::store::Row) -> crate::store::SqlResult<Value> {
     Ok(json!({
         "ekSha256": r.get::<_, String>(0)?,
         "tenantId": r.get::<_, String>(1)?,
@@ -21,14 +21,13 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Value> {
 
 /// An allow-list entry, as `tpmEks.list` shows it.
 pub fn get(tx: &Tx<'_>, hash: &str) -> ApiResult<Option<Value>> {
-    Ok(tx
-        .c()
-        .query_row(
-            &format!("SELECT {COLS} FROM tpm_eks WHERE ek_sha256 = ?1"),
-            [hash],
-            row,
-        )
-        .optional()?)
+    Ok(crate::store::query_row(
+        tx,
+        &format!("SELECT {COLS} FROM tpm_eks WHERE ek_sha256 = ?1"),
+        [hash],
+        row,
+    )
+    .optional()?)
 }
 
 pub fn insert(
@@ -38,7 +37,7 @@ pub fn insert(
     note: Option<&str>,
     (now, by): (i64, &str),
 ) -> ApiResult<()> {
-    tx.c().execute(
+    crate::store::exec(tx,
         "INSERT INTO tpm_eks (ek_sha256, tenant_id, pool_id, note, created_at, created_by) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         params![hash, tenant, pool, note, now, by],
     )?;
@@ -53,20 +52,16 @@ pub fn list(
     after: &str,
     limit: i64,
 ) -> ApiResult<Vec<(String, Value)>> {
-    let mut st = tx.c().prepare(&format!(
-        "SELECT {COLS} FROM tpm_eks WHERE tenant_id = ?1 AND (?2 IS NULL OR pool_id = ?2) AND ek_sha256 > ?3
+    let rows = crate::store::query_all(tx, &format!(
+        "SELECT {COLS} FROM tpm_eks WHERE tenant_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR pool_id = ?2) AND ek_sha256 > ?3
          ORDER BY ek_sha256 LIMIT ?4"
-    ))?;
-    let rows = st
-        .query_map(params![tenant, pool, after, limit], |r| {
+    ), params![tenant, pool, after, limit], |r| {
             Ok((r.get::<_, String>(0)?, row(r)?))
-        })?
-        .collect::<Result<_, _>>()?;
+        })?;
     Ok(rows)
 }
 
 pub fn remove(tx: &Tx<'_>, hash: &str) -> ApiResult<()> {
-    tx.c()
-        .execute("DELETE FROM tpm_eks WHERE ek_sha256 = ?1", [hash])?;
+    crate::store::exec(tx, "DELETE FROM tpm_eks WHERE ek_sha256 = ?1", [hash])?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use crate::base::error::ApiResult;
 use crate::store::Tx;
-use rusqlite::{params, OptionalExtension};
+use crate::store::{params, OptionalExtension};
 
 /// Records a challenge, first making room under the limits (`tpm::make_room`).
 pub fn insert_challenge(

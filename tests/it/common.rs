@@ -28,9 +28,63 @@ pub struct Appliance {
 }
 
 /// `bca init` on a new temporary directory.
+/// The engine the suite runs the appliance on: `BCA_TEST_STORE=postgres` puts every site the
+/// tests init into a new database of the test process's PostgreSQL cluster (`make test` runs the
+/// admission, renewal, discovery, TPM, rotation and retention suites so, beside SQLite).
+/// A test whose subject is the SQLite file itself (its backup, its pages) passes `SQLITE` in
+/// its init arguments: it stays on SQLite whatever the suite's engine.
+pub fn test_store_args(extra: &[&str]) -> Vec<String> {
+    let on_pg = std::env::var("BCA_TEST_STORE").is_ok_and(|v| v == "postgres");
+    if on_pg && !extra.contains(&"--store") && !extra.contains(&SQLITE) {
+        let url = bca::store::pg_cluster::Cluster::shared().new_database();
+        vec!["--store".into(), url]
+    } else {
+        Vec::new()
+    }
+}
+
+pub use bca::store::sql::Value as V;
+
+/// A site's database, live: SQLite's file or PostgreSQL's connection.
+pub enum Live {
+    Sqlite(rusqlite::Connection),
+    Postgres(bca::store::pg::PgConn),
+}
+
+impl Live {
+    /// The one integer `sql` answers.
+    pub fn count(&self, sql: &str) -> i64 {
+        match self {
+            Live::Sqlite(c) => c.query_row(sql, [], |r| r.get(0)).unwrap(),
+            Live::Postgres(p) => p.query(sql, Vec::new()).unwrap()[0].get(0).unwrap(),
+        }
+    }
+
+    /// Runs `sql` with text parameters (`?1`, ...).
+    pub fn execute(&self, sql: &str, params: &[&str]) -> usize {
+        let values: Vec<V> = params.iter().map(|s| V::Text(s.to_string())).collect();
+        self.execute_values(sql, &values)
+    }
+
+    /// Runs `sql` with parameters of any kind.
+    pub fn execute_values(&self, sql: &str, params: &[V]) -> usize {
+        match self {
+            Live::Sqlite(c) => c
+                .execute(sql, rusqlite::params_from_iter(params.iter()))
+                .unwrap(),
+            Live::Postgres(p) => p.exec(sql, params.to_vec()).unwrap(),
+        }
+    }
+}
+
+/// See [`test_store_args`].
+pub const SQLITE: &str = "(sqlite)";
+
 pub fn init_dir(protection: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
+    let store = test_store_args(extra);
+    let extra: Vec<&str> = extra.iter().copied().filter(|a| *a != SQLITE).collect();
     let out = Command::new(bin())
         .args([
             "init",
@@ -41,7 +95,8 @@ pub fn init_dir(protection: &str, extra: &[&str]) -> (tempfile::TempDir, Output)
             "--key-protection",
             protection,
         ])
-        .args(extra)
+        .args(&extra)
+        .args(&store)
         .arg("--state-dir")
         .arg(&state)
         .env("BCA_SECRET", PASSPHRASE)
@@ -190,8 +245,20 @@ impl Appliance {
             .unwrap_or_else(|e| panic!("{method} {body}: {e}"))
     }
 
+    /// The site's database, for reading: the SQLite file, or (a site on PostgreSQL) a SQLite
+    /// snapshot of it taken now, row for row (`store::maintenance::copy_all`). Writes to a
+    /// snapshot go nowhere.
     pub fn db(&self) -> rusqlite::Connection {
-        rusqlite::Connection::open(self.state().join("bca.db")).unwrap()
+        let cfg = bca::config::Config::load(&self.state()).unwrap();
+        if cfg.store.is_embedded() {
+            return rusqlite::Connection::open(self.state().join("bca.db")).unwrap();
+        }
+        let from = bca::store::Store::open_at(&self.state(), cfg.store.at(), false).unwrap();
+        let snap = self.dir.path().join(format!("snapshot-{}.db", rand_hex(4)));
+        let to = bca::store::Store::open(&snap, true).unwrap();
+        bca::store::maintenance::copy_all(&from, &to).unwrap();
+        drop(to);
+        rusqlite::Connection::open(&snap).unwrap()
     }
 
     /// Every row of every table, to assert that a refused call changed nothing.
@@ -217,10 +284,21 @@ impl Appliance {
         out
     }
 
+    /// The root tenant's id, as `tenants/list` shows it (whichever engine holds the site).
     pub fn root_tenant(&self) -> String {
-        self.db()
-            .query_row("SELECT id FROM tenants WHERE is_root = 1", [], |r| r.get(0))
+        let v = self.api_ok("tenants/list", json!({}));
+        let items = v["items"]
+            .as_array()
+            .or(v.as_array())
+            .cloned()
+            .unwrap_or_default();
+        items
+            .iter()
+            .find(|t| t["root"] == true)
+            .unwrap_or_else(|| panic!("no root tenant in {v}"))["id"]
+            .as_str()
             .unwrap()
+            .to_string()
     }
 
     pub fn pool(&self, name: &str) -> String {
@@ -256,7 +334,37 @@ impl Appliance {
     }
 
     pub fn count(&self, sql: &str) -> i64 {
-        self.db().query_row(sql, [], |r| r.get(0)).unwrap()
+        self.live().count(sql)
+    }
+
+    /// Every byte the site's database holds, to look for what must never be there: the SQLite
+    /// file, or (on PostgreSQL) `pg_dump`'s dump of the database.
+    pub fn db_bytes(&self) -> Vec<u8> {
+        let cfg = bca::config::Config::load(&self.state()).unwrap();
+        match &cfg.store.url {
+            None => std::fs::read(self.state().join("bca.db")).unwrap(),
+            Some(url) => {
+                let o = Command::new("pg_dump")
+                    .arg(url.replacen("postgres://", "postgresql://", 1))
+                    .output()
+                    .unwrap();
+                assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+                o.stdout
+            }
+        }
+    }
+
+    /// The site's database itself (not a snapshot), for a count at a precise moment or a write
+    /// a test makes behind the appliance's back.
+    pub fn live(&self) -> Live {
+        let cfg = bca::config::Config::load(&self.state()).unwrap();
+        match &cfg.store.url {
+            None => Live::Sqlite(self.db()),
+            Some(url) => Live::Postgres(
+                bca::store::pg::PgConn::connect(bca::store::pg::config(url, None).unwrap())
+                    .unwrap(),
+            ),
+        }
     }
 
     /// The newest event of a type (any tenant).

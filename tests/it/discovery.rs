@@ -263,9 +263,8 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
         "{}",
         String::from_utf8_lossy(&s)
     );
-    a.db()
-        .execute("UPDATE nodes SET role = 'node' WHERE id = ?1", [&node_id])
-        .unwrap();
+    a.live()
+        .execute("UPDATE nodes SET role = 'node' WHERE id = ?1", &[&node_id]);
     let (_, s) = get(&a, &format!("/api/compute/boot/boot.ipxe?mac={mac}"));
     assert!(String::from_utf8_lossy(&s).contains("sanboot"));
     a.cli_json(&["nodes", "rediscover", &node_id]);
@@ -274,7 +273,7 @@ fn a_discovered_machine_waits_for_approval_and_joins_as_ramdisk() {
     // Boot leases record who booted what; the token appears nowhere.
     let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
     assert!(leases["items"].as_array().unwrap().len() >= 3);
-    let dump = std::fs::read(a.state().join("bca.db")).unwrap();
+    let dump = a.db_bytes();
     let t = token.trim();
     assert!(
         !dump.windows(t.len()).any(|w| w == t.as_bytes()),
@@ -942,12 +941,16 @@ fn control_characters_never_reach_the_operators_terminal() {
     let (_, dir) = boot(&a, "52:54:00:e5:c0:01");
     let j = discovery_join(&dir, &vm_claims(&a, "52:54:00:e5:c0:01"), 3);
     wait_for("a pending request", 20, || pending(&a, "52:54:00:e5:c0:01"));
-    a.db()
-        .execute(
-            "UPDATE join_requests SET claims_json = json_set(claims_json, '$.productUuid', ?1)",
-            ["\u{1b}]0;title\u{7}\u{1b}[1A\u{1b}[2Kforged"],
-        )
-        .unwrap();
+    let db = a.live();
+    let set = match db {
+        Live::Sqlite(_) => {
+            "UPDATE join_requests SET claims_json = json_set(claims_json, '$.productUuid', ?1)"
+        }
+        Live::Postgres(_) => {
+            "UPDATE join_requests SET claims_json = jsonb_set(claims_json::jsonb, '{productUuid}', to_jsonb(?1::text))::text"
+        }
+    };
+    db.execute(set, &["\u{1b}]0;title\u{7}\u{1b}[1A\u{1b}[2Kforged"]);
     let o = a.cli(&["join-requests", "list"]);
     assert!(o.status.success());
     assert!(

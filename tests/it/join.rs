@@ -348,12 +348,10 @@ fn every_refusal_reason_is_the_same_on_the_wire() {
     check(&raw, "join-token:revoked", &root, rrec["id"].as_str(), 1);
     // expired (the clock is the appliance's: move the token's expiry into the past).
     let (xrec, xtok) = a.token(&pool, json!({}));
-    a.db()
-        .execute(
-            "UPDATE join_tokens SET expires_at = expires_at - 7200 WHERE id = ?1",
-            [xrec["id"].as_str().unwrap()],
-        )
-        .unwrap();
+    a.live().execute(
+        "UPDATE join_tokens SET expires_at = expires_at - 7200 WHERE id = ?1",
+        &[xrec["id"].as_str().unwrap()],
+    );
     let (raw, _, _) = sim.join(&xtok, &machine());
     check(&raw, "join-token:expired", &root, xrec["id"].as_str(), 1);
     // pool: archived after the token was minted.
@@ -385,7 +383,7 @@ fn every_refusal_reason_is_the_same_on_the_wire() {
     // Nothing was admitted by any refusal: two nodes only.
     assert_eq!(a.count("SELECT count(*) FROM nodes"), 2);
     // No secret in the database or the log of events.
-    let dump = std::fs::read(a.state().join("bca.db")).unwrap();
+    let dump = a.db_bytes();
     let secret = token.split('.').nth(1).unwrap();
     assert!(!dump.windows(secret.len()).any(|w| w == secret.as_bytes()));
 }

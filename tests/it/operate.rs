@@ -91,12 +91,10 @@ fn doctor_checks_modes_keys_database_and_the_clock() {
     // A clock that went backwards (a row written a day ahead of now) is a warning, and /healthz
     // says degraded (still 200: the appliance serves).
     let tomorrow = bca::base::clock::now() + 86_400;
-    a.db()
-        .execute(
-            "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES ('x', 'test', 'test', 'x', '{}', ?1)",
-            [tomorrow],
-        )
-        .unwrap();
+    a.live().execute_values(
+        "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES ('x', 'test', 'test', 'x', '{}', ?1)",
+        &[V::Int(tomorrow)],
+    );
     let o = a.cli(&["doctor"]);
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(o.status.success(), "{out}");
@@ -215,22 +213,19 @@ fn audit_list_filters_by_action_and_time() {
 
 fn old_rows(a: &Appliance, age_days: i64) {
     let t = bca::base::clock::now() - age_days * 86_400;
-    let db = a.db();
-    db.execute(
+    let db = a.live();
+    db.execute_values(
         "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES ('ev_old1', 'x', 'node.joined', '{}', ?1)",
-        [t],
-    )
-    .unwrap();
-    db.execute(
+        &[V::Int(t)],
+    );
+    db.execute_values(
         "INSERT INTO events (id, tenant_id, type, data, created_at) VALUES ('ev_old2', 'x', 'security.join.refused', '{}', ?1)",
-        [t],
-    )
-    .unwrap();
-    db.execute(
+        &[V::Int(t)],
+    );
+    db.execute_values(
         "INSERT INTO boot_leases (mac, stage, created_at) VALUES ('52:54:00:00:00:01', 'dhcp', ?1)",
-        [t],
-    )
-    .unwrap();
+        &[V::Int(t)],
+    );
 }
 
 #[test]
@@ -251,29 +246,35 @@ fn retention_prunes_at_start_and_records_it() {
     let na = sim.admitted(&token, &machine()).node_id;
     let nb = sim.admitted(&token, &machine()).node_id;
     let old = bca::base::clock::now() - 60 * 86_400;
-    let db = a.db();
-    db.execute(
+    let db = a.live();
+    db.execute_values(
         "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, not_before, not_after, created_at)
          SELECT 'aa' || serial, node_id, identity_generation, role, spki_sha256, der, ?2, ?2, ?2 FROM node_certs WHERE node_id = ?1",
-        rusqlite::params![na, old],
-    )
-    .unwrap();
-    db.execute(
+        &[V::Text(na.clone()), V::Int(old)],
+    );
+    db.execute_values(
         "UPDATE node_certs SET not_after = ?2, created_at = ?2 WHERE node_id = ?1",
-        rusqlite::params![nb, old],
-    )
-    .unwrap();
+        &[V::Text(nb.clone()), V::Int(old)],
+    );
     // A join request decided long ago (pruned) and one still pending from long ago (kept).
     for (id, state, decided) in [
         ("jreq_old", "rejected", Some(old)),
         ("jreq_wait", "pending", None),
     ] {
-        db.execute(
+        let site = bca::config::Config::load(&a.state()).unwrap().site_id;
+        db.execute_values(
             "INSERT INTO join_requests (id, site_id, attestor, machine_key, claims_json, csr_sha256, state, created_at, updated_at, expires_at, decided_at)
-             VALUES (?1, 'site_x', 'discovery', 'mac:x', '{}', '00', ?2, ?3, ?3, ?4, ?5)",
-            rusqlite::params![id, state, old, bca::base::clock::now() + 3600, decided],
-        )
-        .unwrap();
+             VALUES (?1, ?6, 'discovery', ?7, '{}', '00', ?2, ?3, ?3, ?4, ?5)",
+            &[
+                V::Text(id.into()),
+                V::Text(state.into()),
+                V::Int(old),
+                V::Int(bca::base::clock::now() + 3600),
+                decided.map_or(V::Null, V::Int),
+                V::Text(site),
+                V::Text(format!("mac:{id}")),
+            ],
+        );
     }
     drop(db);
     a.restart();
@@ -335,19 +336,28 @@ fn retention_prunes_spent_voided_and_expired_discovery_tokens() {
     let mut a = Appliance::start();
     let now = bca::base::clock::now();
     let old = now - 3 * 86_400;
-    let db = a.db();
+    let db = a.live();
+    let site = bca::config::Config::load(&a.state()).unwrap().site_id;
     for (id, spent, voided, expires) in [
         ("jt_spent", Some(old), None, now + 3600),
         ("jt_voided", None, Some(old), now + 3600),
         ("jt_expired", None, None, old),
         ("jt_live", None, None, now + 3600),
     ] {
-        db.execute(
+        let opt = |t: Option<i64>| t.map_or(V::Null, V::Int);
+        db.execute_values(
             "INSERT INTO discovery_tokens (id, site_id, mac, secret_sha256, created_at, expires_at, spent_at, voided_at)
-             VALUES (?1, 'site_x', '52:54:00:00:00:01', x'00', ?2, ?3, ?4, ?5)",
-            rusqlite::params![id, old, expires, spent, voided],
-        )
-        .unwrap();
+             VALUES (?1, ?2, '52:54:00:00:00:01', ?3, ?4, ?5, ?6, ?7)",
+            &[
+                V::Text(id.into()),
+                V::Text(site.clone()),
+                V::Blob(vec![0]),
+                V::Int(old),
+                V::Int(expires),
+                opt(spent),
+                opt(voided),
+            ],
+        );
     }
     drop(db);
     a.restart();
@@ -643,7 +653,7 @@ fn restored(backup: &std::path::Path) -> (Appliance, std::process::Output) {
 
 #[test]
 fn a_backup_taken_while_serving_restores_and_admits() {
-    let mut a = Appliance::start_with("passphrase", &[]);
+    let mut a = Appliance::start_with("passphrase", &[SQLITE]);
     let pool = a.pool("p1");
     let (t, token) = a.token(&pool, json!({"maxUses": 2}));
     let sim = Sim::new(&a);
@@ -761,7 +771,7 @@ fn a_backup_of_file_keys_seals_them() {
 
 #[test]
 fn a_damaged_backup_restores_nothing() {
-    let a = Appliance::start();
+    let a = Appliance::start_with("file", &[SQLITE]);
     let file = a.dir.path().join("site.bcab");
     let o = backup_with_passphrase(&a, &file);
     assert!(o.status.success());

@@ -316,7 +316,7 @@ fn a_stopping_appliance_records_its_sessions_closed_before_its_nodes_see_them_en
     let watchers: Vec<_> = sessions
         .into_iter()
         .map(|(_, mut s, rt)| {
-            let db = a.db();
+            let db = a.live();
             std::thread::spawn(move || {
                 let r = rt.block_on(async {
                     tokio::time::timeout(
@@ -325,7 +325,7 @@ fn a_stopping_appliance_records_its_sessions_closed_before_its_nodes_see_them_en
                     )
                     .await
                 });
-                let count = |sql: &str| -> i64 { db.query_row(sql, [], |r| r.get(0)).unwrap() };
+                let count = |sql: &str| -> i64 { db.count(sql) };
                 (
                     match r {
                         Ok(Err(_)) => Ok(()),

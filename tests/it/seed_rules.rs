@@ -75,13 +75,10 @@ fn discovery_agent(dir: &Path, claims: &Path, retry: u32) -> Child {
 /// shortens a pending request below `[discovery] pending_ttl_seconds`, 60 s at least, or an
 /// approval below 60 s), so the row is edited, as `join.rs` does for an expired token.
 fn expire_now(a: &Appliance, id: &str) {
-    let n = a
-        .db()
-        .execute(
-            "UPDATE join_requests SET expires_at = ?1 WHERE id = ?2",
-            rusqlite::params![bca::base::clock::now() - 1, id],
-        )
-        .unwrap();
+    let n = a.live().execute_values(
+        "UPDATE join_requests SET expires_at = ?1 WHERE id = ?2",
+        &[V::Int(bca::base::clock::now() - 1), V::Text(id.into())],
+    );
     assert_eq!(n, 1);
 }
 
@@ -252,17 +249,15 @@ fn join_requests_list_shows_the_pools_requests_and_the_sites_unclaimed_ones() {
     // row is moved to a second site row, as a restore of another site's database would leave it.)
     let (_, elsewhere) = ask_once(&a);
     {
-        let db = a.db();
+        let db = a.live();
         db.execute(
             "INSERT INTO site (id, name, trust_domain, created_at) VALUES ('site_elsewhere', 'rack2', 'compute.example.com', 0)",
-            [],
-        )
-        .unwrap();
+            &[],
+        );
         db.execute(
             "UPDATE join_requests SET site_id = 'site_elsewhere' WHERE id = ?1",
-            [&elsewhere],
-        )
-        .unwrap();
+            &[elsewhere.as_str()],
+        );
     }
     assert_eq!(
         list(&root, Some(pool_a.as_str()), "all"),
@@ -447,46 +442,38 @@ fn a_token_of_another_tenant_or_site_than_its_pool_is_refused_at_the_gateway() {
     // tenant: the token names another tenant than its pool's.
     let (rec, token) = a.token(&pool, json!({}));
     let id = rec["id"].as_str().unwrap().to_string();
-    a.db()
-        .execute(
-            "UPDATE join_tokens SET tenant_id = ?1 WHERE id = ?2",
-            [&acme, &id],
-        )
-        .unwrap();
+    a.live().execute(
+        "UPDATE join_tokens SET tenant_id = ?1 WHERE id = ?2",
+        &[acme.as_str(), id.as_str()],
+    );
     check(&token, &id, "join:tenant", &acme);
 
     // site: a second site row, then a token of that site for this site's pool, and a token whose
     // pool is that site's too (a token minted at another site, presented here).
-    a.db()
-        .execute(
+    a.live().execute(
             "INSERT INTO site (id, name, trust_domain, created_at) VALUES ('site_elsewhere', 'rack2', 'compute.example.com', 0)",
-            [],
-        )
-        .unwrap();
+            &[],
+        );
     let (rec, token) = a.token(&pool, json!({}));
     let id = rec["id"].as_str().unwrap().to_string();
-    a.db()
-        .execute(
-            "UPDATE join_tokens SET site_id = 'site_elsewhere' WHERE id = ?1",
-            [&id],
-        )
-        .unwrap();
+    a.live().execute(
+        "UPDATE join_tokens SET site_id = 'site_elsewhere' WHERE id = ?1",
+        &[id.as_str()],
+    );
     check(&token, &id, "join:site", &root);
     let far = a.pool("rack-far");
     let (rec, token) = a.token(&far, json!({}));
     let id = rec["id"].as_str().unwrap().to_string();
     {
-        let db = a.db();
+        let db = a.live();
         db.execute(
             "UPDATE pools SET site_id = 'site_elsewhere' WHERE id = ?1",
-            [&far],
-        )
-        .unwrap();
+            &[far.as_str()],
+        );
         db.execute(
             "UPDATE join_tokens SET site_id = 'site_elsewhere' WHERE id = ?1",
-            [&id],
-        )
-        .unwrap();
+            &[id.as_str()],
+        );
     }
     check(&token, &id, "join:site", &root);
     // The same machine with an untouched token of this site is admitted: the refusals were the

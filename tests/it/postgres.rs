@@ -1,0 +1,268 @@
+//! The appliance on PostgreSQL (`bca init --store postgres://…`): a real PostgreSQL 15 cluster,
+//! started by the tests themselves on a Unix socket (`bca::store::pg_cluster`), read back with
+//! `psql`, the third-party client.
+
+use crate::common::*;
+use bca::proto::protocol::Reply;
+use bca::store::pg_cluster::Cluster;
+use serde_json::json;
+use std::path::Path;
+use std::process::Command;
+
+/// `psql`'s answer to `sql` on the database of `url` (unaligned, tuples only).
+fn psql(c: &Cluster, url: &str, sql: &str) -> String {
+    let db = url.rsplit('/').next().unwrap();
+    let o = Command::new("psql")
+        .arg("-h")
+        .arg(&c.dir)
+        .args([
+            "-p",
+            &c.port.to_string(),
+            "-U",
+            c.user,
+            "-d",
+            db,
+            "-Atc",
+            sql,
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap().trim().to_string()
+}
+
+/// An appliance whose site lives in a new database of `c`.
+fn on_postgres(c: &Cluster) -> (Appliance, String) {
+    let url = c.new_database();
+    let a = Appliance::start_with("file", &["--store", &url]);
+    (a, url)
+}
+
+#[test]
+fn an_appliance_on_postgres_admits_exactly_what_a_token_allows() {
+    let c = Cluster::shared();
+    let (a, url) = on_postgres(c);
+    // The state directory holds no database; config.toml names the store, no password.
+    assert!(!a.state().join("bca.db").exists());
+    let cfg = std::fs::read_to_string(a.state().join("config.toml")).unwrap();
+    assert!(cfg.contains("[store]") && cfg.contains(&url), "{cfg}");
+    assert_eq!(psql(c, &url, "SELECT count(*) FROM site"), "1");
+
+    // 20 machines race for a token with 5 uses: 5 admitted, 15 refused, none over.
+    let pool = a.pool("p1");
+    let (t, token) = a.token(&pool, json!({"maxUses": 5}));
+    let sim = Sim::new(&a);
+    let answers: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..20)
+            .map(|_| s.spawn(|| sim.join(&token, &machine()).0))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let admitted = answers
+        .iter()
+        .filter(|r| {
+            serde_json::from_slice::<Reply>(r)
+                .unwrap()
+                .join_response
+                .is_some()
+        })
+        .count();
+    let refused = answers.iter().filter(|r| **r == refused_bytes()).count();
+    assert_eq!((admitted, refused), (5, 15));
+    let id = t["id"].as_str().unwrap();
+    assert_eq!(
+        psql(
+            c,
+            &url,
+            &format!("SELECT uses_left FROM join_tokens WHERE id = '{id}'")
+        ),
+        "0"
+    );
+    assert_eq!(psql(c, &url, "SELECT count(*) FROM nodes"), "5");
+    assert_eq!(psql(c, &url, "SELECT count(*) FROM node_certs"), "5");
+    assert_eq!(
+        psql(
+            c,
+            &url,
+            "SELECT count(*) FROM events WHERE type = 'node.joined'"
+        ),
+        "5"
+    );
+    // The token's secret is stored as its hash only.
+    assert!(!psql(
+        c,
+        &url,
+        "SELECT encode(secret_sha256, 'hex') FROM join_tokens"
+    )
+    .contains(&token));
+
+    // The CLI reads the same site: the nodes, as the API lists them.
+    let o = a.cli(&["nodes", "list", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let listed = String::from_utf8_lossy(&o.stdout)
+        .matches("\"node_")
+        .count();
+    assert!(listed >= 5, "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+#[test]
+fn a_bad_store_is_refused_before_anything_is_made() {
+    let c = Cluster::shared();
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("pw");
+    std::fs::write(&pw, "secret-pw\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let url = c.new_database();
+    let with_password = url.replacen("bca@", "bca:secret-pw@", 1);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--store".into(), with_password], "carries a password"),
+        (
+            vec!["--store".into(), "mysql://x".into()],
+            "not a PostgreSQL URL",
+        ),
+        (
+            vec![
+                "--store".into(),
+                url.clone(),
+                "--store-password-file".into(),
+                pw.display().to_string(),
+            ],
+            "readable by others",
+        ),
+        (
+            vec!["--store-password-file".into(), pw.display().to_string()],
+            "goes with --store",
+        ),
+        (
+            vec![
+                "--store".into(),
+                "postgres://bca@db.example.net/site".into(),
+            ],
+            "not on this box",
+        ),
+        (
+            vec!["--store".into(), c.url("no_such_database")],
+            "cannot reach the store's database",
+        ),
+    ];
+    for (args, says) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (d, out) = init_dir("file", &args);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{args:?} was taken");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("secret-pw"), "{err}");
+        assert!(
+            !d.path().join("state/config.toml").exists(),
+            "{args:?} left a config"
+        );
+    }
+    // Nothing was written to the database either.
+    assert_eq!(
+        psql(
+            c,
+            &url,
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'site'"
+        ),
+        "0"
+    );
+
+    // A database that already holds a site is not initialised again.
+    let (_a, url) = on_postgres(c);
+    let (d, out) = init_dir("file", &["--store", &url]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already holds a site"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!d.path().join("state/config.toml").exists());
+    assert_eq!(psql(c, &url, "SELECT count(*) FROM site"), "1");
+}
+
+/// The database stops while the appliance serves: a join answers `UNAVAILABLE` within the
+/// deadline (never hangs, writes nothing), and once the database is back the appliance serves
+/// again by itself.
+#[test]
+fn the_database_gone_answers_unavailable_and_recovers_by_itself() {
+    let c = Cluster::start().unwrap();
+    let url = c.new_database();
+    let a = Appliance::start_with("file", &["--store", &url]);
+    let pool = a.pool("p1");
+    let root = a.root_tenant();
+    let (_, token) = a.token(&pool, json!({"maxUses": 100}));
+    let sim = Sim::new(&a);
+    assert!(
+        serde_json::from_slice::<Reply>(&sim.join(&token, &machine()).0)
+            .unwrap()
+            .join_response
+            .is_some()
+    );
+    let pg_ctl = |cmd: &str| {
+        let data = c.dir.join("data");
+        let o = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(pg_bin("pg_ctl"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-m", "immediate", "-w", cmd])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    pg_ctl("stop");
+    let t = std::time::Instant::now();
+    let (raw, _, _) = sim.join(&token, &machine());
+    assert!(t.elapsed() < std::time::Duration::from_secs(30));
+    let r: Reply = serde_json::from_slice(&raw).unwrap();
+    assert!(r.join_response.is_none(), "admitted with no database");
+    let e = a
+        .api("pools/list", json!({"tenantId": root}))
+        .expect_err("answered with no database");
+    assert_eq!(e.code.as_str(), "UNAVAILABLE", "{e:?}");
+    assert!(e.message.contains("database"), "{e:?}");
+
+    // Back: the appliance reconnects by itself.
+    start_again(&c);
+    wait_for("the appliance to serve again", 30, || {
+        serde_json::from_slice::<Reply>(&sim.join(&token, &machine()).0)
+            .ok()?
+            .join_response
+            .map(|_| ())
+    });
+    assert_eq!(psql(&c, &url, "SELECT count(*) FROM nodes"), "2");
+}
+
+fn pg_bin(name: &str) -> std::path::PathBuf {
+    let mut v: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("bin").join(name))
+        .filter(|p| p.exists())
+        .collect();
+    v.sort();
+    v.pop().unwrap()
+}
+
+/// Starts the cluster's server again (its watchdog saw it stop, so a new one watches this one).
+fn start_again(c: &Cluster) {
+    let data = c.dir.join("data");
+    let o = Command::new("runuser")
+        .args(["-u", "postgres", "--"])
+        .arg(pg_bin("pg_ctl"))
+        .arg("-D")
+        .arg(&data)
+        .arg("-o")
+        .arg(format!(
+            "-k {} -p {} -c listen_addresses=''",
+            c.dir.display(),
+            c.port
+        ))
+        .args(["-l"])
+        .arg(Path::new(&c.dir).join("log2"))
+        .args(["-w", "start"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
