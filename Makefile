@@ -46,8 +46,12 @@ image: build
 
 ## Every test, after installing what the tests need (the network-boot tests boot the ramdisk),
 ## then every fuzz target for a bounded time (FUZZ_SECONDS each, 10 here).
+## The suites that admit, renew, discover, approve, rotate and prune run a second time with the
+## site in PostgreSQL (BCA_TEST_STORE=postgres: a throwaway cluster the tests start themselves).
+PG_SUITES := join:: renew:: discovery:: tpmjoin:: rotate:: operate:: seed_rules:: x509pop::
 test: deps image
 	cargo test --locked --all-targets
+	BCA_TEST_STORE=postgres cargo test --locked --test tests -- $(PG_SUITES)
 	FUZZ_SECONDS=$${FUZZ_SECONDS:-10} ./scripts/fuzz.sh
 
 ## The long fault runs, outside CI: 20 power cuts of a VM running bca serve under a join and

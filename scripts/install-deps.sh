@@ -16,9 +16,17 @@ command -v swtpm >/dev/null || need+=(swtpm)               # a TPM for the TPM t
 command -v swtpm_setup >/dev/null || need+=(swtpm-tools)   # its EK certificates
 command -v tpm2_createek >/dev/null || need+=(tpm2-tools)  # the reference bca is checked against
 dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)   # josekit, the JWE oracle in tests
+# PostgreSQL 15 for the store's second engine: the tests start throwaway clusters themselves
+# (initdb, on a Unix socket); the package must not make and start a cluster of its own.
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+command -v psql >/dev/null || need+=(postgresql-client)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  if [[ " ${need[*]} " == *" postgresql "* ]]; then
+    $SUDO mkdir -p /etc/postgresql-common/createcluster.d
+    echo "create_main_cluster = false" | $SUDO tee /etc/postgresql-common/createcluster.d/bca-tests.conf >/dev/null
+  fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi

@@ -244,8 +244,8 @@ fn free_tcp() -> u16 {
 }
 
 /// A node the storm holds: its chain (DER), key and id.
-struct Held {
-    id: String,
+pub(crate) struct Held {
+    pub(crate) id: String,
     chain: Vec<Vec<u8>>,
     key: bca::base::crypto::SigningKey,
 }
@@ -255,7 +255,7 @@ fn serial_of(chain_pem: &[String]) -> String {
     bca::proto::x509::parse_node_leaf(&der).unwrap().serial_hex
 }
 
-fn held(id: String, chain_pem: &[String], key: bca::base::crypto::SigningKey) -> Held {
+pub(crate) fn held(id: String, chain_pem: &[String], key: bca::base::crypto::SigningKey) -> Held {
     Held {
         id,
         chain: chain_pem
@@ -268,7 +268,10 @@ fn held(id: String, chain_pem: &[String], key: bca::base::crypto::SigningKey) ->
 
 /// One renewal of `n` over mTLS: the new certificate's serial and the node with its new key, or
 /// nothing (refused, or the appliance gone).
-fn renew(cfg: &bca::proto::agent_config::AgentConfig, n: &Held) -> Option<(String, Held)> {
+pub(crate) fn renew(
+    cfg: &bca::proto::agent_config::AgentConfig,
+    n: &Held,
+) -> Option<(String, Held)> {
     use bca::base::crypto;
     let key = crypto::SigningKey::generate();
     let csr = bca::proto::csr::create(&key);

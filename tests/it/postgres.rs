@@ -266,3 +266,114 @@ fn start_again(c: &Cluster) {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// `bca store migrate --to`: a populated SQLite appliance (tokens, nodes, certificates, a join
+/// request, events, audit) moves into an empty PostgreSQL database, every table row for row;
+/// its agents renew against it with nothing changed on their side. Refused while serving, and
+/// into a database that holds a site.
+#[test]
+fn a_sqlite_appliance_moves_to_postgres_and_its_agents_keep_renewing() {
+    let c = Cluster::shared();
+    let mut a = crate::discovery::appliance("always");
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, json!({"maxUses": 5}));
+    let sim = Sim::new(&a);
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let (raw, csr, key) = sim.join(&token, &machine());
+        let resp = serde_json::from_slice::<Reply>(&raw)
+            .unwrap()
+            .join_response
+            .unwrap();
+        let body = bca::agent::verify_response(&sim.cfg, &resp, &csr, &key, "node").unwrap();
+        held.push(crate::faults::held(
+            body.node_id,
+            &body.certificate_chain,
+            key,
+        ));
+    }
+    // A machine waiting for an approval.
+    let waiting = crate::crash::waiting_machine(&a, "52:54:00:ee:00:01");
+    let before: Vec<(String, i64)> = bca::store::maintenance::tables()
+        .unwrap()
+        .into_iter()
+        .map(|(t, _)| {
+            let n = a.count(&format!("SELECT count(*) FROM {t}"));
+            (t, n)
+        })
+        .collect();
+    assert!(
+        before.iter().filter(|(_, n)| *n > 0).count() >= 8,
+        "{before:?}"
+    );
+
+    // Refused while bca serve runs: nothing copied.
+    let url = c.new_database();
+    let o = a.cli(&["store", "migrate", "--to", &url]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("stop it first"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        psql(
+            c,
+            &url,
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'site'"
+        ),
+        "0"
+    );
+
+    a.stop();
+    // Refused into a database that holds a site.
+    let (_other, taken) = on_postgres(c);
+    let o = a.cli(&["store", "migrate", "--to", &taken]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("already holds a site"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(a.state().join("bca.db").exists());
+
+    let o = a.cli(&["store", "migrate", "--to", &url]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!a.state().join("bca.db").exists());
+    assert!(std::fs::read_dir(a.state()).unwrap().flatten().any(|e| e
+        .file_name()
+        .to_string_lossy()
+        .starts_with("bca.db.migrated-")));
+    for (t, n) in &before {
+        assert_eq!(
+            psql(c, &url, &format!("SELECT count(*) FROM {t}")),
+            n.to_string(),
+            "{t}"
+        );
+    }
+
+    // The appliance serves from PostgreSQL; its agents renew, the waiting machine is approved
+    // and joins, the token's last uses are spent there.
+    let (http, gw) = (a.http.clone(), a.gateway.clone());
+    a.serve_at(PASSPHRASE, &http, &gw);
+    for h in &held {
+        assert!(
+            crate::faults::renew(&sim.cfg, h).is_some(),
+            "{} could not renew after the move",
+            h.id
+        );
+    }
+    let root = a.root_tenant();
+    let intake = a.pool("intake");
+    a.api_ok(
+        "joinRequests/approve",
+        json!({"tenantId": root, "poolId": intake, "requestId": waiting.request}),
+    );
+    assert!(crate::crash::admitted_join(&sim, &waiting).is_some());
+    sim.admitted(&token, &machine());
+    assert_eq!(psql(c, &url, "SELECT count(*) FROM nodes"), "5");
+    assert_eq!(
+        psql(c, &url, "SELECT count(*) FROM node_certs"),
+        (before.iter().find(|(t, _)| t == "node_certs").unwrap().1 + 5).to_string()
+    );
+}
