@@ -68,6 +68,7 @@ fuzz:
 bench: build
 	BCA_BENCH_BIN=$(CURDIR)/$(STATIC) cargo bench --locked --bench storm
 	BCA_BENCH_BIN=$(CURDIR)/$(STATIC) cargo bench --locked --bench boot
+	BCA_BENCH_ENGINES=1 BENCH_JOINS=$${BENCH_ENGINE_JOINS:-5000} BCA_BENCH_BIN=$(CURDIR)/$(STATIC) cargo bench --locked --bench storm
 
 ## Install the static binary, the hardened unit, the sysusers.d entry, completions, the man page
 ## and /var/lib/bca (0700). Without DESTDIR it also creates the bca user and tells systemd; it never

@@ -118,6 +118,11 @@ fn start_serve_at(state: &Path, http: &str, gateway: &str) -> (Child, Value, Dur
 /// A fresh appliance; `privsep: false` serves the gateway in the one process, to measure what the
 /// boundary costs.
 fn appliance(name: &str, privsep: bool) -> Appliance {
+    appliance_with(name, privsep, &[])
+}
+
+/// [`appliance`], with more `bca init` arguments (`--store postgres://…`).
+fn appliance_with(name: &str, privsep: bool, init: &[&str]) -> Appliance {
     let dir = std::env::temp_dir().join(format!("bca-bench-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let state = dir.join("state");
@@ -133,6 +138,7 @@ fn appliance(name: &str, privsep: bool) -> Appliance {
             "--state-dir",
         ])
         .arg(&state)
+        .args(init)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -824,6 +830,62 @@ fn quick_storm(name: &str, privsep: bool, n: usize, conc: usize) -> f64 {
     rate
 }
 
+/// The same join storm through one appliance on SQLite (the reference) and one on PostgreSQL
+/// (a cluster started here, on a Unix socket, on this machine), in the same run: joins per
+/// second, the appliance's CPU per join, and the PostgreSQL server's own CPU per join.
+fn engines(n: usize, conc: usize) {
+    let cluster = bca::store::pg_cluster::Cluster::start().expect("PostgreSQL");
+    let postmaster: u32 = std::fs::read_to_string(cluster.dir.join("data/postmaster.pid"))
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let url = cluster.new_database();
+    let mut rates = Vec::new();
+    for (name, init) in [
+        ("sqlite", vec![]),
+        ("postgres", vec!["--store", url.as_str()]),
+    ] {
+        let mut a = appliance_with(&format!("engine-{name}"), true, &init);
+        let (cfg, machines) = prepare_machines(&a, n);
+        let rt = load_runtime();
+        let (cpu0, pg0) = (cpu_seconds(a.child.id()), cpu_seconds(postmaster));
+        let t = Instant::now();
+        let ok = join_storm(&rt, &cfg, &machines, conc)
+            .iter()
+            .filter(|r| r.1.is_some())
+            .count();
+        let wall = t.elapsed().as_secs_f64();
+        let (cpu, pg) = (
+            cpu_seconds(a.child.id()) - cpu0,
+            cpu_seconds(postmaster) - pg0,
+        );
+        let rate = ok as f64 / wall;
+        line(&format!("engine_{name}_joins"), rate, "joins/s");
+        line(
+            &format!("engine_{name}_appliance_cpu_per_join"),
+            cpu * 1000.0 / ok.max(1) as f64,
+            "ms",
+        );
+        if name == "postgres" {
+            line(
+                "engine_postgres_server_cpu_per_join",
+                pg * 1000.0 / ok.max(1) as f64,
+                "ms",
+            );
+        }
+        line(&format!("engine_{name}_failures"), (n - ok) as f64, "");
+        rates.push(rate);
+        let _ = a.child.kill();
+        let _ = a.child.wait();
+        let _ = std::fs::remove_dir_all(&a.dir);
+    }
+    line("engine_postgres_to_sqlite", rates[1] / rates[0], "");
+}
+
 /// A pool, tokens (10,000 uses each) and `n` machines prepared as real ones would be before the
 /// clock starts, with the agent configuration they join with.
 fn prepare_machines(a: &Appliance, n: usize) -> (Arc<AgentConfig>, Vec<Arc<Machine>>) {
@@ -988,6 +1050,12 @@ fn main() {
     }
     let joins = env("BENCH_JOINS", 20_000);
     let conc = env("BENCH_CONCURRENCY", 200);
+    if std::env::var_os("BCA_BENCH_ENGINES").is_some() {
+        println!("# bca engines bench: {joins} joins, {conc} concurrent, SQLite then PostgreSQL");
+        println!("{}", support::describe_bin());
+        engines(joins, conc);
+        return;
+    }
     // Each session is a file descriptor on both sides: the hard limit (20,000 on these machines,
     // not raisable without CAP_SYS_RESOURCE) bounds how many fit, less a margin for the rest.
     let sessions = env("BENCH_SESSIONS", 20_000)
