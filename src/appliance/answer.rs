@@ -49,23 +49,42 @@ pub async fn answer(app: &Arc<App>, a: Ask) -> Answer {
 
 fn answer_blocking(app: &Arc<App>, a: Ask) -> Answer {
     match a {
-        Ask::DhcpAddress { mac, discover } => Answer::Address {
+        Ask::DhcpAddress {
+            mac,
+            discover,
+            relay,
+        } => Answer::Address {
             ip: crate::proto::claims::loose_mac(&mac).and_then(|mac| {
-                crate::appliance::boot::address(app, &mac, discover, crate::base::clock::now())
+                crate::appliance::boot::address(
+                    app,
+                    &mac,
+                    discover,
+                    relay,
+                    crate::base::clock::now(),
+                )
             }),
         },
         Ask::BootLease {
             mac,
             ip,
+            relay,
             arch,
             stage,
             file,
         } => {
             let known = ["dhcp", "dhcp-ipxe"].contains(&stage.as_str());
             let ip = ip.filter(|i| i.parse::<std::net::IpAddr>().is_ok());
+            let relay = relay.filter(|i| i.parse::<std::net::Ipv4Addr>().is_ok());
             let file = file.filter(|f| f.len() <= 255 && !f.contains(['\0', '\n']));
             if let (Some(mac), true) = (crate::proto::claims::loose_mac(&mac), known) {
-                crate::appliance::boot::lease(app, &mac, ip, arch, &stage, file.as_deref());
+                crate::appliance::boot::lease(
+                    app,
+                    &mac,
+                    (ip, relay),
+                    arch,
+                    &stage,
+                    file.as_deref(),
+                );
             }
             Answer::Done
         }

@@ -31,13 +31,21 @@ fn script_root(app: &App) -> Result<ReadRoot, ScriptRefused> {
 pub fn lease(
     app: &App,
     mac: &str,
-    ip: Option<String>,
+    (ip, relay): (Option<String>, Option<String>),
     arch: Option<u16>,
     stage: &str,
     file: Option<&str>,
 ) -> Option<i64> {
     let now = crate::base::clock::now();
-    crate::store::boot::lease_insert(&app.store, (mac, ip.as_deref()), arch, stage, file, now).ok()
+    crate::store::boot::lease_insert(
+        &app.store,
+        (mac, ip.as_deref(), relay.as_deref()),
+        arch,
+        stage,
+        file,
+        now,
+    )
+    .ok()
 }
 
 /// A per-boot archive, once, and only to the address it was made for.
@@ -105,10 +113,12 @@ pub async fn script(
     let record = |stage: &'static str| {
         let (app2, mac2, ip) = (app.clone(), mac.to_string(), peer_ip.to_string());
         async move {
-            tokio::task::spawn_blocking(move || lease(&app2, &mac2, Some(ip), None, stage, None))
-                .await
-                .ok()
-                .flatten()
+            tokio::task::spawn_blocking(move || {
+                lease(&app2, &mac2, (Some(ip), None), None, stage, None)
+            })
+            .await
+            .ok()
+            .flatten()
         }
     };
     if !may_mint {
@@ -232,12 +242,13 @@ const OFFER_SECONDS: i64 = 60;
 /// An OFFER: the MAC's lease if it has one, else a free address reserved in memory for
 /// [`OFFER_SECONDS`]. Nothing is written: a rack's DISCOVER burst is answered at memory speed, and
 /// a machine that never asks again costs no disk write. The REQUEST makes it durable.
-fn offer(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
+fn offer(app: &App, mac: &str, relay: Option<Ipv4Addr>, now: i64) -> Option<Ipv4Addr> {
     let b = &app.config.boot;
+    let pool = b.pool_for(relay)?;
     let mut g = dhcp_state(app);
     let st = g.as_mut()?;
     st.offers.retain(|_, (_, t)| now - *t <= OFFER_SECONDS);
-    let ip = st.address_for(b, mac, now)?;
+    let ip = st.address_for(b, pool.range, mac, now)?;
     if !st.leases.contains_key(mac) {
         st.offers.insert(mac.to_string(), (ip, now));
     }
@@ -246,26 +257,35 @@ fn offer(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
 
 /// Full DHCP mode's address for a MAC: an OFFER's (`discover`) or a REQUEST's durable lease.
 /// `None` in proxy mode, where the site's DHCP server gives addresses.
-pub fn address(app: &App, mac: &str, discover: bool, now: i64) -> Option<Ipv4Addr> {
+/// `relay`: the listed relay that forwarded the packet, whose `[[boot.subnets]]` range the
+/// address comes from (`None`: the boot interface's own range).
+pub fn address(
+    app: &App,
+    mac: &str,
+    discover: bool,
+    relay: Option<Ipv4Addr>,
+    now: i64,
+) -> Option<Ipv4Addr> {
     if app.config.boot.mode != "dhcp" {
         return None;
     }
     if discover {
-        offer(app, mac, now)
+        offer(app, mac, relay, now)
     } else {
-        allocate(app, mac, now)
+        allocate(app, mac, relay, now)
     }
 }
 
 /// A REQUEST: the durable lease, committed before the ACK goes out, on the address offered to
 /// this MAC when it is still free.
-fn allocate(app: &App, mac: &str, now: i64) -> Option<Ipv4Addr> {
+fn allocate(app: &App, mac: &str, relay: Option<Ipv4Addr>, now: i64) -> Option<Ipv4Addr> {
     let b = &app.config.boot;
+    let pool = b.pool_for(relay)?;
     let until = now + b.lease_seconds as i64;
     // The state's lock is held across the commit: two REQUESTs never take one address.
     let mut g = dhcp_state(app);
     let st = g.as_mut()?;
-    let ip = st.address_for(b, mac, now)?;
+    let ip = st.address_for(b, pool.range, mac, now)?;
     let committed = crate::store::boot::dhcp_lease(&app.store, mac, &ip.to_string(), until);
     if let Err(e) = committed {
         tracing::error!(%mac, error = %e, "dhcp: the lease could not be committed; no ACK");

@@ -26,18 +26,22 @@ impl DhcpState {
         })
     }
 
-    /// The MAC's address: its lease's, else a free one (the one offered to it first).
+    /// The MAC's address in `range`: its lease's, else a free one (the one offered to it
+    /// first). A lease on another network (the machine moved behind another relay) gives way.
     pub(crate) fn address_for(
         &self,
         b: &crate::config::BootConfig,
+        range: (Ipv4Addr, Ipv4Addr),
         mac: &str,
         now: i64,
     ) -> Option<Ipv4Addr> {
-        if let Some((ip, _)) = self.leases.get(mac) {
+        let within =
+            |ip: &Ipv4Addr| (u32::from(range.0)..=u32::from(range.1)).contains(&u32::from(*ip));
+        if let Some((ip, _)) = self.leases.get(mac).filter(|(ip, _)| within(ip)) {
             return Some(*ip);
         }
-        let prefer = self.offers.get(mac).map(|(ip, _)| *ip);
-        let ip = self.free(b, mac, prefer, now);
+        let prefer = self.offers.get(mac).map(|(ip, _)| *ip).filter(within);
+        let ip = self.free(b, range, mac, prefer, now);
         if ip.is_none() {
             tracing::warn!(%mac, "dhcp: the range is exhausted");
         }
@@ -49,11 +53,12 @@ impl DhcpState {
     fn free(
         &self,
         b: &crate::config::BootConfig,
+        range: (Ipv4Addr, Ipv4Addr),
         mac: &str,
         prefer: Option<Ipv4Addr>,
         now: i64,
     ) -> Option<Ipv4Addr> {
-        let (start, end) = (u32::from(b.range_start?), u32::from(b.range_end?));
+        let (start, end) = (u32::from(range.0), u32::from(range.1));
         let used: HashSet<Ipv4Addr> = self
             .leases
             .iter()

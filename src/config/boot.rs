@@ -77,6 +77,61 @@ pub struct BootConfig {
     /// Per-boot archives waiting in all; when full, the busiest source's oldest gives way.
     #[serde(default = "default_max_archives")]
     pub max_waiting_archives: usize,
+    /// Full DHCP mode: provisioning networks behind a DHCP relay (`[[boot.subnets]]`), each
+    /// with the relay's address (the `giaddr` its packets carry, listed in `relays`) and its range.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub subnets: Vec<BootSubnet>,
+}
+
+/// A provisioning network behind a DHCP relay: full DHCP mode leases from `range_start` to
+/// `range_end` to the machines whose packets the relay at `relay` forwards, and answers the relay.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BootSubnet {
+    /// The relay's address on that network (the `giaddr` of the packets it forwards).
+    pub relay: Ipv4Addr,
+    pub range_start: Ipv4Addr,
+    pub range_end: Ipv4Addr,
+    pub netmask: Ipv4Addr,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<Ipv4Addr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dns: Vec<Ipv4Addr>,
+}
+
+/// Where full DHCP mode leases a client's address from, and what it tells the client.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AddressPool<'a> {
+    pub range: (Ipv4Addr, Ipv4Addr),
+    pub netmask: Option<Ipv4Addr>,
+    pub router: Option<Ipv4Addr>,
+    pub dns: &'a [Ipv4Addr],
+}
+
+impl BootConfig {
+    /// The pool of a client: the boot interface's own range for a packet no relay forwarded
+    /// (`relay` `None`), else the `[[boot.subnets]]` entry of that relay; `None` when there is
+    /// none.
+    pub fn pool_for(&self, relay: Option<Ipv4Addr>) -> Option<AddressPool<'_>> {
+        match relay {
+            None => Some(AddressPool {
+                range: (self.range_start?, self.range_end?),
+                netmask: self.netmask,
+                router: self.router,
+                dns: &self.dns,
+            }),
+            Some(r) => self
+                .subnets
+                .iter()
+                .find(|s| s.relay == r)
+                .map(|s| AddressPool {
+                    range: (s.range_start, s.range_end),
+                    netmask: Some(s.netmask),
+                    router: s.router,
+                    dns: &s.dns,
+                }),
+        }
+    }
 }
 
 fn default_true() -> bool {
@@ -141,8 +196,9 @@ impl BootConfig {
         if self.enabled
             && self.mode == "dhcp"
             && (self.range_start.is_none() || self.range_end.is_none())
+            && self.subnets.is_empty()
         {
-            return Err("boot.mode = \"dhcp\" needs boot.range_start and boot.range_end".into());
+            return Err("boot.mode = \"dhcp\" needs boot.range_start and boot.range_end (or [[boot.subnets]])".into());
         }
         if let (Some(a), Some(b)) = (self.range_start, self.range_end) {
             if u32::from(a) > u32::from(b) || u32::from(b) - u32::from(a) > 65_535 {
@@ -188,6 +244,131 @@ impl BootConfig {
         if !(16..=65_536).contains(&self.max_waiting_archives) {
             return Err("boot.max_waiting_archives must be 16 to 65536".into());
         }
+        self.validate_subnets()
+    }
+
+    fn validate_subnets(&self) -> Result<(), String> {
+        let mut ranges: Vec<(u32, u32, String)> = Vec::new();
+        if let (Some(a), Some(b)) = (self.range_start, self.range_end) {
+            ranges.push((
+                u32::from(a),
+                u32::from(b),
+                "boot.range_start..range_end".into(),
+            ));
+        }
+        for s in &self.subnets {
+            let name = format!("boot.subnets (relay {})", s.relay);
+            if !self.relays.contains(&s.relay) {
+                return Err(format!(
+                    "{name}: the relay must be listed in boot.relays (its packets are trusted only then)"
+                ));
+            }
+            let mask = u32::from(s.netmask);
+            if mask.leading_ones() + mask.trailing_zeros() != 32 || mask == 0 {
+                return Err(format!("{name}: netmask {} is not a netmask", s.netmask));
+            }
+            let (a, b) = (u32::from(s.range_start), u32::from(s.range_end));
+            let net = u32::from(s.relay) & mask;
+            if a > b || b - a > 65_535 {
+                return Err(format!("{name}: range_start must not be after range_end, and the range at most 65536 addresses"));
+            }
+            if a & mask != net || b & mask != net {
+                return Err(format!(
+                    "{name}: the range {}-{} is not on the relay's network {}/{}",
+                    s.range_start,
+                    s.range_end,
+                    Ipv4Addr::from(net),
+                    mask.leading_ones()
+                ));
+            }
+            if let Some((_, _, other)) = ranges.iter().find(|(x, y, _)| a <= *y && *x <= b) {
+                return Err(format!("{name}: its range overlaps {other}'s"));
+            }
+            ranges.push((a, b, name));
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod subnet_tests {
+    use super::*;
+
+    fn with(subnets: &str, relays: &str) -> Result<BootConfig, String> {
+        let c: BootConfig = toml::from_str(&format!(
+            "enabled = true\nmode = \"dhcp\"\nserver_ip = \"10.0.0.1\"\nrange_start = \"10.0.0.100\"\n\
+             range_end = \"10.0.0.200\"\nrelays = [{relays}]\n{subnets}"
+        ))
+        .map_err(|e| e.to_string())?;
+        c.validate().map(|_| c)
+    }
+
+    #[test]
+    fn a_relay_subnet_gives_its_own_range_and_settings() {
+        let c = with(
+            "[[subnets]]\nrelay = \"10.1.0.1\"\nrange_start = \"10.1.0.50\"\nrange_end = \"10.1.0.60\"\n\
+             netmask = \"255.255.255.0\"\nrouter = \"10.1.0.1\"\ndns = [\"10.1.0.2\"]\n",
+            "\"10.1.0.1\"",
+        )
+        .unwrap();
+        let own = c.pool_for(None).unwrap();
+        assert_eq!(
+            own.range,
+            ("10.0.0.100".parse().unwrap(), "10.0.0.200".parse().unwrap())
+        );
+        let relayed = c.pool_for(Some("10.1.0.1".parse().unwrap())).unwrap();
+        assert_eq!(
+            relayed.range,
+            ("10.1.0.50".parse().unwrap(), "10.1.0.60".parse().unwrap())
+        );
+        assert_eq!(relayed.netmask, Some("255.255.255.0".parse().unwrap()));
+        assert_eq!(relayed.router, Some("10.1.0.1".parse().unwrap()));
+        assert_eq!(relayed.dns, ["10.1.0.2".parse::<Ipv4Addr>().unwrap()]);
+        assert!(c.pool_for(Some("10.9.0.1".parse().unwrap())).is_none());
+    }
+
+    #[test]
+    fn a_bad_relay_subnet_is_refused_by_name() {
+        let subnet = |relay: &str, start: &str, end: &str, mask: &str| {
+            format!(
+                "[[subnets]]\nrelay = \"{relay}\"\nrange_start = \"{start}\"\nrange_end = \"{end}\"\nnetmask = \"{mask}\"\n"
+            )
+        };
+        for (subnets, relays, says) in [
+            (
+                subnet("10.1.0.1", "10.1.0.50", "10.1.0.60", "255.255.255.0"),
+                "",
+                "must be listed in boot.relays",
+            ),
+            (
+                subnet("10.1.0.1", "10.2.0.50", "10.2.0.60", "255.255.255.0"),
+                "\"10.1.0.1\"",
+                "not on the relay's network 10.1.0.0/24",
+            ),
+            (
+                subnet("10.1.0.1", "10.1.0.60", "10.1.0.50", "255.255.255.0"),
+                "\"10.1.0.1\"",
+                "must not be after",
+            ),
+            (
+                subnet("10.1.0.1", "10.1.0.50", "10.1.0.60", "255.0.255.0"),
+                "\"10.1.0.1\"",
+                "is not a netmask",
+            ),
+            (
+                subnet("10.0.0.1", "10.0.0.150", "10.0.0.250", "255.255.255.0"),
+                "\"10.0.0.1\"",
+                "overlaps boot.range_start..range_end",
+            ),
+            (
+                subnet("10.1.0.1", "10.1.0.50", "10.1.0.60", "255.255.0.0")
+                    + &subnet("10.1.0.2", "10.1.0.55", "10.1.0.70", "255.255.0.0"),
+                "\"10.1.0.1\", \"10.1.0.2\"",
+                "overlaps boot.subnets (relay 10.1.0.1)",
+            ),
+        ] {
+            let e = with(&subnets, relays).err().unwrap_or_default();
+            assert!(e.contains(says), "{subnets}: {e}");
+        }
     }
 }

@@ -36,11 +36,18 @@ pub enum Ask {
     DhcpAddress {
         mac: String,
         discover: bool,
+        /// The listed relay that forwarded the packet (its `giaddr`): the address comes from
+        /// that relay's `[[boot.subnets]]` range. `None`: the boot interface's own range.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        relay: Option<std::net::Ipv4Addr>,
     },
     /// Who booted what (a boot lease row).
     BootLease {
         mac: String,
         ip: Option<String>,
+        /// The relay that forwarded the client's packets (`giaddr`), when one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        relay: Option<String>,
         arch: Option<u16>,
         stage: String,
         file: Option<String>,

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 /// One boot lease row: who booted what, when. Returns its epoch.
 pub fn lease_insert(
     store: &Store,
-    (mac, ip): (&str, Option<&str>),
+    (mac, ip, relay): (&str, Option<&str>, Option<&str>),
     arch: Option<u16>,
     stage: &str,
     file: Option<&str>,
@@ -18,9 +18,9 @@ pub fn lease_insert(
     store.write(|tx| {
         Ok(crate::store::query_row(
             tx,
-            "INSERT INTO boot_leases (mac, ip, arch, stage, file, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+            "INSERT INTO boot_leases (mac, ip, arch, stage, file, created_at, relay) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
              RETURNING epoch",
-            params![mac, ip, arch, stage, file, now],
+            params![mac, ip, arch, stage, file, now, relay],
             |r| r.get(0),
         )?)
     })
@@ -36,7 +36,7 @@ pub fn leases(
 ) -> ApiResult<Vec<(i64, Value)>> {
     let rows = crate::store::query_all(
         tx,
-        "SELECT epoch, mac, ip, arch, stage, file, created_at FROM boot_leases
+        "SELECT epoch, mac, ip, arch, stage, file, created_at, relay FROM boot_leases
          WHERE epoch < ?1 AND (CAST(?2 AS TEXT) IS NULL OR mac = ?2) ORDER BY epoch DESC LIMIT ?3",
         params![before, mac, limit],
         |r| {
@@ -45,7 +45,7 @@ pub fn leases(
                 json!({
                     "epoch": r.get::<_, i64>(0)?, "mac": r.get::<_, String>(1)?, "ip": r.get::<_, Option<String>>(2)?,
                     "arch": r.get::<_, Option<i64>>(3)?, "stage": r.get::<_, String>(4)?, "file": r.get::<_, Option<String>>(5)?,
-                    "createdAt": rfc3339(r.get(6)?),
+                    "createdAt": rfc3339(r.get(6)?), "relay": r.get::<_, Option<String>>(7)?,
                 }),
             ))
         },

@@ -75,6 +75,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0009_provisioned",
         include_str!("../../migrations/0009_provisioned.sql"),
     ),
+    (
+        "0010_relays",
+        include_str!("../../migrations/0010_relays.sql"),
+    ),
 ];
 
 /// The engine under the store: SQLite (the embedded default) or PostgreSQL (a site that outgrew
@@ -122,6 +126,10 @@ pub const PG_MIGRATIONS: &[(&str, &str)] = &[
     (
         "0009_provisioned",
         include_str!("../../migrations/postgres/0009_provisioned.sql"),
+    ),
+    (
+        "0010_relays",
+        include_str!("../../migrations/postgres/0010_relays.sql"),
     ),
 ];
 

@@ -210,3 +210,102 @@ fn boot_files_are_read_beneath_the_boot_root_and_links_out_of_it_are_refused() {
         assert!(!line.contains("inside.bin"), "{line}");
     }
 }
+
+/// Full DHCP behind a relay (`[[boot.subnets]]`): a DISCOVER and a REQUEST the listed relay
+/// forwards (`giaddr`) get an address from the relay's subnet, with its netmask and router,
+/// answered to the relay's port 67 (the relay here is 127.0.0.1, which listens there); the boot
+/// lease records the relay. A packet naming a relay that is not listed gets nothing.
+#[test]
+fn a_relayed_discover_gets_an_address_from_the_relays_subnet_answered_to_the_relay() {
+    let (a, _, _) = boot_appliance_with("dhcp", true);
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let boot = text
+        .split("[boot]")
+        .nth(1)
+        .unwrap()
+        .split("\n[")
+        .next()
+        .unwrap();
+    let boot = format!(
+        "[boot]{boot}\nrelays = [\"127.0.0.1\"]\n\n[[boot.subnets]]\nrelay = \"127.0.0.1\"\n\
+         range_start = \"127.0.5.10\"\nrange_end = \"127.0.5.20\"\nnetmask = \"255.255.0.0\"\n\
+         router = \"127.0.0.1\"\n"
+    );
+    std::fs::write(&cfg, replace_table(&text, "boot", &boot)).unwrap();
+    let mut a = a;
+    a.restart();
+    // The relay: 127.0.0.1:67, where a relay's server answers go.
+    let relay = std::net::UdpSocket::bind("127.0.0.1:67").expect("port 67 (the tests run as root)");
+    relay
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let server = ("127.0.0.1", dhcp_port(&a));
+    let relayed = |kind: MessageType, giaddr: &str, ip: Option<std::net::Ipv4Addr>| {
+        let mut m = request(kind, 7);
+        m.set_giaddr(giaddr.parse::<std::net::Ipv4Addr>().unwrap());
+        if let Some(ip) = ip {
+            m.opts_mut().insert(DhcpOption::RequestedIpAddress(ip));
+        }
+        let mut buf = Vec::new();
+        m.encode(&mut Encoder::new(&mut buf)).unwrap();
+        buf
+    };
+    relay
+        .send_to(&relayed(MessageType::Discover, "127.0.0.1", None), server)
+        .unwrap();
+    let mut rb = [0u8; 1500];
+    let n = relay.recv(&mut rb).expect("the OFFER, sent to the relay");
+    let offer = Message::decode(&mut Decoder::new(&rb[..n])).unwrap();
+    assert_eq!(offer.opts().msg_type(), Some(MessageType::Offer));
+    let ip = offer.yiaddr();
+    assert!(
+        (u32::from("127.0.5.10".parse::<std::net::Ipv4Addr>().unwrap())
+            ..=u32::from("127.0.5.20".parse::<std::net::Ipv4Addr>().unwrap()))
+            .contains(&u32::from(ip)),
+        "{ip} is not from the relay's subnet"
+    );
+    assert_eq!(offer.giaddr().to_string(), "127.0.0.1");
+    assert!(matches!(
+        offer.opts().get(OptionCode::SubnetMask),
+        Some(DhcpOption::SubnetMask(m)) if m.to_string() == "255.255.0.0"
+    ));
+    relay
+        .send_to(
+            &relayed(MessageType::Request, "127.0.0.1", Some(ip)),
+            server,
+        )
+        .unwrap();
+    let n = relay.recv(&mut rb).expect("the ACK, sent to the relay");
+    let ack = Message::decode(&mut Decoder::new(&rb[..n])).unwrap();
+    assert_eq!(ack.opts().msg_type(), Some(MessageType::Ack));
+    assert_eq!(ack.yiaddr(), ip);
+    let leases = wait_for("the boot record", 5, || {
+        let l = a.cli_json(&["boot", "leases"]);
+        (!l["items"].as_array()?.is_empty()).then_some(l)
+    });
+    assert_eq!(leases["items"][0]["relay"], "127.0.0.1", "{leases}");
+    assert_eq!(leases["items"][0]["ip"], ip.to_string(), "{leases}");
+
+    // A relay nobody listed: no OFFER (counted on /metrics: no answer went out).
+    let answers = |a: &Appliance| {
+        let (_, body) = curl(a, "/metrics", "GET");
+        body.lines()
+            .find_map(|l| l.strip_prefix("bca_dhcp_answers_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(-1.0)
+    };
+    let before = answers(&a);
+    let mut m = request(MessageType::Discover, 7);
+    m.set_chaddr(&[0x52, 0x54, 0, 0xaa, 0xbb, 0xcd]);
+    m.set_giaddr("10.66.0.1".parse::<std::net::Ipv4Addr>().unwrap());
+    let mut buf = Vec::new();
+    m.encode(&mut Encoder::new(&mut buf)).unwrap();
+    relay.send_to(&buf, server).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        answers(&a),
+        before,
+        "a packet from an unlisted relay was answered"
+    );
+}

@@ -112,12 +112,20 @@ async fn answer(
             dhcproto::v4::MessageType::Discover
         ))
     );
+    // The relay that forwarded the packet: its `giaddr`, believed only from a listed relay (the
+    // packet's source and its `giaddr` both in `relays`); anyone could write a `giaddr`.
+    let relay = Some(req.giaddr()).filter(|g| !g.is_unspecified());
+    if !proxy && relay.is_some() && !counts_as_sighting(b, &req, how) {
+        tracing::debug!(%mac, giaddr = %req.giaddr(), "dhcp: relayed by no listed relay; no lease");
+        return None;
+    }
     let lease = if proxy {
         None
     } else {
         let ask = Ask::DhcpAddress {
             mac: mac.clone(),
             discover,
+            relay,
         };
         match edge.core.ask(ask).await {
             Answer::Address { ip } => ip,
@@ -142,14 +150,16 @@ async fn answer(
             .await;
     }
     let files = files(&edge.boot_root);
+    // The network's settings: the relay's subnet's, or the boot interface's own.
+    let pool = b.pool_for(relay);
     let ctx = ReplyCtx {
         server_ip: b.server_ip?,
         http_base,
         files: &files,
         lease,
-        netmask: b.netmask,
-        router: b.router,
-        dns: &b.dns,
+        netmask: pool.map_or(b.netmask, |p| p.netmask),
+        router: pool.map_or(b.router, |p| p.router),
+        dns: pool.map_or(&b.dns[..], |p| p.dns),
         lease_seconds: b.lease_seconds,
     };
     let reply = dhcp::reply(&req, proxy, port_4011, &ctx)?;
@@ -165,6 +175,7 @@ async fn answer(
         let ask = Ask::BootLease {
             mac: c.mac,
             ip: lease.map(|l| l.to_string()),
+            relay: relay.map(|r| r.to_string()),
             arch: Some(c.arch),
             stage: if c.ipxe { "dhcp-ipxe" } else { "dhcp" }.into(),
             file,
