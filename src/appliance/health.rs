@@ -92,7 +92,23 @@ pub fn disk(state_dir: &std::path::Path) -> (bool, Option<u64>, Option<String>) 
 /// `failing` (the database does not answer, the JoinService is gone, or the disk takes no write).
 pub fn report(app: &App) -> ApiResult<Value> {
     let now = crate::base::clock::now();
-    let db_ok = crate::store::maintenance::ping(&app.store);
+    let mut db_ok = crate::store::maintenance::ping(&app.store);
+    // On PostgreSQL: whether it takes writes (not a standby), its schema, its standbys.
+    let store = if app.store.engine() == "postgres" {
+        match crate::store::maintenance::pg_status(&app.store) {
+            Ok(st) => {
+                db_ok &= st.writable;
+                json!({"engine": "postgres", "writable": st.writable, "schemaVersion": st.schema_version,
+                       "standbys": st.standbys, "replayLagBytes": st.lag_bytes})
+            }
+            Err(e) => {
+                db_ok = false;
+                json!({"engine": "postgres", "problem": e.message})
+            }
+        }
+    } else {
+        json!({"engine": "sqlite"})
+    };
     let join_ok = app.join.get().is_some_and(|j| j.is_running());
     let (disk_ok, free, disk_problem) = disk(&app.site.state_dir);
     let m = crate::base::metrics::get();
@@ -108,6 +124,7 @@ pub fn report(app: &App) -> ApiResult<Value> {
         "status": status,
         "time": crate::base::clock::rfc3339(now),
         "database": db_ok,
+        "store": store,
         "joinService": join_ok,
         "disk": {"ok": disk_ok, "freeBytes": free, "problem": disk_problem},
         "sessions": app.sessions.len(),

@@ -96,6 +96,18 @@ fn an_appliance_on_postgres_admits_exactly_what_a_token_allows() {
     )
     .contains(&token));
 
+    // /healthz names the engine, and that it takes writes, and the schema.
+    let (code, body) = curl(&a, "/healthz", "GET");
+    assert_eq!(code, 200, "{body}");
+    let h: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(h["store"]["engine"], "postgres", "{h}");
+    assert_eq!(h["store"]["writable"], true, "{h}");
+    assert_eq!(
+        h["store"]["schemaVersion"],
+        bca::store::PG_MIGRATIONS.len() as i64,
+        "{h}"
+    );
+
     // The CLI reads the same site: the nodes, as the API lists them.
     let o = a.cli(&["nodes", "list", "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -217,6 +229,9 @@ fn the_database_gone_answers_unavailable_and_recovers_by_itself() {
     assert!(t.elapsed() < std::time::Duration::from_secs(30));
     let r: Reply = serde_json::from_slice(&raw).unwrap();
     assert!(r.join_response.is_none(), "admitted with no database");
+    let (code, body) = curl(&a, "/healthz", "GET");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("\"failing\""), "{body}");
     let e = a
         .api("pools/list", json!({"tenantId": root}))
         .expect_err("answered with no database");
