@@ -335,6 +335,7 @@ fn resolve_config(o: &JoinOptions) -> ApiResult<(AgentConfig, Vec<u8>, Option<St
         .ok_or_else(|| ApiError::invalid_config("the document has no gateway.url"))?;
     let cfg = AgentConfig {
         gateway_url: url.to_string(),
+        gateway_urls: Vec::new(),
         site: String::new(),
         serving_ca_spki_pin: pins.serving_ca.clone(),
         join_signing_key_pin: pins.join_signing.clone(),
@@ -732,12 +733,16 @@ pub fn exchange_raw(cfg: &AgentConfig, request: &[u8]) -> ApiResult<Vec<u8>> {
 pub type GatewayStream = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
 /// The gateway could not be reached or did not answer: `UNAVAILABLE`, worth a retry.
-fn unreachable(cfg: &AgentConfig, e: impl std::fmt::Display) -> ApiError {
+fn unreachable(url: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(
         Code::Unavailable,
-        format!("cannot reach the gateway {}: {e}", cfg.gateway_url),
+        format!("cannot reach the gateway {url}: {e}"),
     )
 }
+
+/// The gateway that answered last (an index into `AgentConfig::gateways`): the next connection
+/// tries it first, so an agent that failed over stays where it is until that one fails too.
+static LAST_GATEWAY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// A TLS connection to the gateway under the pinned serving CA, presenting `identity` (chain DER,
 /// key PKCS#8) for mTLS when given.
@@ -753,11 +758,40 @@ pub async fn connect(
 /// A connection under `tls`: one configuration kept for one identity holds the session ticket
 /// the gateway gave its last full handshake, so the next connection resumes (after an appliance
 /// restart too; see `tickets`).
+///
+/// With several gateways (`gateway_urls`), each is tried once, from the one that answered last:
+/// a gateway that cannot be reached, or fails the TLS handshake under the pinned serving CA, gives
+/// way to the next. The error is the last one's when none answers (the caller's backoff retries).
 pub async fn connect_with(
     cfg: &AgentConfig,
     tls: Arc<rustls::ClientConfig>,
 ) -> ApiResult<GatewayStream> {
-    let (host, port) = crate::base::net::host_port(&cfg.gateway_url)
+    let gateways = cfg.gateways();
+    let first = LAST_GATEWAY.load(std::sync::atomic::Ordering::Relaxed) % gateways.len();
+    let mut last = None;
+    for i in (0..gateways.len()).map(|k| (first + k) % gateways.len()) {
+        match connect_one(cfg, gateways[i], tls.clone()).await {
+            Ok(s) => {
+                LAST_GATEWAY.store(i, std::sync::atomic::Ordering::Relaxed);
+                return Ok(s);
+            }
+            Err(e) if e.code == Code::Unavailable => {
+                tracing::debug!(gateway = gateways[i], error = %e.message, "trying the next gateway");
+                last = Some(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| unreachable(&cfg.gateway_url, "no gateway")))
+}
+
+/// One gateway: TCP (10 s at most), then TLS under the pinned serving CA.
+async fn connect_one(
+    cfg: &AgentConfig,
+    url: &str,
+    tls: Arc<rustls::ClientConfig>,
+) -> ApiResult<GatewayStream> {
+    let (host, port) = crate::base::net::host_port(url)
         .ok_or_else(|| ApiError::invalid_config("gateway_url must be https://host[:port]"))?;
     let name = cfg.server_name.clone().unwrap_or(host.clone());
     let stream = tokio::time::timeout(
@@ -765,15 +799,15 @@ pub async fn connect_with(
         tokio::net::TcpStream::connect((host.as_str(), port)),
     )
     .await
-    .map_err(|_| unreachable(cfg, "timed out"))?
-    .map_err(|e| unreachable(cfg, e))?;
+    .map_err(|_| unreachable(url, "timed out"))?
+    .map_err(|e| unreachable(url, e))?;
     let _ = stream.set_nodelay(true);
     let server_name = rustls::pki_types::ServerName::try_from(name.clone())
         .map_err(|_| ApiError::invalid_config(format!("{name:?} is not a valid server name")))?;
     tokio_rustls::TlsConnector::from(tls)
         .connect(server_name, stream)
         .await
-        .map_err(|e| unreachable(cfg, format!("TLS: {e}")))
+        .map_err(|e| unreachable(url, format!("TLS: {e}")))
 }
 
 /// [`connect`] presenting the node's certificate chain and its key, wherever the key lives.
@@ -805,13 +839,16 @@ pub async fn roundtrip(
     s: &mut GatewayStream,
     request: &[u8],
 ) -> ApiResult<Vec<u8>> {
+    // The gateway this stream reached (the one that answered last).
+    let gateways = cfg.gateways();
+    let url = gateways[LAST_GATEWAY.load(std::sync::atomic::Ordering::Relaxed) % gateways.len()];
     protocol::write_frame(s, request)
         .await
-        .map_err(|e| unreachable(cfg, e))?;
+        .map_err(|e| unreachable(url, e))?;
     tokio::time::timeout(std::time::Duration::from_secs(60), protocol::read_frame(s))
         .await
-        .map_err(|_| unreachable(cfg, "no answer in 60 s"))?
-        .map_err(|e| unreachable(cfg, e))
+        .map_err(|_| unreachable(url, "no answer in 60 s"))?
+        .map_err(|e| unreachable(url, e))
 }
 
 /// The seed's checks, in its order: the signature under the pinned key, `csr_sha256`, that the

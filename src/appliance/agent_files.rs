@@ -8,17 +8,24 @@ use crate::proto::agent_config::AgentConfig;
 use std::path::Path;
 
 /// The agent configuration and the join-encryption JWK (JSON) for this appliance's site.
-pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(AgentConfig, String)> {
+/// `gateway_urls`: the site's gateways, the first dialled first (at least one).
+pub fn agent_config_for(
+    state_dir: &Path,
+    gateway_urls: &[String],
+) -> ApiResult<(AgentConfig, String)> {
     let cfg = crate::config::Config::load(state_dir).map_err(ApiError::invalid_config)?;
     let public =
         pki::PublicPki::load(&pki::pki_dir(state_dir)).map_err(ApiError::invalid_config)?;
     let pins = public.pins().map_err(ApiError::invalid_config)?;
-    if !crate::base::net::url_is_plain(gateway_url)
-        || crate::base::net::host_port(gateway_url).is_none()
-    {
-        return Err(ApiError::invalid_input(format!(
-            "--gateway-url {gateway_url:?} must be https://host[:port]"
-        )));
+    let Some(gateway_url) = gateway_urls.first() else {
+        return Err(ApiError::invalid_input("--gateway-url is required"));
+    };
+    for u in gateway_urls {
+        if !crate::base::net::url_is_plain(u) || crate::base::net::host_port(u).is_none() {
+            return Err(ApiError::invalid_input(format!(
+                "--gateway-url {u:?} must be https://host[:port]"
+            )));
+        }
     }
     // During a join-encryption overlap the agent gets the next key: the appliance accepts it from
     // the moment it is staged, and it stays good after the promotion.
@@ -28,6 +35,7 @@ pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(Agent
     };
     let agent = AgentConfig {
         gateway_url: gateway_url.to_string(),
+        gateway_urls: gateway_urls[1..].to_vec(),
         site: cfg.site_id,
         serving_ca_spki_pin: pins.serving_ca,
         join_signing_key_pin: pins.join_signing,
@@ -40,7 +48,7 @@ pub fn agent_config_for(state_dir: &Path, gateway_url: &str) -> ApiResult<(Agent
 }
 
 /// `bca daemon agent-config`: the agent's `config.toml` (0600) and `join-encryption.jwk` (0644).
-pub fn write_agent_config(state_dir: &Path, gateway_url: &str, out: &Path) -> ApiResult<()> {
-    let (agent, jwk) = agent_config_for(state_dir, gateway_url)?;
+pub fn write_agent_config(state_dir: &Path, gateway_urls: &[String], out: &Path) -> ApiResult<()> {
+    let (agent, jwk) = agent_config_for(state_dir, gateway_urls)?;
     write_agent_files(&agent, &jwk, out)
 }

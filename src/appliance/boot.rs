@@ -200,7 +200,7 @@ fn per_boot_archive(
         .gateway_url
         .clone()
         .ok_or("the appliance has no gateway_url: the ramdisk would not know where to join")?;
-    let (cfg, jwk) = crate::appliance::agent_files::agent_config_for(&app.state_dir, &gateway)
+    let (cfg, jwk) = crate::appliance::agent_files::agent_config_for(&app.state_dir, &[gateway])
         .map_err(|e| e.message)?;
     let boot = serde_json::json!({"mac": mac, "bootLeaseEpoch": epoch});
     let mut c = Cpio::new();

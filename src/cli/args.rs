@@ -537,9 +537,9 @@ pub enum DaemonCmd {
         pool: String,
         #[arg(long)]
         tenant: Option<String>,
-        /// The gateway URL agents dial.
-        #[arg(long)]
-        gateway_url: String,
+        /// The gateway URL agents dial; repeat for each appliance of the site (tried in turn).
+        #[arg(long, required = true)]
+        gateway_url: Vec<String>,
         /// Where the script downloads the agent: this appliance's HTTP URL.
         #[arg(long)]
         base_url: String,
@@ -566,8 +566,9 @@ pub enum DaemonCmd {
     /// Write an agent's config.toml (0600) and join-encryption.jwk (0644) into a new folder.
     #[command(name = "agent-config")]
     AgentConfig {
-        #[arg(long)]
-        gateway_url: String,
+        /// The gateway agents dial; repeat for each appliance of the site (tried in turn).
+        #[arg(long, required = true)]
+        gateway_url: Vec<String>,
         #[arg(long)]
         out: PathBuf,
     },

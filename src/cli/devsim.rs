@@ -131,7 +131,7 @@ fn simulate(o: &SimOptions, exe: &Path, dir: &Path) -> ApiResult<()> {
         let adir = dir.join("agents").join(format!("m{i}"));
         crate::appliance::agent_files::write_agent_config(
             &state,
-            &format!("https://{gateway}"),
+            &[format!("https://{gateway}")],
             &adir,
         )?;
         let claims = adir.join("claims.json");

@@ -11,7 +11,13 @@ use std::path::Path;
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
+    /// The gateway the agent dials first.
     pub gateway_url: String,
+    /// The site's other gateways (each appliance's), tried in turn when one cannot be reached
+    /// (`agent join` and `agent run` fail over to the next); the old single `gateway_url` alone
+    /// is still a whole configuration.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gateway_urls: Vec<String>,
     pub site: String,
     pub serving_ca_spki_pin: String,
     pub join_signing_key_pin: String,
@@ -54,13 +60,28 @@ impl AgentConfig {
                 )));
             }
         }
-        if crate::base::net::host_port(&c.gateway_url).is_none() {
+        if let Some(bad) = c
+            .gateways()
+            .into_iter()
+            .find(|u| crate::base::net::host_port(u).is_none())
+        {
             return Err(ApiError::invalid_config(format!(
-                "{}: gateway_url must be https://host[:port]",
+                "{}: gateway {bad:?} must be https://host[:port]",
                 path.display()
             )));
         }
         Ok(c)
+    }
+
+    /// Every gateway, in the order they are tried: `gateway_url`, then `gateway_urls` (each once).
+    pub fn gateways(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = vec![self.gateway_url.as_str()];
+        for u in &self.gateway_urls {
+            if !out.contains(&u.as_str()) {
+                out.push(u);
+            }
+        }
+        out
     }
 
     /// The join-encryption key beside the config, used only when its SPKI hash equals the pin.

@@ -983,3 +983,72 @@ fn a_hosted_reclaim_lowers_a_platform_node_unless_the_platform_operates_the_pool
     let node = a.cli_json(&["nodes", "get", &n3.node_id, "--tenant", &tenant]);
     assert_eq!(node["trust"], "tenant-controlled");
 }
+
+/// An agent with several gateways (`bca daemon agent-config --gateway-url` repeated) fails over:
+/// a gateway that refuses connections, then one that answers TLS under another site's serving CA
+/// (an impostor: its certificate fails the pin, so it is skipped, never trusted), then this
+/// site's. `agent join` joins through the third and `agent run` holds its session there.
+#[test]
+fn an_agent_fails_over_past_dead_and_impostor_gateways() {
+    let a = Appliance::start();
+    let other = Appliance::start();
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let pool = a.pool("p1");
+    let (_, token) = a.token(&pool, json!({"maxUses": 1}));
+    let dir = a.dir.path().join("agent-failover");
+    let urls = [
+        format!("https://127.0.0.1:{dead}"),
+        format!("https://{}", other.gateway),
+        format!("https://{}", a.gateway),
+    ];
+    let o = a.cli(&[
+        "daemon",
+        "agent-config",
+        "--gateway-url",
+        &urls[0],
+        "--gateway-url",
+        &urls[1],
+        "--gateway-url",
+        &urls[2],
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cfg = a.agent_config(&dir);
+    assert_eq!(cfg.gateway_url, urls[0]);
+    assert_eq!(cfg.gateway_urls, urls[1..]);
+    // A bad gateway among them is refused by name.
+    let o = a.cli(&[
+        "daemon",
+        "agent-config",
+        "--gateway-url",
+        &urls[2],
+        "--gateway-url",
+        "http://plain.example",
+        "--out",
+        a.dir.path().join("agent-bad").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr)
+            .contains("\"http://plain.example\" must be https://host[:port]"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!a.dir.path().join("agent-bad").exists());
+
+    let claims = write_claims(&a, &machine());
+    let o = agent_join(&dir, "data", &claims, &token, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(a.count("SELECT count(*) FROM nodes"), 1);
+    assert_eq!(other.count("SELECT count(*) FROM nodes"), 0);
+    let mut run = agent_run(&dir);
+    wait_for("the session on the third gateway", 30, || {
+        (connected(&a) == 1).then_some(())
+    });
+    let _ = run.kill();
+    let _ = run.wait();
+}
