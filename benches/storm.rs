@@ -922,7 +922,7 @@ fn prepare_machines_in(
     let adir = a.dir.join(format!("agent-{pool_name}"));
     bca::appliance::agent_files::write_agent_config(
         &a.dir.join("state"),
-        &format!("https://{}", a.gateway),
+        &[format!("https://{}", a.gateway)],
         &adir,
     )
     .unwrap();
