@@ -337,7 +337,12 @@ pub fn restore(file: &Path, state_dir: &Path) -> ApiResult<Manifest> {
         )));
     }
     // The config and the public PKI must load as `serve` will load them.
-    Config::load(staging.path()).map_err(ApiError::invalid_config)?;
+    let restored = Config::load(staging.path()).map_err(ApiError::invalid_config)?;
+    if let Some(url) = &restored.store.url {
+        eprintln!(
+            "this backup's config.toml names the PostgreSQL database {url}: one appliance serves it at a time (a second bca serve on it is refused); point [store] elsewhere for a copy of the site"
+        );
+    }
     crate::pki::PublicPki::load(&crate::pki::pki_dir(staging.path()))
         .map_err(ApiError::invalid_input)?;
     if existed {

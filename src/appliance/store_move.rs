@@ -28,13 +28,14 @@ pub fn migrate_to(state_dir: &Path, to: &StoreConfig, now: i64) -> ApiResult<Mov
             "--to names the PostgreSQL database to move to (postgres://USER@HOST[:PORT]/DB)",
         ));
     }
-    let socket = config.admin_socket_path(state_dir);
-    if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-        return Err(ApiError::invalid_state(format!(
-            "bca serve is running (its admin socket {} answers): stop it first, so that nothing is written during the copy",
-            socket.display()
-        )));
-    }
+    // Held for the whole move: no `bca serve` starts on this state directory meanwhile.
+    let _lock = crate::base::fsutil::serve_lock(state_dir)
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| {
+            ApiError::invalid_state(
+                "bca serve is running on this state directory (it holds serve.lock): stop it first, so that nothing is written during the copy",
+            )
+        })?;
     let db = state_dir.join("bca.db");
     let from = Store::open(&db, false).map_err(ApiError::invalid_state)?;
     let dest = Store::open_at(state_dir, to.at(), false).map_err(ApiError::unavailable)?;

@@ -177,8 +177,8 @@ pub struct InitArgs {
     #[arg(long, value_name = "LIST")]
     pub tpm_pcrs: Option<String>,
     /// Keep the site's state in PostgreSQL instead of the embedded SQLite file:
-    /// postgres://USER@HOST[:PORT]/DB (no password in it; a Unix socket's folder, percent-encoded,
-    /// or loopback). The database must hold no site yet.
+    /// postgres://USER@HOST[:PORT]/DB (no password in it; HOST is the Unix socket's folder, percent-encoded:
+    /// %2Frun%2Fpostgresql). The database must hold no site yet.
     #[arg(long, value_name = "URL")]
     pub store: Option<String>,
     /// With --store: the file holding the database user's password (mode 0600), kept by path in

@@ -213,21 +213,34 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
     let db = state_dir.join("bca.db");
     let newest = if let Some(url) = config.store.url.clone() {
         // PostgreSQL: reachable, writable (not a standby), its schema, its standbys.
-        match crate::store::Store::open_at(state_dir, config.store.at(), false)
+        match crate::store::Store::inspect_at(state_dir, config.store.at())
             .and_then(|s| crate::store::maintenance::pg_status(&s).map_err(|e| e.message))
         {
             Ok(st) => {
+                let current = st.schema_version as usize == crate::store::PG_MIGRATIONS.len();
                 r.line(
-                    if st.writable { Level::Ok } else { Level::Fail },
+                    if !st.writable || !current {
+                        Level::Fail
+                    } else {
+                        Level::Ok
+                    },
                     "database",
                     format!(
-                        "PostgreSQL {url}: reachable, {}, schema version {}, {} standby(s){}",
+                        "PostgreSQL {url}: reachable, {}, schema version {}{}, {} standby(s){}",
                         if st.writable {
                             "writable"
                         } else {
                             "read-only (a standby)"
                         },
                         st.schema_version,
+                        if current {
+                            String::new()
+                        } else {
+                            format!(
+                                " (this bca's is {}: bca serve migrates a primary)",
+                                crate::store::PG_MIGRATIONS.len()
+                            )
+                        },
                         st.standbys,
                         st.lag_bytes
                             .map(|b| format!(", replay lag {b} bytes"))

@@ -53,8 +53,11 @@ pub fn main() -> i32 {
 /// Logs go to stderr: `BCA_LOG` sets the filter (default `info`), `BCA_LOG_FORMAT=json` makes
 /// every line a JSON object (for journald and log shippers). No secret is ever logged.
 fn init_logging() {
+    // The PostgreSQL client logs every bound parameter (hashes, certificates, claims) at debug:
+    // never below warn, whatever BCA_LOG asks.
     let filter = tracing_subscriber::EnvFilter::try_from_env("BCA_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+        .add_directive("tokio_postgres=warn".parse().expect("a directive"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

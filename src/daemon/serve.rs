@@ -74,7 +74,16 @@ pub fn prepare_vault(
 }
 
 pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
+    // One `bca serve` per state directory (`bca store migrate` checks the same lock).
+    let _serving = crate::base::fsutil::serve_lock(state_dir)?.ok_or_else(|| {
+        format!(
+            "another bca serve runs on {} (it holds serve.lock)",
+            state_dir.display()
+        )
+    })?;
     let (app, keys, vault) = prepare_vault(state_dir, opts.tpm.as_deref())?;
+    // And one per PostgreSQL database: several appliances on one site are not supported yet.
+    app.store.claim_exclusive(&app.config.site_id)?;
     let rotator = Arc::new(crate::appliance::rotation::Rotator::new(vault));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -33,7 +33,9 @@ pub(crate) fn admit(
         return refused(reason, tenant);
     }
     let tenant = Some(token.tenant_id.as_str());
-    crate::store::tenancy::token_spend_use(tx, &token.id)?;
+    if !crate::store::tenancy::token_spend_use(tx, &token.id)? {
+        return refused(Reason::Exhausted, tenant);
+    }
     let pool = crate::store::tenancy::pool_by_id(tx, &token.pool_id)?;
     let known = match r
         .key

@@ -167,7 +167,9 @@ pub(crate) fn prepare_join(
     csr: &crate::proto::csr::VerifiedCsr,
 ) -> Result<TpmProof, Reason> {
     let ev = ev.ok_or(Reason::TpmMalformed)?;
-    if ev.challenge_id.is_empty() || ev.challenge_id.len() > 64 {
+    // Exactly the shape the appliance minted (`tpmc_` and 26 base32 characters): anything else
+    // (a NUL byte, which PostgreSQL refuses outright) never reaches the store.
+    if !crate::base::ids::is_id(&ev.challenge_id, "tpmc", 26) {
         return Err(Reason::TpmMalformed);
     }
     let nonce = zeroize::Zeroizing::new(field(&ev.credential)?);

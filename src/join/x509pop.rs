@@ -90,7 +90,9 @@ pub(crate) fn prepare_join(
         return Err(Reason::X509PopDisabled);
     }
     let ev = ev.ok_or(Reason::X509PopMalformed)?;
-    if ev.challenge_id.is_empty() || ev.challenge_id.len() > 64 {
+    // Exactly the shape the appliance minted (`x5pc_` and 26 base32 characters): anything else
+    // (a NUL byte, which PostgreSQL refuses outright) never reaches the store.
+    if !crate::base::ids::is_id(&ev.challenge_id, "x5pc", 26) {
         return Err(Reason::X509PopMalformed);
     }
     let challenge = crypto::b64_decode(&ev.challenge)

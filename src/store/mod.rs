@@ -289,6 +289,44 @@ impl Store {
         })
     }
 
+    /// The state directory's store as it is, for looking at it (`bca doctor`): PostgreSQL's schema
+    /// is read, never migrated (SQLite's file is opened as [`Store::open_at`] does).
+    pub fn inspect_at(
+        state_dir: &Path,
+        (url, password_file): (Option<&str>, Option<&Path>),
+    ) -> Result<Self, String> {
+        let Some(url) = url else {
+            return Self::open(&state_dir.join("bca.db"), false);
+        };
+        let password = match password_file {
+            Some(p) => Some(read_password_file(p)?),
+            None => None,
+        };
+        let conn = pg::PgConn::connect(pg::config(url, password.as_deref().map(|p| p.as_str()))?)?;
+        Ok(Self {
+            conn: Mutex::new(Conn::Postgres(conn)),
+        })
+    }
+
+    /// Makes this process the database's one writer (`bca serve`): on PostgreSQL, a session
+    /// advisory lock keyed by the site, held for the connection's life and taken again on every
+    /// new connection before anything else; refused while another appliance holds it. (A SQLite
+    /// file is one state directory's, which `serve.lock` guards.)
+    pub fn claim_exclusive(&self, site_id: &str) -> Result<(), String> {
+        let Conn::Postgres(p) = &*self.lock() else {
+            return Ok(());
+        };
+        let h = crate::base::crypto::sha256(format!("bca site {site_id}").as_bytes());
+        let key = i64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
+        match p.claim(key) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(format!(
+                "another appliance serves site {site_id} from this database (it holds the site's lock): one bca serve per database until several appliances are supported"
+            )),
+            Err(e) => Err(format!("cannot claim the store's database: {e}")),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Conn> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -429,6 +467,23 @@ fn pg_version(conn: &pg::PgConn) -> SqlResult<usize> {
 /// one after the other, and the second finds nothing left to do.
 fn migrate_postgres(conn: &pg::PgConn) -> Result<(), String> {
     let fail = |e: SqlError| format!("cannot migrate the store's database: {e}");
+    // A standby (in recovery) takes no DDL: its schema is the primary's, checked, not migrated.
+    let standby = conn
+        .query("SELECT pg_is_in_recovery()", Vec::new())
+        .map_err(fail)?
+        .first()
+        .and_then(|r| r.get::<_, bool>(0).ok())
+        .unwrap_or(false);
+    if standby {
+        let v = pg_version(conn).map_err(fail)?;
+        if v != PG_MIGRATIONS.len() {
+            return Err(format!(
+                "the database is a standby at schema version {v}, and this bca needs {}: migrate its primary",
+                PG_MIGRATIONS.len()
+            ));
+        }
+        return Ok(());
+    }
     loop {
         conn.begin(true).map_err(fail)?;
         let step = (|| -> SqlResult<Option<String>> {

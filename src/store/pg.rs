@@ -23,6 +23,8 @@ pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 enum Op {
+    /// Hold this session-level advisory lock now and on every new connection.
+    Exclusive(i64),
     Begin(&'static str),
     Commit,
     Rollback,
@@ -47,7 +49,11 @@ pub struct PgConn {
 }
 
 fn pg_err(e: tokio_postgres::Error) -> SqlError {
-    let unreachable = e.is_closed() || e.code().is_none();
+    // A value this side could not encode or decode is no fault of the connection.
+    let text = e.to_string();
+    let conversion =
+        text.starts_with("error serializing") || text.starts_with("error deserializing");
+    let unreachable = e.is_closed() || (e.code().is_none() && !conversion);
     let message = match e.as_db_error() {
         Some(db) => format!("{}: {}", db.code().code(), db.message()),
         None => e.to_string(),
@@ -94,12 +100,18 @@ pub fn dialect(sql: &str) -> String {
         .replace("LIMIT -1 OFFSET", "LIMIT ALL OFFSET")
 }
 
-/// Where and as whom to connect: `postgres://USER@HOST[:PORT]/DB` (a host that starts with `/`,
-/// percent-encoded, or `?host=/dir`, is a Unix socket's folder), and the password from a file.
+/// Where and as whom to connect: `postgres://USER@HOST[:PORT]/DB`, whose host is a Unix socket's
+/// folder (percent-encoded: `%2Frun%2Fpostgresql`), and the password from a file.
+///
+/// Only a Unix socket, in a folder other users cannot write: TLS to a database elsewhere is not
+/// built yet (a password never goes out in clear), and a TCP port on this box (loopback
+/// included) can be taken by any local user while PostgreSQL is down, who would then be sent the
+/// password and could answer as the database.
 pub fn config(url: &str, password: Option<&str>) -> Result<tokio_postgres::Config, String> {
-    let mut c: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e| format!("the store URL {url:?} is not a PostgreSQL URL: {e}"))?;
+    // The URL is never echoed: it may carry a password, which is refused below.
+    let mut c: tokio_postgres::Config = url.parse().map_err(|e| {
+        format!("the store URL is not a PostgreSQL URL (postgres://USER@HOST[:PORT]/DB): {e}")
+    })?;
     if c.get_password().is_some() {
         return Err(
             "the store URL carries a password: give it in --store-password-file instead".into(),
@@ -110,6 +122,17 @@ pub fn config(url: &str, password: Option<&str>) -> Result<tokio_postgres::Confi
     }
     if c.get_dbname().is_none() {
         return Err("the store URL names no database (postgres://USER@HOST/DB)".into());
+    }
+    let unix_only = !c.get_hosts().is_empty()
+        && c.get_hostaddrs().is_empty()
+        && c.get_hosts()
+            .iter()
+            .all(|h| matches!(h, tokio_postgres::config::Host::Unix(_)));
+    if !unix_only {
+        return Err("the store's database must be reached through its Unix socket on this box \
+             (postgres://USER@%2Frun%2Fpostgresql/DB): TLS to a database elsewhere is not built yet, \
+             and a TCP port, loopback included, can be taken by any local user while PostgreSQL is down"
+            .into());
     }
     if let Some(p) = password {
         c.password(p);
@@ -124,28 +147,33 @@ pub fn config(url: &str, password: Option<&str>) -> Result<tokio_postgres::Confi
     Ok(c)
 }
 
-/// Whether every host of the config is a Unix socket or loopback (no TLS needed to reach it).
-pub fn is_local(c: &tokio_postgres::Config) -> bool {
-    c.get_hosts().iter().all(|h| match h {
-        tokio_postgres::config::Host::Unix(_) => true,
-        tokio_postgres::config::Host::Tcp(name) => {
-            name == "localhost"
-                || name
-                    .parse::<std::net::IpAddr>()
-                    .is_ok_and(|ip| ip.is_loopback())
+/// The socket folders must not be writable by every user: in a folder anyone can write (`/tmp`),
+/// another user could put a socket of their own in PostgreSQL's place while it is down.
+pub fn check_socket_folders(c: &tokio_postgres::Config) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    for h in c.get_hosts() {
+        if let tokio_postgres::config::Host::Unix(dir) = h {
+            let mode = std::fs::metadata(dir)
+                .map_err(|e| format!("the store's socket folder {}: {e}", dir.display()))?
+                .permissions()
+                .mode();
+            if mode & 0o002 != 0 {
+                return Err(format!(
+                    "the store's socket folder {} is writable by other users (mode {:o}): another user could stand in for PostgreSQL there",
+                    dir.display(),
+                    mode & 0o7777
+                ));
+            }
         }
-    })
+    }
+    Ok(())
 }
 
 impl PgConn {
     /// Connects (once now, to say at once what is wrong, and again by itself whenever the
     /// connection was lost).
     pub fn connect(config: tokio_postgres::Config) -> Result<Self, String> {
-        if !is_local(&config) {
-            return Err("the store's database is not on this box (a Unix socket or loopback): \
-                 TLS to a remote PostgreSQL is not built yet, and bca never sends a password in clear"
-                .into());
-        }
+        check_socket_folders(&config)?;
         let (jobs, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
         std::thread::Builder::new()
@@ -165,6 +193,16 @@ impl PgConn {
             .map_err(|_| unreachable("the database thread ended"))?;
         rx.recv()
             .map_err(|_| unreachable("the database thread ended"))?
+    }
+
+    /// Claims the database for this process alone: the session-level advisory lock `key`, held
+    /// for the connection's life and taken again on every new connection before anything else.
+    /// `false` when another session holds it.
+    pub fn claim(&self, key: i64) -> SqlResult<bool> {
+        match self.call(Op::Exclusive(key))? {
+            Answer::Done(n) => Ok(n == 1),
+            Answer::Rows(_) => Ok(false),
+        }
     }
 
     pub fn begin(&self, write: bool) -> SqlResult<()> {
@@ -206,11 +244,33 @@ struct Link {
     prepared: HashMap<String, tokio_postgres::Statement>,
     /// Inside a transaction: whether it is still on the connection it began on.
     in_tx: Option<bool>,
+    /// A statement of the open transaction failed: its COMMIT must fail too (PostgreSQL would
+    /// answer an aborted transaction's COMMIT with a ROLLBACK, which looks like success).
+    tx_failed: bool,
+    /// The session-level advisory lock this connection must hold (`bca serve`'s claim to be the
+    /// database's one writer), taken again on every new connection before anything else.
+    exclusive: Option<i64>,
+}
+
+/// Errors PostgreSQL gives when a deadline passed or a lock could not be had in time: the
+/// database is busy, not the request wrong (`UNAVAILABLE`, worth a retry).
+fn busy(e: &SqlError) -> bool {
+    matches!(e, SqlError::Postgres { message, .. }
+        if message.starts_with("57014:") || message.starts_with("55P03:") || message.starts_with("40001:") || message.starts_with("40P01:"))
 }
 
 impl Link {
+    /// The connection, made again when it was lost; never inside a transaction (a statement of a
+    /// transaction goes on the connection the transaction began on, or nowhere).
     async fn client(&mut self) -> SqlResult<&tokio_postgres::Client> {
-        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+        let closed = self.client.as_ref().is_none_or(|c| c.is_closed());
+        if closed && self.in_tx.is_some() {
+            self.in_tx = Some(false);
+            return Err(unreachable(
+                "the connection to the database was lost inside a transaction",
+            ));
+        }
+        if closed {
             self.prepared.clear();
             self.client = None;
             let (client, conn) = self
@@ -221,6 +281,19 @@ impl Link {
             tokio::spawn(async move {
                 let _ = conn.await;
             });
+            if let Some(key) = self.exclusive {
+                let held: bool = client
+                    .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+                    .await
+                    .map_err(pg_err)?
+                    .get(0);
+                if !held {
+                    return Err(SqlError::Postgres {
+                        message: "another appliance serves this site's database (it holds the site's lock): one bca serve per database".into(),
+                        unreachable: true,
+                    });
+                }
+            }
             self.client = Some(client);
         }
         Ok(self.client.as_ref().expect("connected"))
@@ -237,26 +310,75 @@ impl Link {
     }
 
     async fn run(&mut self, op: Op) -> SqlResult<Answer> {
+        let in_tx = self.in_tx.is_some();
+        let out = self.run_op(op).await;
+        if in_tx && self.in_tx.is_some() && out.is_err() {
+            self.tx_failed = true;
+        }
+        out.map_err(|e| match e {
+            SqlError::Postgres { message, .. }
+                if busy(&SqlError::Postgres {
+                    message: message.clone(),
+                    unreachable: false,
+                }) =>
+            {
+                SqlError::Postgres {
+                    message,
+                    unreachable: true,
+                }
+            }
+            e => e,
+        })
+    }
+
+    async fn run_op(&mut self, op: Op) -> SqlResult<Answer> {
         // A transaction whose connection was lost fails until it is rolled back.
         if self.in_tx == Some(false) && !matches!(op, Op::Rollback) {
             return Err(unreachable(
                 "the connection to the database was lost inside a transaction",
             ));
         }
-        if self.in_tx == Some(true) && self.client.as_ref().is_none_or(|c| c.is_closed()) {
-            self.in_tx = Some(false);
-            if !matches!(op, Op::Rollback) {
-                return Err(unreachable("the connection to the database was lost"));
-            }
-        }
         match op {
+            Op::Exclusive(key) => {
+                self.exclusive = Some(key);
+                let held: bool = self
+                    .client()
+                    .await?
+                    .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+                    .await
+                    .map_err(pg_err)?
+                    .get(0);
+                if held {
+                    Ok(Answer::Done(1))
+                } else {
+                    Ok(Answer::Done(0))
+                }
+            }
             Op::Begin(sql) => {
-                let r = self
+                self.tx_failed = false;
+                let mut r = self
                     .client()
                     .await?
                     .batch_execute(sql)
                     .await
                     .map_err(pg_err);
+                if matches!(
+                    &r,
+                    Err(SqlError::Postgres {
+                        unreachable: true,
+                        ..
+                    })
+                ) {
+                    // The connection died while idle (a restart of PostgreSQL): nothing was
+                    // begun on it; once more on a new one.
+                    self.client = None;
+                    r = self
+                        .client()
+                        .await?
+                        .batch_execute(sql)
+                        .await
+                        .map_err(pg_err);
+                }
                 if r.is_ok() {
                     self.in_tx = Some(true);
                 }
@@ -268,14 +390,32 @@ impl Link {
                     .client
                     .as_ref()
                     .ok_or_else(|| unreachable("no connection"))?;
+                if std::mem::take(&mut self.tx_failed) {
+                    let _ = c.batch_execute("ROLLBACK").await;
+                    return Err(SqlError::Postgres {
+                        message: "a statement of the transaction failed: rolled back".into(),
+                        unreachable: false,
+                    });
+                }
                 c.batch_execute("COMMIT")
                     .await
                     .map(|_| Answer::Done(0))
-                    .map_err(pg_err)
+                    .map_err(|e| {
+                        // The COMMIT was sent: whether it took is not known.
+                        let e = pg_err(e);
+                        match e {
+                            SqlError::Postgres { unreachable: true, message } => SqlError::Postgres {
+                                message: format!("the database did not confirm the commit ({message}): whether it was written is not known"),
+                                unreachable: true,
+                            },
+                            e => e,
+                        }
+                    })
             }
             Op::Rollback => {
                 let live = self.in_tx == Some(true);
                 self.in_tx = None;
+                self.tx_failed = false;
                 match self.client.as_ref().filter(|c| live && !c.is_closed()) {
                     Some(c) => {
                         let _ = c.batch_execute("ROLLBACK").await;
@@ -343,6 +483,8 @@ fn worker(
         client: None,
         prepared: HashMap::new(),
         in_tx: None,
+        tx_failed: false,
+        exclusive: None,
     };
     let first = rt.block_on(async { link.client().await.map(|_| ()) });
     if let Err(e) = first {
@@ -383,9 +525,11 @@ impl ToSql for Value {
                 Type::INT4 => i32::try_from(*i)?.to_sql(ty, out),
                 Type::INT2 => i16::try_from(*i)?.to_sql(ty, out),
                 Type::BOOL => (*i != 0).to_sql(ty, out),
-                Type::TEXT | Type::VARCHAR => i.to_string().as_str().to_sql(ty, out),
                 _ => Err(format!("an integer cannot be bound to {ty}").into()),
             },
+            // PostgreSQL refuses a NUL in text and aborts the whole transaction for it: refused
+            // here, before it is sent, the transaction goes on (SQLite stores it).
+            Value::Text(s) if s.contains('\0') => Err("text with a NUL byte".into()),
             Value::Text(s) => match *ty {
                 Type::INT8 => s.parse::<i64>()?.to_sql(ty, out),
                 Type::JSON => {
@@ -397,9 +541,15 @@ impl ToSql for Value {
                     out.extend_from_slice(s.as_bytes());
                     Ok(IsNull::No)
                 }
-                _ => s.as_str().to_sql(ty, out),
+                Type::TEXT | Type::VARCHAR | Type::BPCHAR | Type::NAME | Type::UNKNOWN => {
+                    s.as_str().to_sql(ty, out)
+                }
+                _ => Err(format!("text cannot be bound to {ty}").into()),
             },
-            Value::Blob(b) => b.as_slice().to_sql(ty, out),
+            Value::Blob(b) => match *ty {
+                Type::BYTEA => b.as_slice().to_sql(ty, out),
+                _ => Err(format!("bytes cannot be bound to {ty}").into()),
+            },
         }
     }
 
@@ -465,9 +615,26 @@ mod tests {
             assert!(e.contains(says), "{url}: {e}");
             assert!(!e.contains("secret"), "{e}");
         }
-        let c = config("postgres://bca@127.0.0.1:5433/site", Some("pw")).unwrap();
-        assert!(is_local(&c));
-        let c = config("postgres://bca@db.example/site", None).unwrap();
-        assert!(!is_local(&c));
+        // Only a Unix socket: a TCP host (loopback too), a hostaddr, no host at all.
+        for url in [
+            "postgres://bca@127.0.0.1:5433/site",
+            "postgres://bca@localhost/site",
+            "postgres://bca@db.example/site",
+            "postgres://bca@%2Frun%2Fpostgresql/site?hostaddr=192.0.2.2",
+            "postgres://bca@/site?hostaddr=192.0.2.2&port=5432",
+        ] {
+            let e = config(url, Some("pw")).err().unwrap_or_default();
+            assert!(e.contains("through its Unix socket"), "{url}: {e}");
+        }
+        assert!(config("postgres://bca@%2Frun%2Fpostgresql:5433/site", Some("pw")).is_ok());
+        // A URL that does not parse is never echoed (it may hold a password).
+        for url in [
+            "postgres://bca:s3cretPW@localhost:99999/bca",
+            "postgres://bca@localhost/bca?password=s3cretPW&port=x",
+            "host=localhost password=s3cretPW port=x",
+        ] {
+            let e = config(url, None).err().unwrap_or_default();
+            assert!(!e.is_empty() && !e.contains("s3cretPW"), "{e}");
+        }
     }
 }

@@ -61,6 +61,9 @@ impl Cluster {
         crate::base::crypto::fill_random(&mut r);
         let dir = std::env::temp_dir().join(format!("bca-pg-{}", crate::base::crypto::hex(&r)));
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        // The cluster trusts whoever reaches its socket: the folder is its owner's alone.
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(|e| e.to_string())?;
         if is_root() {
             let o = Command::new("chown")
                 .arg("postgres:postgres")
@@ -96,7 +99,7 @@ impl Cluster {
         // The server, and beside it a watchdog that stops it once this process is gone.
         let script = format!(
             "'{postgres}' -D '{data}' -k '{dir}' -p {port} -c listen_addresses='' -c fsync=on \
-             -c max_connections=200 -c shared_buffers=32MB >'{dir}/log' 2>&1 & \
+             -c max_connections=200 -c shared_buffers=32MB -c unix_socket_permissions=0700 >'{dir}/log' 2>&1 & \
              while [ -d /proc/{me} ]; do sleep 1; done; \
              '{pg_ctl}' -D '{data}' -m immediate stop >/dev/null 2>&1; rm -rf '{dir}'",
             postgres = bin("postgres").display(),

@@ -60,10 +60,17 @@ impl From<SqlError> for ApiError {
         match e {
             SqlError::Sqlite(e) => e.into(),
             SqlError::Postgres {
+                unreachable: true,
+                message,
+            } if message.contains("is not known") => ApiError::new(
+                Code::Unavailable,
+                "the database did not confirm the commit: whether it was written is not known; the appliance reconnects by itself",
+            ),
+            SqlError::Postgres {
                 unreachable: true, ..
             } => ApiError::new(
                 Code::Unavailable,
-                "the database is unreachable: nothing was written; the appliance reconnects by itself",
+                "the database is unreachable or busy: nothing was written; the appliance reconnects by itself",
             ),
             e => ApiError::internal(e.to_string()),
         }
@@ -219,7 +226,13 @@ impl RowIndex for i32 {
 impl Row {
     pub fn get<I: RowIndex, T: FromValue>(&self, i: I) -> SqlResult<T> {
         let i = i.index();
-        T::from_value(self.0.get(i).unwrap_or(&Value::Null), i)
+        match self.0.get(i) {
+            Some(v) => T::from_value(v, i),
+            None => Err(SqlError::Type {
+                col: i,
+                want: "a column of the row",
+            }),
+        }
     }
 }
 

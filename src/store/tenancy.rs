@@ -125,14 +125,14 @@ pub fn token_by_id(tx: &Tx<'_>, id: &str) -> ApiResult<Option<TokenRow>> {
     .optional()?)
 }
 
-/// One use of a token consumed (none when none is left).
-pub fn token_spend_use(tx: &Tx<'_>, id: &str) -> ApiResult<()> {
-    crate::store::exec(
+/// One use of a token consumed: `false` when none was left to spend (another writer spent the
+/// last one since the token was read: the join is refused, never admitted on a use it did not get).
+pub fn token_spend_use(tx: &Tx<'_>, id: &str) -> ApiResult<bool> {
+    Ok(crate::store::exec(
         tx,
         "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ?1 AND uses_left > 0",
         [id],
-    )?;
-    Ok(())
+    )? == 1)
 }
 
 /// The id of the tenant with this name.

@@ -77,8 +77,9 @@ pub struct Challenge {
 
 /// Takes a challenge: read and deleted (spent means gone), or `None`.
 pub fn take_challenge(tx: &Tx<'_>, id: &str) -> ApiResult<Option<Challenge>> {
-    let row = crate::store::query_row(tx,
-            "SELECT ek_sha256, ak_name, secret_sha256, expires_at, ek_certified FROM tpm_challenges WHERE id = ?1",
+    // One statement: a challenge two writers race for is taken by one of them only.
+    Ok(crate::store::query_row(tx,
+            "DELETE FROM tpm_challenges WHERE id = ?1 RETURNING ek_sha256, ak_name, secret_sha256, expires_at, ek_certified",
             [id],
             |x| Ok(Challenge {
                 ek_sha256: x.get(0)?,
@@ -88,11 +89,7 @@ pub fn take_challenge(tx: &Tx<'_>, id: &str) -> ApiResult<Option<Challenge>> {
                 ek_certified: x.get::<_, i64>(4)? == 1,
             }),
         )
-        .optional()?;
-    if row.is_some() {
-        crate::store::exec(tx, "DELETE FROM tpm_challenges WHERE id = ?1", [id])?;
-    }
-    Ok(row)
+        .optional()?)
 }
 
 /// The pool an allow-listed EK joins.

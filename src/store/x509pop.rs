@@ -24,15 +24,12 @@ pub fn insert_challenge(
 
 /// Takes a challenge: read and deleted (spent means gone). `(secret_sha256, expires_at)`.
 pub fn take_challenge(tx: &Tx<'_>, id: &str) -> ApiResult<Option<(Vec<u8>, i64)>> {
-    let row = crate::store::query_row(
+    // One statement: a challenge two writers race for is taken by one of them only.
+    Ok(crate::store::query_row(
         tx,
-        "SELECT secret_sha256, expires_at FROM x509pop_challenges WHERE id = ?1",
+        "DELETE FROM x509pop_challenges WHERE id = ?1 RETURNING secret_sha256, expires_at",
         [id],
         |x| Ok((x.get(0)?, x.get(1)?)),
     )
-    .optional()?;
-    if row.is_some() {
-        crate::store::exec(tx, "DELETE FROM x509pop_challenges WHERE id = ?1", [id])?;
-    }
-    Ok(row)
+    .optional()?)
 }

@@ -151,7 +151,25 @@ fn a_bad_store_is_refused_before_anything_is_made() {
                 "--store".into(),
                 "postgres://bca@db.example.net/site".into(),
             ],
-            "not on this box",
+            "through its Unix socket",
+        ),
+        (
+            vec![
+                "--store".into(),
+                "postgres://bca@127.0.0.1:5432/site".into(),
+            ],
+            "through its Unix socket",
+        ),
+        (
+            vec!["--store".into(), format!("{url}?hostaddr=192.0.2.2")],
+            "through its Unix socket",
+        ),
+        (
+            vec![
+                "--store".into(),
+                "postgres://bca:secret-pw@localhost:99999/site".into(),
+            ],
+            "not a PostgreSQL URL",
         ),
         (
             vec!["--store".into(), c.url("no_such_database")],
@@ -390,5 +408,71 @@ fn a_sqlite_appliance_moves_to_postgres_and_its_agents_keep_renewing() {
     assert_eq!(
         psql(c, &url, "SELECT count(*) FROM node_certs"),
         (before.iter().find(|(t, _)| t == "node_certs").unwrap().1 + 5).to_string()
+    );
+}
+
+/// One appliance per database until several are supported: a copy of a PostgreSQL appliance's
+/// state directory (a restored backup, say) cannot serve the same database beside it, so no
+/// token is spent by two writers at once; and one `bca serve` per state directory.
+#[test]
+fn a_second_appliance_on_one_database_is_refused() {
+    let c = Cluster::shared();
+    let (a, url) = on_postgres(c);
+    let copy = a.dir.path().join("copy");
+    let o = Command::new("cp")
+        .arg("-a")
+        .arg(a.state())
+        .arg(&copy)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let _ = std::fs::remove_file(copy.join("admin.sock"));
+    let o = Command::new(bin())
+        .args([
+            "serve",
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
+        .arg("--admin-socket")
+        .arg(copy.join("admin.sock"))
+        .arg("--state-dir")
+        .arg(&copy)
+        .env("BCA_SECRET", PASSPHRASE)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("another appliance serves site"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // The first still serves, and nothing was written by the second.
+    let pool = a.pool("p1");
+    assert!(!pool.is_empty());
+    assert_eq!(psql(c, &url, "SELECT count(*) FROM pools"), "1");
+
+    // A second serve on the same state directory: refused by its lock, whatever its sockets.
+    let o = Command::new(bin())
+        .args([
+            "serve",
+            "--listen-http",
+            "127.0.0.1:0",
+            "--listen-gateway",
+            "127.0.0.1:0",
+        ])
+        .arg("--admin-socket")
+        .arg(a.dir.path().join("other.sock"))
+        .arg("--state-dir")
+        .arg(a.state())
+        .env("BCA_SECRET", PASSPHRASE)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("holds serve.lock"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
     );
 }
