@@ -33,7 +33,7 @@ pub fn migrate_to(state_dir: &Path, to: &StoreConfig, now: i64) -> ApiResult<Mov
         .map_err(ApiError::internal)?
         .ok_or_else(|| {
             ApiError::invalid_state(
-                "bca serve is running on this state directory (it holds serve.lock): stop it first, so that nothing is written during the copy",
+                "bca serve is running on this state directory (it holds the state directory's lock): stop it first, so that nothing is written during the copy",
             )
         })?;
     let db = state_dir.join("bca.db");

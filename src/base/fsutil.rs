@@ -200,19 +200,13 @@ pub fn links_out(root: &Path) -> Vec<(String, String)> {
     out
 }
 
-/// The state directory's serve lock (`<state-dir>/serve.lock`, an exclusive `flock` held for as
-/// long as the returned guard lives): one `bca serve` per state directory, and `bca store migrate`
-/// never copies under a running one (whatever admin socket it was given). `None` when another
-/// process holds it.
+/// The state directory's serve lock (an exclusive `flock` on the directory itself, held for as
+/// long as the returned guard lives; no file is made): one `bca serve` per state directory, and
+/// `bca store migrate` never copies under a running one (whatever admin socket it was given).
+/// `None` when another process holds it.
 pub fn serve_lock(state_dir: &Path) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, String> {
-    let p = state_dir.join("serve.lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(&p)
-        .map_err(|e| format!("cannot open {}: {e}", p.display()))?;
+    let p = state_dir;
+    let f = std::fs::File::open(p).map_err(|e| format!("cannot open {}: {e}", p.display()))?;
     match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(l) => Ok(Some(l)),
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),

@@ -77,7 +77,7 @@ pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
     // One `bca serve` per state directory (`bca store migrate` checks the same lock).
     let _serving = crate::base::fsutil::serve_lock(state_dir)?.ok_or_else(|| {
         format!(
-            "another bca serve runs on {} (it holds serve.lock)",
+            "another bca serve runs on {} (it holds the state directory's lock)",
             state_dir.display()
         )
     })?;

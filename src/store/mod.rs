@@ -311,7 +311,7 @@ impl Store {
     /// Makes this process the database's one writer (`bca serve`): on PostgreSQL, a session
     /// advisory lock keyed by the site, held for the connection's life and taken again on every
     /// new connection before anything else; refused while another appliance holds it. (A SQLite
-    /// file is one state directory's, which `serve.lock` guards.)
+    /// file is one state directory's, which `bca serve` locks.)
     pub fn claim_exclusive(&self, site_id: &str) -> Result<(), String> {
         let Conn::Postgres(p) = &*self.lock() else {
             return Ok(());

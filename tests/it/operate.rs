@@ -737,7 +737,7 @@ fn a_backup_taken_while_serving_restores_and_admits() {
 
 #[test]
 fn a_backup_of_file_keys_seals_them() {
-    let a = Appliance::start();
+    let mut a = Appliance::start();
     let file = a.dir.path().join("site.bcab");
     let o = backup_with_passphrase(&a, &file);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -754,6 +754,8 @@ fn a_backup_of_file_keys_seals_them() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let cfg = std::fs::read_to_string(b.state().join("config.toml")).unwrap();
     assert!(cfg.contains("key_protection = \"passphrase\""), "{cfg}");
+    // The restored box takes over (on PostgreSQL both would name one database: one serves it).
+    a.stop();
     b.serve(PASSPHRASE);
     assert_eq!(b.cli_json(&["health"])["status"], "ok");
     // Without a passphrase the file-key backup refuses (no prompt without a terminal).

@@ -471,7 +471,7 @@ fn a_second_appliance_on_one_database_is_refused() {
         .unwrap();
     assert!(!o.status.success());
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("holds serve.lock"),
+        String::from_utf8_lossy(&o.stderr).contains("holds the state directory's lock"),
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );

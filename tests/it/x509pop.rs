@@ -400,9 +400,21 @@ fn an_expired_node_comes_back_by_x509pop_and_every_bad_claim_is_refused() {
         &wrong_pop.leaf,
         &wrong_pop.key,
         &wrong_pop.id,
-        &("x5pc_nope".into(), vec![7; 32]),
+        &("x5pc_00000000000000000000000000".into(), vec![7; 32]),
     );
     assert_refused(&a, &raw, "x509pop:challenge", &root, &before);
+    // An id of another shape than the minted ones never reaches the store: a NUL byte (which
+    // PostgreSQL refuses, failing the batch it was in) or a short one is malformed.
+    for id in ["x5pc_\u{0}0000000000000000000000000", "x5pc_nope"] {
+        let (raw, _, _) = rejoin_raw(
+            &sim.cfg,
+            &wrong_pop.leaf,
+            &wrong_pop.key,
+            &wrong_pop.id,
+            &(id.into(), vec![7; 32]),
+        );
+        assert_refused(&a, &raw, "x509pop:malformed", &root, &before);
+    }
     let ch = challenge(&sim.cfg).unwrap();
     let (raw, _, _) = rejoin_raw(
         &sim.cfg,
