@@ -268,21 +268,21 @@ impl Store {
         (url, password_file): (Option<&str>, Option<&Path>),
         create: bool,
     ) -> Result<Self, String> {
-        let Some(url) = url else {
-            return Self::open(&state_dir.join("bca.db"), create);
-        };
-        let password = match password_file {
-            Some(p) => Some(read_password_file(p)?),
-            None => None,
-        };
-        Self::open_postgres(url, password.as_deref().map(|p| p.as_str()))
+        match url {
+            None => Self::open(&state_dir.join("bca.db"), create),
+            Some(url) => Self::migrated(connect_at(url, password_file)?),
+        }
     }
 
     /// Opens the store on PostgreSQL (`postgres://USER@HOST[:PORT]/DB`, the password from a
     /// file, never the URL), applying pending migrations under an advisory lock: one appliance
     /// migrates at a time.
     pub fn open_postgres(url: &str, password: Option<&str>) -> Result<Self, String> {
-        let conn = pg::PgConn::connect(pg::config(url, password)?)?;
+        Self::migrated(pg::PgConn::connect(pg::config(url, password)?)?)
+    }
+
+    /// The store on a PostgreSQL connection, its schema migrated first.
+    fn migrated(conn: pg::PgConn) -> Result<Self, String> {
         migrate_postgres(&conn)?;
         Ok(Self {
             conn: Mutex::new(Conn::Postgres(conn)),
@@ -295,17 +295,12 @@ impl Store {
         state_dir: &Path,
         (url, password_file): (Option<&str>, Option<&Path>),
     ) -> Result<Self, String> {
-        let Some(url) = url else {
-            return Self::open(&state_dir.join("bca.db"), false);
-        };
-        let password = match password_file {
-            Some(p) => Some(read_password_file(p)?),
-            None => None,
-        };
-        let conn = pg::PgConn::connect(pg::config(url, password.as_deref().map(|p| p.as_str()))?)?;
-        Ok(Self {
-            conn: Mutex::new(Conn::Postgres(conn)),
-        })
+        match url {
+            None => Self::open(&state_dir.join("bca.db"), false),
+            Some(url) => Ok(Self {
+                conn: Mutex::new(Conn::Postgres(connect_at(url, password_file)?)),
+            }),
+        }
     }
 
     /// Makes this process the database's one writer (`bca serve`): on PostgreSQL, a session
@@ -377,6 +372,12 @@ impl Store {
             Conn::Postgres(_) => "postgres",
         }
     }
+}
+
+/// A connection to `[store]`'s database, with the password from its file.
+fn connect_at(url: &str, password_file: Option<&Path>) -> Result<pg::PgConn, String> {
+    let password = password_file.map(read_password_file).transpose()?;
+    pg::PgConn::connect(pg::config(url, password.as_deref().map(|p| p.as_str()))?)
 }
 
 /// The database password from its file: the file must be readable by its owner alone (0600 or

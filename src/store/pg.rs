@@ -254,9 +254,18 @@ struct Link {
 
 /// Errors PostgreSQL gives when a deadline passed or a lock could not be had in time: the
 /// database is busy, not the request wrong (`UNAVAILABLE`, worth a retry).
-fn busy(e: &SqlError) -> bool {
-    matches!(e, SqlError::Postgres { message, .. }
-        if message.starts_with("57014:") || message.starts_with("55P03:") || message.starts_with("40001:") || message.starts_with("40P01:"))
+fn busy(message: &str) -> bool {
+    ["57014:", "55P03:", "40001:", "40P01:"]
+        .iter()
+        .any(|code| message.starts_with(code))
+}
+
+/// The session-level advisory lock `key`, if no other session holds it.
+async fn try_lock(c: &tokio_postgres::Client, key: i64) -> SqlResult<bool> {
+    Ok(c.query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+        .await
+        .map_err(pg_err)?
+        .get(0))
 }
 
 impl Link {
@@ -282,12 +291,7 @@ impl Link {
                 let _ = conn.await;
             });
             if let Some(key) = self.exclusive {
-                let held: bool = client
-                    .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
-                    .await
-                    .map_err(pg_err)?
-                    .get(0);
-                if !held {
+                if !try_lock(&client, key).await? {
                     return Err(SqlError::Postgres {
                         message: "another appliance serves this site's database (it holds the site's lock): one bca serve per database".into(),
                         unreachable: true,
@@ -316,17 +320,10 @@ impl Link {
             self.tx_failed = true;
         }
         out.map_err(|e| match e {
-            SqlError::Postgres { message, .. }
-                if busy(&SqlError::Postgres {
-                    message: message.clone(),
-                    unreachable: false,
-                }) =>
-            {
-                SqlError::Postgres {
-                    message,
-                    unreachable: true,
-                }
-            }
+            SqlError::Postgres { message, .. } if busy(&message) => SqlError::Postgres {
+                message,
+                unreachable: true,
+            },
             e => e,
         })
     }
@@ -341,18 +338,8 @@ impl Link {
         match op {
             Op::Exclusive(key) => {
                 self.exclusive = Some(key);
-                let held: bool = self
-                    .client()
-                    .await?
-                    .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
-                    .await
-                    .map_err(pg_err)?
-                    .get(0);
-                if held {
-                    Ok(Answer::Done(1))
-                } else {
-                    Ok(Answer::Done(0))
-                }
+                let held = try_lock(self.client().await?, key).await?;
+                Ok(Answer::Done(u64::from(held)))
             }
             Op::Begin(sql) => {
                 self.tx_failed = false;

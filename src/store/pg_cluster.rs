@@ -48,7 +48,50 @@ fn as_owner(program: &Path) -> Command {
     }
 }
 
+/// The server's options: its socket alone (no TCP), in the cluster's folder, its owner's only.
+fn server_options(dir: &Path, port: u16) -> String {
+    format!(
+        "-k '{}' -p {port} -c listen_addresses='' -c fsync=on -c max_connections=200 \
+         -c shared_buffers=32MB -c unix_socket_permissions=0700",
+        dir.display()
+    )
+}
+
 impl Cluster {
+    /// Stops the server at once, as a crash would (`pg_ctl stop -m immediate`); the cluster's
+    /// folder stays, for [`Cluster::restart`].
+    pub fn stop(&self) -> Result<(), String> {
+        self.pg_ctl(&["-m", "immediate", "-w", "stop"])
+    }
+
+    /// Starts the stopped server again, on the same socket (the watchdog stops it with the test
+    /// process as before).
+    pub fn restart(&self) -> Result<(), String> {
+        let options = server_options(&self.dir, self.port);
+        let log = self.dir.join("log2");
+        self.pg_ctl(&[
+            "-o",
+            &options,
+            "-l",
+            &log.display().to_string(),
+            "-w",
+            "start",
+        ])
+    }
+
+    fn pg_ctl(&self, args: &[&str]) -> Result<(), String> {
+        let o = as_owner(&bin("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(args)
+            .output()
+            .map_err(|e| format!("pg_ctl: {e}"))?;
+        if !o.status.success() {
+            return Err(format!("pg_ctl: {}", String::from_utf8_lossy(&o.stderr)));
+        }
+        Ok(())
+    }
+
     /// The process's cluster, started on first use.
     pub fn shared() -> &'static Cluster {
         static C: OnceLock<Cluster> = OnceLock::new();
@@ -98,11 +141,11 @@ impl Cluster {
         let port = 5432;
         // The server, and beside it a watchdog that stops it once this process is gone.
         let script = format!(
-            "'{postgres}' -D '{data}' -k '{dir}' -p {port} -c listen_addresses='' -c fsync=on \
-             -c max_connections=200 -c shared_buffers=32MB -c unix_socket_permissions=0700 >'{dir}/log' 2>&1 & \
+            "'{postgres}' -D '{data}' {options} >'{dir}/log' 2>&1 & \
              while [ -d /proc/{me} ]; do sleep 1; done; \
              '{pg_ctl}' -D '{data}' -m immediate stop >/dev/null 2>&1; rm -rf '{dir}'",
             postgres = bin("postgres").display(),
+            options = server_options(&dir, port),
             pg_ctl = bin("pg_ctl").display(),
             data = data.display(),
             dir = dir.display(),

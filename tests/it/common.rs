@@ -687,6 +687,11 @@ pub fn free_udp() -> u16 {
 
 /// `bca serve` on a state directory with this passphrase, run to its exit (one that fails).
 pub fn serve_exit(state: &Path, passphrase: &str) -> Output {
+    serve_exit_with(state, passphrase, &[])
+}
+
+/// [`serve_exit`] with more `bca serve` arguments.
+pub fn serve_exit_with(state: &Path, passphrase: &str, extra: &[&str]) -> Output {
     Command::new(bin())
         .args([
             "serve",
@@ -695,6 +700,7 @@ pub fn serve_exit(state: &Path, passphrase: &str) -> Output {
             "--listen-gateway",
             "127.0.0.1:0",
         ])
+        .args(extra)
         .env("BCA_STATE_DIR", state)
         .env("BCA_SECRET", passphrase)
         .output()

@@ -6,7 +6,6 @@ use crate::common::*;
 use bca::proto::protocol::Reply;
 use bca::store::pg_cluster::Cluster;
 use serde_json::json;
-use std::path::Path;
 use std::process::Command;
 
 /// `psql`'s answer to `sql` on the database of `url` (unaligned, tuples only).
@@ -229,19 +228,7 @@ fn the_database_gone_answers_unavailable_and_recovers_by_itself() {
             .join_response
             .is_some()
     );
-    let pg_ctl = |cmd: &str| {
-        let data = c.dir.join("data");
-        let o = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(pg_bin("pg_ctl"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-m", "immediate", "-w", cmd])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    };
-    pg_ctl("stop");
+    c.stop().unwrap();
     let t = std::time::Instant::now();
     let (raw, _, _) = sim.join(&token, &machine());
     assert!(t.elapsed() < std::time::Duration::from_secs(30));
@@ -257,7 +244,7 @@ fn the_database_gone_answers_unavailable_and_recovers_by_itself() {
     assert!(e.message.contains("database"), "{e:?}");
 
     // Back: the appliance reconnects by itself.
-    start_again(&c);
+    c.restart().unwrap();
     wait_for("the appliance to serve again", 30, || {
         serde_json::from_slice::<Reply>(&sim.join(&token, &machine()).0)
             .ok()?
@@ -265,39 +252,6 @@ fn the_database_gone_answers_unavailable_and_recovers_by_itself() {
             .map(|_| ())
     });
     assert_eq!(psql(&c, &url, "SELECT count(*) FROM nodes"), "2");
-}
-
-fn pg_bin(name: &str) -> std::path::PathBuf {
-    let mut v: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
-        .unwrap()
-        .flatten()
-        .map(|e| e.path().join("bin").join(name))
-        .filter(|p| p.exists())
-        .collect();
-    v.sort();
-    v.pop().unwrap()
-}
-
-/// Starts the cluster's server again (its watchdog saw it stop, so a new one watches this one).
-fn start_again(c: &Cluster) {
-    let data = c.dir.join("data");
-    let o = Command::new("runuser")
-        .args(["-u", "postgres", "--"])
-        .arg(pg_bin("pg_ctl"))
-        .arg("-D")
-        .arg(&data)
-        .arg("-o")
-        .arg(format!(
-            "-k {} -p {} -c listen_addresses=''",
-            c.dir.display(),
-            c.port
-        ))
-        .args(["-l"])
-        .arg(Path::new(&c.dir).join("log2"))
-        .args(["-w", "start"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// `bca store migrate --to`: a populated SQLite appliance (tokens, nodes, certificates, a join
@@ -427,21 +381,7 @@ fn a_second_appliance_on_one_database_is_refused() {
         .unwrap();
     assert!(o.status.success());
     let _ = std::fs::remove_file(copy.join("admin.sock"));
-    let o = Command::new(bin())
-        .args([
-            "serve",
-            "--listen-http",
-            "127.0.0.1:0",
-            "--listen-gateway",
-            "127.0.0.1:0",
-        ])
-        .arg("--admin-socket")
-        .arg(copy.join("admin.sock"))
-        .arg("--state-dir")
-        .arg(&copy)
-        .env("BCA_SECRET", PASSPHRASE)
-        .output()
-        .unwrap();
+    let o = serve_exit(&copy, PASSPHRASE);
     assert!(!o.status.success());
     assert!(
         String::from_utf8_lossy(&o.stderr).contains("another appliance serves site"),
@@ -454,21 +394,12 @@ fn a_second_appliance_on_one_database_is_refused() {
     assert_eq!(psql(c, &url, "SELECT count(*) FROM pools"), "1");
 
     // A second serve on the same state directory: refused by its lock, whatever its sockets.
-    let o = Command::new(bin())
-        .args([
-            "serve",
-            "--listen-http",
-            "127.0.0.1:0",
-            "--listen-gateway",
-            "127.0.0.1:0",
-        ])
-        .arg("--admin-socket")
-        .arg(a.dir.path().join("other.sock"))
-        .arg("--state-dir")
-        .arg(a.state())
-        .env("BCA_SECRET", PASSPHRASE)
-        .output()
-        .unwrap();
+    let other = a.dir.path().join("other.sock");
+    let o = serve_exit_with(
+        &a.state(),
+        PASSPHRASE,
+        &["--admin-socket", other.to_str().unwrap()],
+    );
     assert!(!o.status.success());
     assert!(
         String::from_utf8_lossy(&o.stderr).contains("holds the state directory's lock"),

@@ -115,7 +115,8 @@ async fn answer(
     // The relay that forwarded the packet: its `giaddr`, believed only from a listed relay (the
     // packet's source and its `giaddr` both in `relays`); anyone could write a `giaddr`.
     let relay = Some(req.giaddr()).filter(|g| !g.is_unspecified());
-    if !proxy && relay.is_some() && !counts_as_sighting(b, &req, how) {
+    let seen = counts_as_sighting(b, &req, how);
+    if !proxy && relay.is_some() && !seen {
         tracing::debug!(%mac, giaddr = %req.giaddr(), "dhcp: relayed by no listed relay; no lease");
         return None;
     }
@@ -140,7 +141,7 @@ async fn answer(
     } else {
         lease.filter(|_| !discover)
     };
-    if let Some(ip) = seen_at.filter(|_| counts_as_sighting(b, &req, how)) {
+    if let Some(ip) = seen_at.filter(|_| seen) {
         let _ = edge
             .core
             .ask(Ask::Sighting {
