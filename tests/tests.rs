@@ -51,6 +51,8 @@ mod renew;
 mod rotate;
 #[path = "it/seed_rules.rs"]
 mod seed_rules;
+#[path = "it/sites.rs"]
+mod sites;
 #[path = "it/timing.rs"]
 mod timing;
 #[path = "it/tls.rs"]

@@ -112,6 +112,33 @@ async fn admin(
                     ctx.now,
                 );
             }
+            "site/appliances/list" => {
+                #[derive(serde::Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Empty {}
+                crate::admin::ctx::parse::<Empty>(&body)?;
+                return crate::appliance::members::list(&app.store, ctx.now);
+            }
+            "site/appliances/approve" | "site/appliances/remove" => {
+                #[derive(serde::Deserialize)]
+                #[serde(rename_all = "camelCase", deny_unknown_fields)]
+                struct One {
+                    id: String,
+                }
+                let i: One = crate::admin::ctx::parse(&body)?;
+                if method.ends_with("approve") {
+                    return rotator.with_keys(|keys| {
+                        crate::appliance::members::approve(&app, keys, &i.id, ctx.caller, ctx.now)
+                    });
+                }
+                return crate::appliance::members::remove(
+                    &app.store,
+                    &app.root_tenant,
+                    &i.id,
+                    ctx.caller,
+                    ctx.now,
+                );
+            }
             _ => {}
         }
         crate::admin::downloads::dispatch(&app.store, &app.state_dir, &ctx, &method, &body)

@@ -137,6 +137,10 @@ pub fn backup(state_dir: &Path, out: &Path) -> ApiResult<Manifest> {
             .map_err(ApiError::internal)?
             .into_bytes(),
     ));
+    // Which appliance of the site this box is (a restored box is the same appliance).
+    if let Ok(id) = std::fs::read(state_dir.join("appliance.id")) {
+        members.push(("appliance.id".into(), id));
+    }
     let mut public = Vec::new();
     collect(&crate::pki::pki_dir(state_dir), "pki", &mut public).map_err(ApiError::internal)?;
     collect(&state_dir.join("downloads"), "downloads", &mut public).map_err(ApiError::internal)?;

@@ -200,7 +200,18 @@ fn per_boot_archive(
         .gateway_url
         .clone()
         .ok_or("the appliance has no gateway_url: the ramdisk would not know where to join")?;
-    let (cfg, jwk) = crate::appliance::agent_files::agent_config_for(&app.state_dir, &[gateway])
+    // This appliance first, then the site's other live appliances (the agent fails over to them).
+    let mut gateways = vec![gateway];
+    for u in app
+        .store
+        .read(crate::store::appliances::gateway_urls)
+        .unwrap_or_default()
+    {
+        if !gateways.contains(&u) {
+            gateways.push(u);
+        }
+    }
+    let (cfg, jwk) = crate::appliance::agent_files::agent_config_for(&app.state_dir, &gateways)
         .map_err(|e| e.message)?;
     let boot = serde_json::json!({"mac": mac, "bootLeaseEpoch": epoch});
     let mut c = Cpio::new();

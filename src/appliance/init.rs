@@ -38,6 +38,7 @@ pub struct Initialised {
 /// The files and folders `init` creates; all of them go again when `init` fails half-way.
 const CREATED: &[&str] = &[
     "config.toml",
+    "appliance.id",
     "bca.db",
     "bca.db-wal",
     "bca.db-shm",
@@ -165,22 +166,30 @@ fn tcti_of(o: &InitOptions) -> ApiResult<crate::tpm::Tcti> {
         .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))
 }
 
-fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
-    let site_id = ids::new_id("site", now * 1000);
-    let root_tenant = ids::new_id("tn", now * 1000);
-    let mut config = Config {
-        trust_domain: o.trust_domain.clone(),
-        site_id: site_id.clone(),
-        site_name: o.site.clone(),
-        gateway_url: o.gateway_url.clone(),
+/// What one appliance's `config.toml` says of the box itself (the rest is the site's, or the
+/// defaults an operator edits).
+pub struct BoxParts {
+    pub gateway_url: Option<String>,
+    pub key_protection: KeyProtection,
+    pub tpm: Option<String>,
+    pub listen_http: Option<String>,
+    pub listen_gateway: Option<String>,
+    pub store: crate::config::StoreConfig,
+}
+
+/// A new appliance's configuration for the site `(id, name, trust domain)`: `bca init` and
+/// `bca join-site`.
+pub fn site_config((site_id, site_name, trust_domain): (&str, &str, &str), b: &BoxParts) -> Config {
+    Config {
+        trust_domain: trust_domain.to_string(),
+        site_id: site_id.to_string(),
+        site_name: site_name.to_string(),
+        gateway_url: b.gateway_url.clone(),
         gateway_server_name: None,
-        key_protection: o.key_protection,
-        tpm: match o.key_protection {
-            KeyProtection::Tpm => Some(tcti_of(o)?.to_string()),
-            _ => None,
-        },
-        listen_http: o.listen_http.clone().unwrap_or_else(|| "0.0.0.0:80".into()),
-        listen_gateway: o
+        key_protection: b.key_protection,
+        tpm: b.tpm.clone(),
+        listen_http: b.listen_http.clone().unwrap_or_else(|| "0.0.0.0:80".into()),
+        listen_gateway: b
             .listen_gateway
             .clone()
             .unwrap_or_else(|| "0.0.0.0:443".into()),
@@ -196,16 +205,35 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         retention: Default::default(),
         health: Default::default(),
         privsep: Default::default(),
-        store: o.store.clone(),
-    };
-    config.gateway_server_name = None;
+        store: b.store.clone(),
+    }
+}
+
+fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
+    let site_id = ids::new_id("site", now * 1000);
+    let root_tenant = ids::new_id("tn", now * 1000);
+    let appliance = ids::new_id("appl", now * 1000);
+    let config = site_config(
+        (&site_id, &o.site, &o.trust_domain),
+        &BoxParts {
+            gateway_url: o.gateway_url.clone(),
+            key_protection: o.key_protection,
+            tpm: match o.key_protection {
+                KeyProtection::Tpm => Some(tcti_of(o)?.to_string()),
+                _ => None,
+            },
+            listen_http: o.listen_http.clone(),
+            listen_gateway: o.listen_gateway.clone(),
+            store: o.store.clone(),
+        },
+    );
     let keys = KeyBundle::generate();
     let issued = pki::create(&config, &keys, sans, now).map_err(ApiError::internal)?;
 
     let store = Store::open_at(&o.state_dir, o.store.at(), true).map_err(ApiError::internal)?;
     if !o.store.is_embedded() && crate::store::maintenance::has_site(&store)? {
         return Err(ApiError::invalid_state(
-            "the store's database already holds a site: an appliance joins it, it does not init it again",
+            "the store's database already holds a site: another appliance joins it with `bca join-site`, it does not init it again",
         ));
     }
     store.write(|tx| {
@@ -213,6 +241,17 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
             tx,
             (&site_id, &o.site, &o.trust_domain),
             &root_tenant,
+            now,
+        )?;
+        crate::store::appliances::insert(
+            tx,
+            &crate::appliance::members::origin(
+                &appliance,
+                sans.to_vec(),
+                o.gateway_url.clone(),
+                keys.gateway.public_point(),
+                now,
+            ),
             now,
         )?;
         crate::store::events::audit(
@@ -250,6 +289,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         )
         .map_err(ApiError::internal)?,
     }
+    crate::appliance::members::write_id(&o.state_dir, &appliance).map_err(ApiError::internal)?;
     let text = config.to_file_text().map_err(ApiError::internal)?;
     fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes())
         .map_err(ApiError::internal)?;

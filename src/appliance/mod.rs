@@ -10,6 +10,7 @@ pub mod boot;
 pub mod health;
 pub mod init;
 pub mod leases;
+pub mod members;
 pub mod retention;
 pub mod rotation;
 pub mod store_move;

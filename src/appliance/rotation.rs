@@ -313,6 +313,12 @@ impl Rotator {
                 return Err(ApiError::invalid_input("overlapSeconds goes with stage"));
             }
         }
+        if kind != Kind::Gateway && crate::appliance::members::several_hold_keys(&app.store)? {
+            return Err(ApiError::invalid_state(
+                "several appliances of this site hold its keys: a join key rotation is not carried \
+                 to the others yet (docs/scale-out.md); nothing was changed",
+            ));
+        }
         let mut keys = self.vault.load().map_err(ApiError::internal)?;
         let mut s = load_schedule(&app.state_dir);
         let overlap = overlap.unwrap_or(DEFAULT_OVERLAP);
@@ -403,6 +409,14 @@ impl Rotator {
         self.go_live(app, &keys)?;
         tracing::info!(kind = kind.as_str(), action, "pki: rotated");
         status(&app.state_dir)
+    }
+
+    /// Runs `f` with the bundle as it rests now, no rotation running meanwhile (an appliance's
+    /// approval wraps it).
+    pub fn with_keys<T>(&self, f: impl FnOnce(&KeyBundle) -> ApiResult<T>) -> ApiResult<T> {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let keys = self.vault.load().map_err(ApiError::internal)?;
+        f(&keys)
     }
 
     /// Applies what is due (the server's hourly pass).

@@ -23,6 +23,13 @@ pub enum Command {
     Init(InitArgs),
     /// Serve: the admin socket, the HTTP listener and the gateway.
     Serve(ServeArgs),
+    /// Make this box another appliance of a site whose store is PostgreSQL: its own keys, recorded
+    /// as pending until an operator approves it on an appliance of the site (docs/scale-out.md).
+    #[command(name = "join-site")]
+    JoinSite(JoinSiteArgs),
+    /// The site's appliances.
+    #[command(subcommand)]
+    Site(SiteCmd),
     /// The gateway's confined child process, started by `serve` only (privilege separation).
     #[command(name = "net-child", hide = true)]
     NetChild,
@@ -185,6 +192,49 @@ pub struct InitArgs {
     /// config.toml and read at each start.
     #[arg(long, value_name = "FILE")]
     pub store_password_file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct JoinSiteArgs {
+    /// The site's database: postgres://USER@HOST[:PORT]/DB (no password in it).
+    #[arg(long, value_name = "URL")]
+    pub store: String,
+    /// The file holding the database user's password (mode 0600).
+    #[arg(long, value_name = "FILE")]
+    pub store_password_file: Option<PathBuf>,
+    /// A name (DNS or IP) this appliance's gateway certificate carries; repeat for more.
+    #[arg(long = "gateway-san", required = true)]
+    pub gateway_san: Vec<String>,
+    /// The gateway URL agents dial for this appliance (https://host[:port]).
+    #[arg(long)]
+    pub gateway_url: Option<String>,
+    /// passphrase (default), file (development only) or tpm: how this box's own keys rest.
+    #[arg(long, default_value = "passphrase")]
+    pub key_protection: String,
+    /// With --key-protection tpm: the TPM to seal to.
+    #[arg(long)]
+    pub tpm: Option<String>,
+    /// With --key-protection tpm: also bind to these PCRs (SHA-256 bank).
+    #[arg(long, value_name = "LIST")]
+    pub tpm_pcrs: Option<String>,
+}
+
+#[derive(Subcommand)]
+pub enum SiteCmd {
+    /// The appliances of the site: approve, list, remove.
+    #[command(subcommand)]
+    Appliances(AppliancesCmd),
+}
+
+#[derive(Subcommand)]
+pub enum AppliancesCmd {
+    /// Every appliance of the site: its state, names, fingerprint and last heartbeat.
+    List,
+    /// Give a pending appliance the site's keys (check its fingerprint first: bca join-site
+    /// printed it on that box).
+    Approve { id: String },
+    /// Remove an appliance from the site: its wrapped keys deleted; it stops serving.
+    Remove { id: String },
 }
 
 #[derive(Subcommand)]

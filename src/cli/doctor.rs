@@ -143,8 +143,47 @@ pub fn run(state_dir: &Path, socket: Option<&Path>) -> bool {
         r.line(Level::Fail, "file modes", loose.join(", "));
     }
 
+    // A joined appliance waiting for an operator's approval holds no site keys yet.
+    let awaiting = crate::keys::awaits_site_keys(state_dir, config.key_protection);
+    if awaiting {
+        let id = std::fs::read_to_string(state_dir.join("appliance.id")).unwrap_or_default();
+        let id = id.trim();
+        let state = crate::store::Store::inspect_at(state_dir, config.store.at()).and_then(|s| {
+            s.read(|tx| crate::store::appliances::get(tx, id))
+                .map_err(|e| e.to_string())
+        });
+        match state {
+            Ok(Some(a)) if a.state == "pending" => r.line(
+                Level::Warn,
+                "site",
+                format!(
+                    "appliance {id} waits for an operator's approval (fingerprint {}): on an \
+                     appliance of the site, run `bca site appliances approve {id}`",
+                    a.fingerprint
+                ),
+            ),
+            Ok(Some(a)) if a.state == "approved" => r.line(
+                Level::Ok,
+                "site",
+                format!("appliance {id} is approved: bca serve takes the site's keys at its start"),
+            ),
+            Ok(Some(a)) => r.line(
+                Level::Fail,
+                "site",
+                format!("appliance {id} is {}: it serves nothing", a.state),
+            ),
+            Ok(None) => r.line(
+                Level::Fail,
+                "site",
+                format!("appliance {id} is not in the site's database: join the site again"),
+            ),
+            Err(e) => r.line(Level::Fail, "site", format!("the site's database: {e}")),
+        }
+    }
+
     // Keys: loadable, and the ones the certificates name.
     let pass = match config.key_protection {
+        _ if awaiting => None,
         KeyProtection::Passphrase
             if std::env::var_os("BCA_SECRET").is_none() && !std::io::stdin().is_terminal() =>
         {

@@ -58,6 +58,55 @@ pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
     Ok(())
 }
 
+/// `bca join-site`: prints the new appliance's id and fingerprint, which an operator checks on
+/// an appliance of the site before `bca site appliances approve ID`.
+pub(crate) fn cmd_join_site(a: crate::cli::args::JoinSiteArgs, conn: &Conn) -> ApiResult<()> {
+    let state_dir = conn.state_dir();
+    let kp = KeyProtection::parse(&a.key_protection).ok_or_else(|| {
+        ApiError::invalid_input(format!(
+            "--key-protection {:?} must be passphrase, file or tpm",
+            a.key_protection
+        ))
+    })?;
+    let passphrase = match kp {
+        KeyProtection::Passphrase if !crate::appliance::init::is_initialised(&state_dir) => Some(
+            crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?,
+        ),
+        _ => None,
+    };
+    let out = crate::appliance::members::join_site(
+        crate::appliance::members::JoinSiteOptions {
+            state_dir: state_dir.clone(),
+            store: store_config(Some(a.store), a.store_password_file)?,
+            gateway_sans: a.gateway_san,
+            gateway_url: a.gateway_url,
+            key_protection: kp,
+            passphrase,
+            tpm: a.tpm,
+            tpm_pcrs: a.tpm_pcrs,
+            listen_http: None,
+            listen_gateway: None,
+        },
+        crate::base::clock::now(),
+    )?;
+    if conn.json {
+        println!(
+            "{}",
+            serde_json::json!({"id": out.id, "fingerprint": out.fingerprint, "siteId": out.site_id, "state": "pending"})
+        );
+    } else {
+        println!("appliance:   {}", out.id);
+        println!("fingerprint: {}", out.fingerprint);
+        println!("site:        {}", out.site_id);
+        eprintln!(
+            "pending: on an appliance of the site, check that `bca site appliances list` shows this \
+             fingerprint, then run `bca site appliances approve {}`; `bca serve` here waits until then",
+            out.id
+        );
+    }
+    Ok(())
+}
+
 /// `--store` and `--store-password-file` as `[store]`, checked before anything is made.
 pub(crate) fn store_config(
     url: Option<String>,

@@ -74,6 +74,31 @@ fn run(cli: Cli) -> ApiResult<()> {
     let conn = &cli.conn;
     match cli.command {
         Command::Init(a) => cmd_init(a, conn),
+        Command::JoinSite(a) => local::cmd_join_site(a, conn),
+        Command::Site(SiteCmd::Appliances(cmd)) => {
+            let (method, body) = match &cmd {
+                AppliancesCmd::List => ("site/appliances/list", json!({})),
+                AppliancesCmd::Approve { id } => ("site/appliances/approve", json!({"id": id})),
+                AppliancesCmd::Remove { id } => ("site/appliances/remove", json!({"id": id})),
+            };
+            let v = conn.client().call(method, &body)?;
+            match cmd {
+                AppliancesCmd::List => print_list(
+                    conn,
+                    &v,
+                    &[
+                        ("ID", "id"),
+                        ("STATE", "state"),
+                        ("NAMES", "names"),
+                        ("FINGERPRINT", "fingerprint"),
+                        ("ALIVE", "alive"),
+                        ("LAST HEARTBEAT", "lastHeartbeat"),
+                    ],
+                ),
+                _ => print(conn, &v, print_record),
+            }
+            Ok(())
+        }
         Command::Serve(a) => {
             let opts = crate::daemon::serve::ServeOptions {
                 tpm: a.tpm,

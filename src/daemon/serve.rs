@@ -52,6 +52,15 @@ pub fn prepare_vault(
     if tcti.is_some() && config.key_protection != KeyProtection::Tpm {
         return Err("--tpm goes with key_protection = \"tpm\"".into());
     }
+    // A joined appliance takes the site's keys once an operator approved it (it waits till then).
+    if keys::awaits_site_keys(state_dir, config.key_protection) {
+        crate::appliance::members::take_site_keys(
+            state_dir,
+            &config,
+            passphrase.as_ref().map(|p| p.as_bytes()),
+            tcti.as_ref(),
+        )?;
+    }
     let (vault, bundle) = keys::Vault::open_with_tpm(
         state_dir,
         config.key_protection,
@@ -82,8 +91,12 @@ pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
         )
     })?;
     let (app, keys, vault) = prepare_vault(state_dir, opts.tpm.as_deref())?;
-    // And one per PostgreSQL database: several appliances on one site are not supported yet.
-    app.store.claim_exclusive(&app.config.site_id)?;
+    // And one per appliance of the site (a copy of this state directory serving elsewhere is
+    // refused); then its row in the site's database, which its audit rows and sessions name.
+    let id = crate::appliance::members::own_id(state_dir)?;
+    app.store.claim_exclusive(&id)?;
+    crate::appliance::members::register(&app, &keys, crate::base::clock::now())?;
+    crate::store::appliances::set_this(&id);
     let rotator = Arc::new(crate::appliance::rotation::Rotator::new(vault));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -323,10 +336,20 @@ async fn serve(
         stop_rx.clone(),
     ));
     tasks.spawn(housekeeping(app.clone(), rotator, stop_rx.clone()));
+    // Only a site on PostgreSQL can have several appliances: a SQLite box needs no lease.
+    let (removed_tx, removed_rx) = tokio::sync::oneshot::channel::<String>();
+    if !app.config.store.is_embedded() {
+        tasks.spawn(heartbeat(app.clone(), removed_tx, stop_rx.clone()));
+    }
 
+    let mut outcome = Ok(());
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
         _ = int.recv() => tracing::info!("SIGINT: stopping"),
+        Ok(why) = removed_rx => {
+            tracing::error!("{why}");
+            outcome = Err(why);
+        }
     }
     let _ = stop_tx.send(true);
     let (stopped, _) = tokio::join!(
@@ -350,7 +373,37 @@ async fn serve(
     // next start rather than into this one's listener.
     drop(stopped);
     tracing::info!("stopped");
-    Ok(())
+    outcome
+}
+
+/// This appliance's lease in the site's database, renewed every few seconds; the sessions of
+/// appliances found dead are marked closed. Says why when this appliance was removed.
+async fn heartbeat(
+    app: Arc<App>,
+    removed: tokio::sync::oneshot::Sender<String>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let Some(id) = crate::store::appliances::this() else {
+        return;
+    };
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(
+        crate::appliance::members::HEARTBEAT_SECONDS,
+    ));
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        let app2 = app.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            crate::appliance::members::heartbeat(&app2, id, crate::base::clock::now())
+        })
+        .await;
+        if let Ok(Err(why)) = r {
+            let _ = removed.send(why);
+            return;
+        }
+    }
 }
 
 /// The gateway of this process: its certificate (kept in the App for rotation), its tickets,

@@ -109,6 +109,9 @@ impl ReplayCache {
 pub struct Ready {
     leaf: crate::proto::x509::NodeLeaf,
     csr: VerifiedCsr,
+    /// The SHA-256 of what the proof signed: checked again in stage 2 against the window every
+    /// appliance of the site shares (`renewal_proofs`).
+    proof_sha256: [u8; 32],
 }
 
 /// What stage 1 learnt. Nothing in it names a node until stage 2 has matched the presented leaf,
@@ -174,7 +177,8 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         p.result = Err(RenewReason::Clock);
         return p;
     }
-    if !cache.fresh(crypto::sha256(&message), now) {
+    let proof_sha256 = crypto::sha256(&message);
+    if !cache.fresh(proof_sha256, now) {
         p.result = Err(RenewReason::Replay);
         return p;
     }
@@ -182,7 +186,11 @@ pub fn prepare(r: &RenewRequest, peer_leaf: &[u8], now: i64, cache: &mut ReplayC
         p.result = Err(reason);
         return p;
     }
-    p.result = Ok(Ready { leaf, csr });
+    p.result = Ok(Ready {
+        leaf,
+        csr,
+        proof_sha256,
+    });
     p
 }
 
@@ -283,6 +291,10 @@ pub(crate) fn process(
         Ok(r) => r,
         Err(reason) => return refuse(tx, site, p, &caller, *reason, now, limits),
     };
+    // This appliance's cache saw the proof first; another appliance of the site may have too.
+    if !crate::store::appliances::remember_proof(tx, &r.proof_sha256, now + REPLAY_WINDOW, now)? {
+        return refuse(tx, site, p, &caller, RenewReason::Replay, now, limits);
+    }
     let (response, new_serial) = crate::join::issue::certify(
         tx,
         site,

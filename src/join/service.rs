@@ -471,6 +471,10 @@ fn open_bearer(
     Bearer::parse(&token).ok_or(Reason::Malformed)
 }
 
+/// How often a batch PostgreSQL aborted for a concurrent one is run again before its calls are
+/// answered `UNAVAILABLE`.
+const MAX_GIVE_WAY: u64 = 5;
+
 fn writer_loop(site: Arc<Site>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
     let mut limits = RateLimit::default();
     while let Ok(first) = rx.recv() {
@@ -486,13 +490,30 @@ fn writer_loop(site: Arc<Site>, signer: Arc<Signer>, rx: mpsc::Receiver<Job>) {
             .fetch_sub(batch.len() as i64, std::sync::atomic::Ordering::Relaxed);
         let now = crate::base::clock::now();
         let started = std::time::Instant::now();
-        let result = site.store.write(|tx| {
-            let mut outs = Vec::with_capacity(batch.len());
-            for job in &batch {
-                outs.push(process(tx, &site, &signer, job, now, &mut limits)?);
+        // On PostgreSQL another appliance's batch may hold rows this one needs in another order:
+        // the database aborts one of the two, which is run again (an agent never sees it).
+        let mut tries = 0;
+        let result = loop {
+            let r = site.store.write(|tx| {
+                let mut outs = Vec::with_capacity(batch.len());
+                for job in &batch {
+                    outs.push(process(tx, &site, &signer, job, now, &mut limits)?);
+                }
+                Ok(outs)
+            });
+            match r {
+                Err(e) if crate::store::sql::gave_way(&e) && tries < MAX_GIVE_WAY => {
+                    tries += 1;
+                    tracing::info!(
+                        joins = batch.len(),
+                        tries,
+                        "join batch gave way to another appliance's; running it again"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(5 * tries));
+                }
+                r => break r,
             }
-            Ok(outs)
-        });
+        };
         crate::base::metrics::get().commit(started.elapsed().as_micros() as u64);
         match result {
             Ok(outs) => {

@@ -128,7 +128,7 @@ impl Kek {
         f: &SealedFile,
         pass: &[u8],
         path: &Path,
-    ) -> Result<(KeyBundle, Self), String> {
+    ) -> Result<(Zeroizing<Vec<u8>>, Self), String> {
         if f.version != 1
             || f.kdf != "argon2id"
             || f.p != 1
@@ -142,7 +142,7 @@ impl Kek {
         }
         let salt = crypto::b64_decode(&f.salt).ok_or("damaged salt")?;
         let key = derive(pass, &salt, f.m_kib, f.t, f.p)?;
-        let bundle = open_sealed(f, &key)?;
+        let bundle = open_raw(&f.nonce, &f.ciphertext, &key)?;
         Ok((
             bundle,
             Self {
@@ -157,16 +157,20 @@ impl Kek {
     }
 
     fn seal(&self, bundle: &KeyBundle) -> Result<Zeroizing<Vec<u8>>, String> {
+        self.seal_bytes(&bundle.to_json())
+    }
+
+    /// Seals `clear` (a bundle's or an appliance's own keys' JSON) into the file format of this
+    /// protection.
+    fn seal_bytes(&self, clear: &[u8]) -> Result<Zeroizing<Vec<u8>>, String> {
         let mut nonce = [0u8; 12];
         crypto::fill_random(&mut nonce);
         let aead = LessSafeKey::new(
             UnboundKey::new(&AES_256_GCM, self.key.as_slice()).map_err(|_| "AES key")?,
         );
         // Room for the tag up front: sealing must not reallocate (and free unwiped) the clear JSON.
-        let clear = bundle.to_json();
         let mut buf = Zeroizing::new(Vec::with_capacity(clear.len() + AES_256_GCM.tag_len()));
-        buf.extend_from_slice(&clear);
-        drop(clear);
+        buf.extend_from_slice(clear);
         aead.seal_in_place_append_tag(
             Nonce::assume_unique_for_key(nonce),
             Aad::from(AAD),
@@ -250,7 +254,7 @@ impl Vault {
             (Some(k), KeyProtection::Passphrase) => {
                 let f: SealedFile = serde_json::from_slice(&raw)
                     .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
-                open_sealed(&f, &k.key)
+                open_ciphertext(&f.nonce, &f.ciphertext, &k.key)
             }
             (Some(k), KeyProtection::Tpm) => {
                 let f: TpmSealedFile = serde_json::from_slice(&raw)
@@ -379,7 +383,8 @@ fn open_escrow(
             escrow.display()
         )
     })?;
-    let (bundle, _) = Kek::open_passphrase(&f, passphrase, escrow)?;
+    let (clear, _) = Kek::open_passphrase(&f, passphrase, escrow)?;
+    let bundle = KeyBundle::from_json(&clear)?;
     let pki = crate::pki::PublicPki::load(&crate::pki::pki_dir(state_dir))?;
     crate::pki::check_keys_against(&pki, &bundle).map_err(|e| {
         format!(
@@ -461,11 +466,12 @@ pub fn unseal(
     unseal_inner(state_dir, p, passphrase, None).map(|(b, _)| b)
 }
 
-fn open_sealed(f: &SealedFile, key: &[u8; 32]) -> Result<KeyBundle, String> {
-    open_ciphertext(&f.nonce, &f.ciphertext, key)
+fn open_ciphertext(nonce: &str, ciphertext: &str, key: &[u8; 32]) -> Result<KeyBundle, String> {
+    KeyBundle::from_json(&open_raw(nonce, ciphertext, key)?)
 }
 
-fn open_ciphertext(nonce: &str, ciphertext: &str, key: &[u8; 32]) -> Result<KeyBundle, String> {
+/// Opens AES-256-GCM `ciphertext` (base64) under `key`: the clear JSON, wiped when dropped.
+fn open_raw(nonce: &str, ciphertext: &str, key: &[u8; 32]) -> Result<Zeroizing<Vec<u8>>, String> {
     let nonce: [u8; 12] = crypto::b64_decode(nonce)
         .and_then(|n| n.try_into().ok())
         .ok_or("damaged nonce")?;
@@ -478,7 +484,7 @@ fn open_ciphertext(nonce: &str, ciphertext: &str, key: &[u8; 32]) -> Result<KeyB
             "wrong passphrase: the appliance's keys could not be unsealed (nothing was changed)"
                 .to_string()
         })?;
-    KeyBundle::from_json(plain)
+    Ok(Zeroizing::new(plain.to_vec()))
 }
 
 fn unseal_inner(
@@ -487,18 +493,30 @@ fn unseal_inner(
     passphrase: Option<&[u8]>,
     tcti: Option<&crate::tpm::Tcti>,
 ) -> Result<(KeyBundle, Option<Kek>), String> {
-    let path = file_for(state_dir, p);
+    let (clear, kek) = unseal_path(state_dir, &file_for(state_dir, p), p, passphrase, tcti)?;
+    Ok((KeyBundle::from_json(&clear)?, kek))
+}
+
+/// Opens the sealed file at `path` (the bundle, or an appliance's own keys): its clear JSON and
+/// the key that seals it again.
+fn unseal_path(
+    state_dir: &Path,
+    path: &Path,
+    p: KeyProtection,
+    passphrase: Option<&[u8]>,
+    tcti: Option<&crate::tpm::Tcti>,
+) -> Result<(Zeroizing<Vec<u8>>, Option<Kek>), String> {
     let raw = Zeroizing::new(
-        std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+        std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?,
     );
     match p {
-        KeyProtection::File => KeyBundle::from_json(&raw).map(|b| (b, None)),
+        KeyProtection::File => Ok((raw, None)),
         KeyProtection::Passphrase => {
             let pass = passphrase
                 .ok_or("a passphrase is required (set BCA_SECRET or run on a terminal)")?;
             let f: SealedFile = serde_json::from_slice(&raw)
                 .map_err(|e| format!("{} is damaged: {e}", path.display()))?;
-            Kek::open_passphrase(&f, pass, &path).map(|(b, k)| (b, Some(k)))
+            Kek::open_passphrase(&f, pass, path).map(|(b, k)| (b, Some(k)))
         }
         KeyProtection::Tpm => {
             let tcti = match tcti {
@@ -551,13 +569,13 @@ fn unseal_inner(
                     .try_into()
                     .map_err(|_| "the TPM returned a key of the wrong size")?,
             );
-            let bundle = open_ciphertext(&f.nonce, &f.ciphertext, &key).map_err(|_| {
+            let clear = open_raw(&f.nonce, &f.ciphertext, &key).map_err(|_| {
                 format!(
                     "{} is damaged: it does not open with its TPM's key",
                     path.display()
                 )
             })?;
-            Ok((bundle, Some(Kek::held_by_tpm(blob, key))))
+            Ok((clear, Some(Kek::held_by_tpm(blob, key))))
         }
     }
 }
@@ -655,5 +673,147 @@ mod tests {
         assert!(e.contains("wrong passphrase"), "{e}");
         let raw = std::fs::read_to_string(dir.path().join("keys/keys.sealed")).unwrap();
         assert!(!raw.contains(&crypto::b64(b.node_ca.pkcs8())));
+    }
+}
+
+/// A joined appliance's own keys (`bca join-site`): the key the site's keys are wrapped to, and
+/// its gateway's TLS key. They rest in `keys/appliance.*` under the appliance's own protection,
+/// as the bundle does.
+pub struct OwnKeys {
+    pub wrap: crypto::SigningKey,
+    pub gateway: crypto::SigningKey,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct OwnFile {
+    version: u32,
+    wrap: String,
+    gateway: String,
+}
+
+impl OwnKeys {
+    pub fn generate() -> Self {
+        Self {
+            wrap: crypto::SigningKey::generate(),
+            gateway: crypto::SigningKey::generate(),
+        }
+    }
+
+    fn to_json(&self) -> Zeroizing<Vec<u8>> {
+        let f = OwnFile {
+            version: 1,
+            wrap: crypto::b64(self.wrap.pkcs8()),
+            gateway: crypto::b64(self.gateway.pkcs8()),
+        };
+        let mut out = Zeroizing::new(Vec::with_capacity(4096));
+        serde_json::to_writer_pretty(&mut *out, &f).expect("serializes");
+        drop(Zeroizing::new(f.wrap));
+        drop(Zeroizing::new(f.gateway));
+        out
+    }
+
+    fn from_json(bytes: &[u8]) -> Result<Self, String> {
+        let f: OwnFile = serde_json::from_slice(bytes)
+            .map_err(|e| format!("the appliance's own key file is damaged: {e}"))?;
+        if f.version != 1 {
+            return Err(format!(
+                "the appliance's own key file has version {}, this bca reads version 1",
+                f.version
+            ));
+        }
+        let one = |name: &str, s: &str| -> Result<crypto::SigningKey, String> {
+            let der = Zeroizing::new(
+                crypto::b64_decode(s).ok_or_else(|| format!("the {name} key is not base64"))?,
+            );
+            crypto::SigningKey::from_pkcs8(&der).map_err(|e| format!("the {name} key: {e}"))
+        };
+        let k = Self {
+            wrap: one("wrapping", &f.wrap)?,
+            gateway: one("gateway", &f.gateway)?,
+        };
+        drop(Zeroizing::new(f.wrap));
+        drop(Zeroizing::new(f.gateway));
+        Ok(k)
+    }
+}
+
+fn own_file_for(state_dir: &Path, p: KeyProtection) -> PathBuf {
+    keys_dir(state_dir).join(match p {
+        KeyProtection::File => "appliance.json",
+        KeyProtection::Passphrase => "appliance.sealed",
+        KeyProtection::Tpm => "appliance.tpm",
+    })
+}
+
+/// Whether the state directory is a joined appliance's whose site keys it has not received yet:
+/// its own keys rest there, the bundle not.
+pub fn awaits_site_keys(state_dir: &Path, p: KeyProtection) -> bool {
+    own_file_for(state_dir, p).exists() && !file_for(state_dir, p).exists()
+}
+
+/// Writes a joined appliance's own keys under `p` (`passphrase` for `Passphrase`; the TPM at
+/// `tcti`, bound to `pcrs`, for `Tpm`).
+pub fn seal_own(
+    state_dir: &Path,
+    own: &OwnKeys,
+    p: KeyProtection,
+    passphrase: Option<&[u8]>,
+    tpm: Option<(&crate::tpm::Tcti, &[u32])>,
+) -> Result<(), String> {
+    crate::base::fsutil::create_private_dir(&keys_dir(state_dir))?;
+    let clear = own.to_json();
+    let bytes = match p {
+        KeyProtection::File => clear,
+        KeyProtection::Passphrase => {
+            Kek::new(passphrase.ok_or("a passphrase is required")?)?.seal_bytes(&clear)?
+        }
+        KeyProtection::Tpm => {
+            let (tcti, pcrs) = tpm.ok_or("sealing to a TPM needs the TPM")?;
+            Kek::new_tpm(tcti, pcrs)?.seal_bytes(&clear)?
+        }
+    };
+    crate::base::fsutil::write_new_private(&own_file_for(state_dir, p), &bytes)
+}
+
+/// A joined appliance's own keys, opened, and what seals its bundle under the same protection
+/// once the site's keys are given to it.
+pub struct OwnVault {
+    state_dir: PathBuf,
+    protection: KeyProtection,
+    kek: Option<Kek>,
+}
+
+pub fn open_own(
+    state_dir: &Path,
+    p: KeyProtection,
+    passphrase: Option<&[u8]>,
+    tcti: Option<&crate::tpm::Tcti>,
+) -> Result<(OwnKeys, OwnVault), String> {
+    let (clear, kek) = unseal_path(state_dir, &own_file_for(state_dir, p), p, passphrase, tcti)?;
+    Ok((
+        OwnKeys::from_json(&clear)?,
+        OwnVault {
+            state_dir: state_dir.to_path_buf(),
+            protection: p,
+            kek,
+        },
+    ))
+}
+
+impl OwnVault {
+    /// Writes the appliance's bundle (the site's keys with its own gateway key) where `serve`
+    /// reads it, sealed as its own keys are: the commit point of taking the site's keys.
+    pub fn store_bundle(&self, bundle: &KeyBundle) -> Result<(), String> {
+        let bytes = match (&self.kek, self.protection) {
+            (_, KeyProtection::File) => bundle.to_json(),
+            (Some(k), _) => k.seal(bundle)?,
+            (None, _) => return Err("the key vault cannot write its protection".into()),
+        };
+        crate::base::fsutil::write_atomic(
+            &file_for(&self.state_dir, self.protection),
+            &bytes,
+            0o600,
+        )
     }
 }

@@ -26,7 +26,9 @@ struct BundleFile {
     version: u32,
     node_ca: String,
     serving_ca: String,
-    gateway: String,
+    /// Absent in the site's keys wrapped to another appliance (each has its own gateway key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    gateway: Option<String>,
     join_signing: String,
     join_encryption: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -52,11 +54,21 @@ impl KeyBundle {
     }
 
     pub(crate) fn to_json(&self) -> Zeroizing<Vec<u8>> {
+        self.json(true)
+    }
+
+    /// The site's keys without this appliance's gateway key: what is wrapped to another
+    /// appliance of the site (`appliance::members`).
+    pub(crate) fn site_json(&self) -> Zeroizing<Vec<u8>> {
+        self.json(false)
+    }
+
+    fn json(&self, with_gateway: bool) -> Zeroizing<Vec<u8>> {
         let f = BundleFile {
             version: 1,
             node_ca: crypto::b64(self.node_ca.pkcs8()),
             serving_ca: crypto::b64(self.serving_ca.pkcs8()),
-            gateway: crypto::b64(self.gateway.pkcs8()),
+            gateway: with_gateway.then(|| crypto::b64(self.gateway.pkcs8())),
             join_signing: crypto::b64(self.join_signing.pkcs8()),
             join_encryption: crypto::b64(self.join_encryption.pkcs8()),
             join_signing_next: self
@@ -81,6 +93,15 @@ impl KeyBundle {
     }
 
     pub(crate) fn from_json(bytes: &[u8]) -> Result<Self, String> {
+        Self::parse(bytes, None)
+    }
+
+    /// The site's keys [`Self::site_json`] wrote, with this appliance's own gateway key.
+    pub(crate) fn from_site_json(bytes: &[u8], gateway: SigningKey) -> Result<Self, String> {
+        Self::parse(bytes, Some(gateway))
+    }
+
+    fn parse(bytes: &[u8], own_gateway: Option<SigningKey>) -> Result<Self, String> {
         let f: BundleFile =
             serde_json::from_slice(bytes).map_err(|e| format!("the key file is damaged: {e}"))?;
         if f.version != 1 {
@@ -98,7 +119,12 @@ impl KeyBundle {
         let k = Self {
             node_ca: one("node CA", &f.node_ca)?,
             serving_ca: one("serving CA", &f.serving_ca)?,
-            gateway: one("gateway", &f.gateway)?,
+            gateway: match (own_gateway, &f.gateway) {
+                (Some(k), None) => k,
+                (None, Some(g)) => one("gateway", g)?,
+                (Some(_), Some(_)) => return Err("the site's keys carry a gateway key".into()),
+                (None, None) => return Err("the key file has no gateway key".into()),
+            },
             join_signing: one("join-signing", &f.join_signing)?,
             join_encryption: one("join-encryption", &f.join_encryption)?,
             join_signing_next: f
@@ -136,8 +162,9 @@ impl BundleFile {
             join_encryption_previous,
             ..
         } = self;
-        for s in [node_ca, serving_ca, gateway, join_signing, join_encryption]
+        for s in [node_ca, serving_ca, join_signing, join_encryption]
             .into_iter()
+            .chain(gateway)
             .chain(join_signing_next)
             .chain(join_encryption_next)
             .chain(join_encryption_previous)

@@ -148,6 +148,51 @@ pub fn gateway_leaf(
     sans: &[String],
     now: i64,
 ) -> Result<Vec<u8>, String> {
+    gateway_leaf_for(
+        cfg,
+        &keys.serving_ca,
+        keys.gateway.public_point(),
+        sans,
+        now,
+    )
+}
+
+/// A name of a gateway leaf: an IP address, else a DNS name.
+pub fn gateway_san(s: &str) -> Result<SanType, String> {
+    match s.parse::<std::net::IpAddr>() {
+        Ok(ip) => Ok(SanType::IpAddress(ip)),
+        Err(_) if is_dns_name(s) => s
+            .to_string()
+            .try_into()
+            .map(SanType::DnsName)
+            .map_err(|_| format!("{s:?} is neither a DNS name nor an IP address")),
+        Err(_) => Err(format!("{s:?} is neither a DNS name nor an IP address")),
+    }
+}
+
+/// Letters, digits and hyphens in dot-separated labels of 1 to 63 (none starting or ending with
+/// a hyphen), at most 253 in all.
+fn is_dns_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+        })
+}
+
+/// A gateway leaf for the P-256 point `subject` (another appliance's gateway key), signed by the
+/// serving CA `serving_ca`.
+pub fn gateway_leaf_for(
+    cfg: &Config,
+    serving_ca: &SigningKey,
+    subject: &[u8],
+    sans: &[String],
+    now: i64,
+) -> Result<Vec<u8>, String> {
     if sans.is_empty() {
         return Err("the gateway certificate needs at least one name".into());
     }
@@ -158,14 +203,7 @@ pub fn gateway_leaf(
     p.distinguished_name = dn;
     p.subject_alt_names = sans
         .iter()
-        .map(|s| match s.parse::<std::net::IpAddr>() {
-            Ok(ip) => Ok(SanType::IpAddress(ip)),
-            Err(_) => s
-                .clone()
-                .try_into()
-                .map(SanType::DnsName)
-                .map_err(|_| format!("{s:?} is neither a DNS name nor an IP address")),
-        })
+        .map(|s| gateway_san(s))
         .collect::<Result<_, _>>()?;
     p.is_ca = IsCa::NoCa;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -174,9 +212,9 @@ pub fn gateway_leaf(
     p.not_before = ts(now - 3600);
     p.not_after = ts(now + cfg.pki.gateway_leaf_validity_days as i64 * 86_400);
     p.serial_number = Some(random_serial());
-    let (ca, ca_key) = issuer(CaKind::Serving, cfg, &keys.serving_ca);
+    let (ca, ca_key) = issuer(CaKind::Serving, cfg, serving_ca);
     let leaf = p
-        .signed_by(&keys.gateway.rcgen(), &ca, &ca_key)
+        .signed_by(&CsrKey(subject), &ca, &ca_key)
         .map_err(|e| e.to_string())?;
     Ok(leaf.der().to_vec())
 }

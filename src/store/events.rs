@@ -29,8 +29,8 @@ pub fn audit(
     data: Value,
 ) -> ApiResult<()> {
     crate::store::exec(tx,
-        "INSERT INTO audit (tenant_id, action, actor, target, data, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        params![tenant, action, actor, target, data.to_string(), now],
+        "INSERT INTO audit (tenant_id, action, actor, target, data, created_at, appliance_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![tenant, action, actor, target, data.to_string(), now, crate::store::appliances::this()],
     )?;
     Ok(())
 }
@@ -71,7 +71,7 @@ pub fn audit_list(
     since: i64,
     limit: i64,
 ) -> ApiResult<Vec<(i64, Value)>> {
-    let rows = crate::store::query_all(tx, "SELECT seq, tenant_id, action, actor, target, data, created_at FROM audit
+    let rows = crate::store::query_all(tx, "SELECT seq, tenant_id, action, actor, target, data, created_at, appliance_id FROM audit
          WHERE seq < ?1 AND (CAST(?2 AS TEXT) IS NULL OR tenant_id = ?2) AND substr(action, 1, length(?3)) = ?3
            AND created_at >= ?4
          ORDER BY seq DESC LIMIT ?5", params![before, tenant, prefix, since, limit], |r| {
@@ -85,6 +85,7 @@ pub fn audit_list(
                     "target": r.get::<_, String>(4)?,
                     "data": serde_json::from_str::<Value>(&r.get::<_, String>(5)?).unwrap_or(Value::Null),
                     "createdAt": rfc3339(r.get(6)?),
+                    "applianceId": r.get::<_, Option<String>>(7)?,
                 }),
             ))
         })?;

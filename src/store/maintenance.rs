@@ -3,6 +3,7 @@
 
 use crate::base::error::ApiResult;
 use crate::store::params;
+use crate::store::OptionalExtension;
 use crate::store::{Store, Tx};
 use rusqlite::{Connection, OpenFlags};
 use std::path::Path;
@@ -34,6 +35,19 @@ pub fn has_site(store: &Store) -> ApiResult<bool> {
             crate::store::query_row(tx, "SELECT count(*) FROM site", [], |r| r.get::<_, i64>(0))?
                 > 0,
         )
+    })
+}
+
+/// The site the database holds: `(id, name, trust_domain)` (`bca join-site` reads it).
+pub fn site(store: &Store) -> ApiResult<Option<(String, String, String)>> {
+    store.read(|tx| {
+        Ok(crate::store::query_row(
+            tx,
+            "SELECT id, name, trust_domain FROM site ORDER BY created_at LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()?)
     })
 }
 
@@ -76,14 +90,17 @@ pub fn pg_status(store: &Store) -> ApiResult<PgStatus> {
 
 /// The root tenant's id.
 pub fn root_tenant(store: &Store) -> ApiResult<String> {
-    store.read(|tx| {
-        Ok(crate::store::query_row(
-            tx,
-            "SELECT id FROM tenants WHERE is_root = 1",
-            [],
-            |r| r.get(0),
-        )?)
-    })
+    store.read(root_tenant_in)
+}
+
+/// The root tenant, in a transaction.
+pub fn root_tenant_in(tx: &Tx<'_>) -> ApiResult<String> {
+    Ok(crate::store::query_row(
+        tx,
+        "SELECT id FROM tenants WHERE is_root = 1",
+        [],
+        |r| r.get(0),
+    )?)
 }
 
 /// Whether the database answers.

@@ -19,6 +19,7 @@ use rusqlite::{Connection, OpenFlags, Transaction};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
+pub mod appliances;
 pub mod boot;
 pub mod discovery;
 pub mod downloads;
@@ -79,6 +80,10 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
         "0010_relays",
         include_str!("../../migrations/0010_relays.sql"),
     ),
+    (
+        "0011_appliances",
+        include_str!("../../migrations/0011_appliances.sql"),
+    ),
 ];
 
 /// The engine under the store: SQLite (the embedded default) or PostgreSQL (a site that outgrew
@@ -130,6 +135,10 @@ pub const PG_MIGRATIONS: &[(&str, &str)] = &[
     (
         "0010_relays",
         include_str!("../../migrations/postgres/0010_relays.sql"),
+    ),
+    (
+        "0011_appliances",
+        include_str!("../../migrations/postgres/0011_appliances.sql"),
     ),
 ];
 
@@ -303,20 +312,21 @@ impl Store {
         }
     }
 
-    /// Makes this process the database's one writer (`bca serve`): on PostgreSQL, a session
-    /// advisory lock keyed by the site, held for the connection's life and taken again on every
-    /// new connection before anything else; refused while another appliance holds it. (A SQLite
+    /// Makes this process the one `bca serve` of its appliance: on PostgreSQL, a session advisory
+    /// lock keyed by the appliance's id, held for the connection's life and taken again on every
+    /// new connection before anything else; refused while another process holds it (a copy of
+    /// the state directory serving too). Other appliances of the site take their own. (A SQLite
     /// file is one state directory's, which `bca serve` locks.)
-    pub fn claim_exclusive(&self, site_id: &str) -> Result<(), String> {
+    pub fn claim_exclusive(&self, appliance_id: &str) -> Result<(), String> {
         let Conn::Postgres(p) = &*self.lock() else {
             return Ok(());
         };
-        let h = crate::base::crypto::sha256(format!("bca site {site_id}").as_bytes());
+        let h = crate::base::crypto::sha256(format!("bca appliance {appliance_id}").as_bytes());
         let key = i64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
         match p.claim(key) {
             Ok(true) => Ok(()),
             Ok(false) => Err(format!(
-                "another appliance serves site {site_id} from this database (it holds the site's lock): one bca serve per database until several appliances are supported"
+                "another bca serve runs as appliance {appliance_id} on this database (it holds the appliance's lock): one serve per appliance"
             )),
             Err(e) => Err(format!("cannot claim the store's database: {e}")),
         }

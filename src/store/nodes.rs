@@ -42,9 +42,36 @@ pub fn revoke_all(
 }
 
 /// No session outlives a restart of the appliance: every node disconnected.
+/// (on a site of several appliances: the sessions this appliance held, and those no appliance
+/// recorded).
 pub fn disconnect_all(tx: &Tx<'_>) -> ApiResult<()> {
-    crate::store::exec(tx, "UPDATE nodes SET connected = 0 WHERE connected = 1", [])?;
+    crate::store::exec(
+        tx,
+        "UPDATE nodes SET connected = 0, session_appliance = NULL
+         WHERE connected = 1 AND (session_appliance IS NULL OR session_appliance = ?1)",
+        [crate::store::appliances::this()],
+    )?;
     Ok(())
+}
+
+/// The sessions of appliances whose lease ran out (`heartbeat_at` before `stale_before`):
+/// disconnected, with their nodes and tenants (for the events).
+pub fn disconnect_dead(tx: &Tx<'_>, stale_before: i64) -> ApiResult<Vec<(String, String)>> {
+    let rows: Vec<(String, String)> = crate::store::query_all(
+        tx,
+        "SELECT n.id, n.tenant_id FROM nodes n JOIN site_appliances a ON a.id = n.session_appliance
+         WHERE n.connected = 1 AND (a.state = 'removed' OR COALESCE(a.heartbeat_at, 0) < ?1)",
+        [stale_before],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    for (node, _) in &rows {
+        crate::store::exec(
+            tx,
+            "UPDATE nodes SET connected = 0, session_appliance = NULL WHERE id = ?1",
+            [node],
+        )?;
+    }
+    Ok(rows)
 }
 
 /// The node holding a trusted hardware key (retired or not), as the token admission weighs it.
@@ -442,8 +469,8 @@ pub fn set_hello_facts(tx: &Tx<'_>, node: &str, facts: Option<&str>) -> ApiResul
 pub fn mark_connected(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
     crate::store::exec(
         tx,
-        "UPDATE nodes SET connected = 1, last_seen = ?2 WHERE id = ?1",
-        params![node, now],
+        "UPDATE nodes SET connected = 1, last_seen = ?2, session_appliance = ?3 WHERE id = ?1",
+        params![node, now, crate::store::appliances::this()],
     )?;
     Ok(())
 }
@@ -462,15 +489,16 @@ pub fn mark_seen(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<()> {
 pub fn mark_disconnected(tx: &Tx<'_>, node: &str, now: i64) -> ApiResult<Option<String>> {
     let tenant: Option<String> = crate::store::query_row(
         tx,
-        "SELECT tenant_id FROM nodes WHERE id = ?1 AND connected = 1",
-        [node],
+        "SELECT tenant_id FROM nodes WHERE id = ?1 AND connected = 1
+           AND (session_appliance IS NULL OR session_appliance = ?2)",
+        params![node, crate::store::appliances::this()],
         |x| x.get(0),
     )
     .optional()?;
     if tenant.is_some() {
         crate::store::exec(
             tx,
-            "UPDATE nodes SET connected = 0, last_seen = ?2 WHERE id = ?1",
+            "UPDATE nodes SET connected = 0, last_seen = ?2, session_appliance = NULL WHERE id = ?1",
             params![node, now],
         )?;
     }

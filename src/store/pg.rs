@@ -293,7 +293,7 @@ impl Link {
             if let Some(key) = self.exclusive {
                 if !try_lock(&client, key).await? {
                     return Err(SqlError::Postgres {
-                        message: "another appliance serves this site's database (it holds the site's lock): one bca serve per database".into(),
+                        message: "another bca serve runs as this appliance on the database (it holds the appliance's lock): one serve per appliance".into(),
                         unreachable: true,
                     });
                 }

@@ -55,10 +55,25 @@ impl From<rusqlite::Error> for SqlError {
     }
 }
 
+/// What a transaction PostgreSQL chose to abort for a concurrent one (a deadlock, a
+/// serialization failure) answers: nothing was written, and running it again is right.
+pub const GAVE_WAY: &str =
+    "the database aborted this transaction in favour of a concurrent one (deadlock or serialization failure): nothing was written";
+
+/// Whether `e` is [`GAVE_WAY`]: the JoinService runs such a batch again rather than answer it.
+pub fn gave_way(e: &ApiError) -> bool {
+    e.code == Code::Unavailable && e.message == GAVE_WAY
+}
+
 impl From<SqlError> for ApiError {
     fn from(e: SqlError) -> Self {
         match e {
             SqlError::Sqlite(e) => e.into(),
+            SqlError::Postgres { message, .. }
+                if message.starts_with("40001:") || message.starts_with("40P01:") =>
+            {
+                ApiError::new(Code::Unavailable, GAVE_WAY)
+            }
             SqlError::Postgres {
                 unreachable: true,
                 message,

@@ -278,7 +278,12 @@ impl Appliance {
             .unwrap();
         let mut out = String::new();
         for t in tables.iter().filter(|t| !skip.contains(&t.as_str())) {
-            let rows = query_rows(&c, &format!("SELECT * FROM {t} ORDER BY rowid"));
+            // An appliance's heartbeat is its liveness, not the site's state.
+            let rows = if t == "site_appliances" {
+                query_rows(&c, "SELECT id, state, names_json, fingerprint, wrapped_keys, approved_at FROM site_appliances ORDER BY rowid")
+            } else {
+                query_rows(&c, &format!("SELECT * FROM {t} ORDER BY rowid"))
+            };
             out.push_str(&format!("{t}:\n{rows}\n"));
         }
         out

@@ -10,7 +10,12 @@ use std::time::Duration;
 /// An appliance whose config names its gateway (the ramdisk needs it) and retries quickly, with
 /// the boot server's DHCP on loopback so that tests can make sightings (`sight`).
 pub(crate) fn appliance(approval: &str) -> Appliance {
-    let mut a = Appliance::start_cfg("file", &[], |c| c);
+    appliance_with(approval, &[])
+}
+
+/// [`appliance`], `bca init` given `extra` too.
+pub(crate) fn appliance_with(approval: &str, extra: &[&str]) -> Appliance {
+    let mut a = Appliance::start_cfg("file", extra, |c| c);
     let cfg = a.state().join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
     let text = format!("gateway_url = \"https://{}\"\n{text}", a.gateway)
@@ -127,7 +132,7 @@ pub(crate) fn discovery_join_with(dir: &Path, claims: &Path, wait: u32, retry: u
         .unwrap()
 }
 
-fn vm_claims(a: &Appliance, mac: &str) -> PathBuf {
+pub(crate) fn vm_claims(a: &Appliance, mac: &str) -> PathBuf {
     write_claims(
         a,
         &json!({"productUuid": "00000000-0000-0000-0000-000000000000", "macs": [mac], "hostname": "pxe"}),

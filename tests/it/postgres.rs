@@ -369,7 +369,7 @@ fn a_sqlite_appliance_moves_to_postgres_and_its_agents_keep_renewing() {
 /// state directory (a restored backup, say) cannot serve the same database beside it, so no
 /// token is spent by two writers at once; and one `bca serve` per state directory.
 #[test]
-fn a_second_appliance_on_one_database_is_refused() {
+fn a_copy_of_an_appliance_serving_on_one_database_is_refused() {
     let c = Cluster::shared();
     let (a, url) = on_postgres(c);
     let copy = a.dir.path().join("copy");
@@ -384,7 +384,7 @@ fn a_second_appliance_on_one_database_is_refused() {
     let o = serve_exit(&copy, PASSPHRASE);
     assert!(!o.status.success());
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("another appliance serves site"),
+        String::from_utf8_lossy(&o.stderr).contains("another bca serve runs as appliance"),
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );

@@ -12,14 +12,14 @@ use std::process::{Child, Command};
 use std::time::Duration;
 
 /// A joined node as the test holds it: its chain (PEM and DER) and key.
-struct Node {
-    id: String,
-    chain_pem: Vec<String>,
-    chain_der: Vec<Vec<u8>>,
-    key: SigningKey,
+pub(crate) struct Node {
+    pub(crate) id: String,
+    pub(crate) chain_pem: Vec<String>,
+    pub(crate) chain_der: Vec<Vec<u8>>,
+    pub(crate) key: SigningKey,
 }
 
-fn join_node(sim: &Sim, token: &str, claims: &Value) -> Node {
+pub(crate) fn join_node(sim: &Sim, token: &str, claims: &Value) -> Node {
     let (raw, csr, key) = sim.join(token, claims);
     let reply: Reply = serde_json::from_slice(&raw).unwrap();
     let body =
@@ -43,7 +43,7 @@ fn node_from(id: String, chain_pem: Vec<String>, key: SigningKey) -> Node {
 
 /// A renewal request: `presented` is the chain sent in the body, `pop` the key proving it, over
 /// an mTLS connection made with `mtls`.
-fn renew_raw(
+pub(crate) fn renew_raw(
     cfg: &AgentConfig,
     mtls: &Node,
     presented: &[String],
@@ -68,7 +68,7 @@ fn renew_raw(
     (send(cfg, mtls, &req), req)
 }
 
-fn send(cfg: &AgentConfig, mtls: &Node, req: &Request) -> Vec<u8> {
+pub(crate) fn send(cfg: &AgentConfig, mtls: &Node, req: &Request) -> Vec<u8> {
     rt().block_on(async {
         let mut s = bca::agent::connect(cfg, Some((mtls.chain_der.clone(), mtls.key.pkcs8())))
             .await
@@ -79,11 +79,11 @@ fn send(cfg: &AgentConfig, mtls: &Node, req: &Request) -> Vec<u8> {
     })
 }
 
-fn renew_refused() -> Vec<u8> {
+pub(crate) fn renew_refused() -> Vec<u8> {
     br#"{"v":1,"error":{"code":"ACCESS_DENIED","message":"Renew refused"}}"#.to_vec()
 }
 
-fn last_renew_reason(a: &Appliance) -> String {
+pub(crate) fn last_renew_reason(a: &Appliance) -> String {
     a.last_event("security.renew.refused").unwrap().1["reason"]
         .as_str()
         .unwrap()

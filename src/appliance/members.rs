@@ -1,0 +1,569 @@
+//! Several appliances serving one site (docs/scale-out.md): `bca join-site`, an operator's
+//! approval on an appliance of the site (`bca site appliances approve`), the wrapped copy of the
+//! site's keys a joined box opens with its own key, and the heartbeat that is each appliance's
+//! lease on the sessions it holds.
+//!
+//! Who is trusted with what:
+//! - a joining box proves nothing about itself; an operator compares the fingerprint it printed
+//!   (over its wrapping and gateway public keys) with the one `approve` shows, and approves;
+//! - the approving box wraps the site's keys (node CA, serving CA, join signing, join encryption,
+//!   a rotation's staged or previous keys) to the joined box's wrapping key with ECDH-ES and
+//!   AES-256-GCM (the JWE seal of `proto::jwe`, bound to the site and the appliance's id), and
+//!   signs its gateway leaf for the names it asked for with the site's serving CA;
+//! - the database holds only the wrapped copy: a reader of the database cannot open it.
+
+use crate::appliance::app::App;
+use crate::base::crypto;
+use crate::base::error::{ApiError, ApiResult};
+use crate::config::KeyProtection;
+use crate::keys::{self, OwnKeys};
+use crate::pki::bundle::KeyBundle;
+use crate::store::appliances::{self as rows, Appliance};
+use crate::store::Store;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+/// An appliance's heartbeat period; its lease on its sessions is [`LEASE_SECONDS`].
+pub const HEARTBEAT_SECONDS: u64 = 5;
+/// A live appliance renews its lease every [`HEARTBEAT_SECONDS`]; one silent this long is dead,
+/// and the others mark the sessions it held closed.
+pub const LEASE_SECONDS: i64 = 20;
+
+/// The public PKI files a joined appliance receives (its own `gateway.pem` is made for it).
+const PUBLIC_FILES: &[&str] = &[
+    "node-ca.pem",
+    "serving-ca.pem",
+    "join-signing.pem",
+    "join-encryption.jwk",
+    "join-signing.next.pem",
+    "join-encryption.next.jwk",
+    "join-encryption.previous.jwk",
+];
+
+fn id_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("appliance.id")
+}
+
+/// This state directory's appliance id (`appliance.id`), made on first use by an appliance that
+/// holds the site's keys itself (the one `bca init` made).
+pub fn own_id(state_dir: &Path) -> Result<String, String> {
+    let p = id_path(state_dir);
+    match std::fs::read_to_string(&p) {
+        Ok(s) => {
+            let id = s.trim().to_string();
+            if !crate::base::ids::is_id(&id, "appl", 26) {
+                return Err(format!("{} does not hold an appliance id", p.display()));
+            }
+            Ok(id)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let id = crate::base::ids::new_id("appl", crate::base::clock::now() * 1000);
+            crate::base::fsutil::write_new_private(&p, format!("{id}\n").as_bytes())?;
+            Ok(id)
+        }
+        Err(e) => Err(format!("cannot read {}: {e}", p.display())),
+    }
+}
+
+/// The fingerprint an operator compares before approving: SHA-256 over the wrapping key's and the
+/// gateway key's P-256 points, in groups of four hex digits.
+pub fn fingerprint(wrap: Option<&[u8]>, gateway: &[u8]) -> String {
+    let mut m = Vec::with_capacity(140);
+    m.extend_from_slice(b"bca appliance v1\0");
+    m.extend_from_slice(wrap.unwrap_or_default());
+    m.extend_from_slice(gateway);
+    let h = crypto::hex(&crypto::sha256(&m));
+    h.as_bytes()
+        .chunks(4)
+        .take(8)
+        .map(|c| std::str::from_utf8(c).expect("hex"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// What the wrapped copy is bound to: the site and the appliance it was made for.
+fn binding(site_id: &str, appliance_id: &str) -> Vec<u8> {
+    format!("bca site keys v1 {site_id} {appliance_id}").into_bytes()
+}
+
+pub struct JoinSiteOptions {
+    pub state_dir: PathBuf,
+    pub store: crate::config::StoreConfig,
+    pub gateway_sans: Vec<String>,
+    pub gateway_url: Option<String>,
+    pub key_protection: KeyProtection,
+    pub passphrase: Option<zeroize::Zeroizing<String>>,
+    pub tpm: Option<String>,
+    pub tpm_pcrs: Option<String>,
+    pub listen_http: Option<String>,
+    pub listen_gateway: Option<String>,
+}
+
+/// What `bca join-site` prints.
+pub struct Joined {
+    pub id: String,
+    pub fingerprint: String,
+    pub site_id: String,
+}
+
+const CREATED: &[&str] = &["config.toml", "keys", "appliance.id"];
+
+/// `bca join-site`: a new state directory for an appliance of the site whose database `store`
+/// names, with its own keys, recorded in the database as `pending`. Nothing of the site's keys is
+/// given to it until an operator approves it; a failure leaves neither files nor a row.
+pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
+    if o.store.is_embedded() {
+        return Err(ApiError::invalid_input(
+            "--store: an appliance joins a site whose store is PostgreSQL (postgres://USER@HOST/DB); \
+             a SQLite store is one appliance's own",
+        ));
+    }
+    if o.gateway_sans.is_empty() {
+        return Err(ApiError::invalid_input(
+            "--gateway-san: name at least one name agents reach this appliance by",
+        ));
+    }
+    for s in &o.gateway_sans {
+        crate::pki::gateway_san(s)
+            .map_err(|e| ApiError::invalid_input(format!("--gateway-san: {e}")))?;
+    }
+    if let Some(u) = &o.gateway_url {
+        if !crate::base::net::url_is_plain(u) || crate::base::net::url_host(u).is_none() {
+            return Err(ApiError::invalid_input(format!(
+                "--gateway-url {u:?} must be an https:// URL with a host"
+            )));
+        }
+    }
+    if o.tpm.is_some() != (o.key_protection == KeyProtection::Tpm) && o.tpm.is_some() {
+        return Err(ApiError::invalid_input(
+            "--tpm names the TPM to seal to: it goes with --key-protection tpm",
+        ));
+    }
+    if crate::appliance::init::is_initialised(&o.state_dir) {
+        return Err(ApiError::already_exists(format!(
+            "{} is already initialised; nothing was changed",
+            o.state_dir.display()
+        )));
+    }
+    let pcrs = o
+        .tpm_pcrs
+        .as_deref()
+        .map(crate::tpm::parse_pcrs)
+        .transpose()
+        .map_err(|e| ApiError::invalid_input(format!("--tpm-pcrs: {e}")))?
+        .unwrap_or_default();
+    let tcti: Option<crate::tpm::Tcti> = match o.key_protection {
+        KeyProtection::Tpm => Some(
+            o.tpm
+                .as_deref()
+                .unwrap_or(crate::tpm::DEFAULT_TCTI)
+                .parse()
+                .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))?,
+        ),
+        _ => None,
+    };
+    // The database first: a wrong URL or password changes nothing on this box.
+    let store = Store::open_at(&o.state_dir, o.store.at(), false).map_err(ApiError::unavailable)?;
+    let Some((site_id, site_name, trust_domain)) = crate::store::maintenance::site(&store)? else {
+        return Err(ApiError::invalid_state(
+            "the store's database holds no site: the first appliance makes it with `bca init --store …`",
+        ));
+    };
+    crate::base::fsutil::create_private_dir(&o.state_dir).map_err(ApiError::invalid_input)?;
+    let r = (|| {
+        let own = OwnKeys::generate();
+        let id = crate::base::ids::new_id("appl", now * 1000);
+        let config = crate::appliance::init::site_config(
+            (&site_id, &site_name, &trust_domain),
+            &crate::appliance::init::BoxParts {
+                gateway_url: o.gateway_url.clone(),
+                key_protection: o.key_protection,
+                tpm: tcti.as_ref().map(|t| t.to_string()),
+                listen_http: o.listen_http.clone(),
+                listen_gateway: o.listen_gateway.clone(),
+                store: o.store.clone(),
+            },
+        );
+        keys::seal_own(
+            &o.state_dir,
+            &own,
+            o.key_protection,
+            o.passphrase.as_ref().map(|p| p.as_bytes()),
+            tcti.as_ref().map(|t| (t, pcrs.as_slice())),
+        )
+        .map_err(ApiError::unavailable)?;
+        crate::base::fsutil::write_new_private(
+            &id_path(&o.state_dir),
+            format!("{id}\n").as_bytes(),
+        )
+        .map_err(ApiError::internal)?;
+        let text = config.to_file_text().map_err(ApiError::internal)?;
+        crate::base::fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes())
+            .map_err(ApiError::internal)?;
+        let fp = fingerprint(Some(own.wrap.public_point()), own.gateway.public_point());
+        let row = Appliance {
+            id: id.clone(),
+            state: "pending".into(),
+            names: o.gateway_sans.clone(),
+            gateway_url: o.gateway_url.clone(),
+            wrap_public: Some(own.wrap.public_point().to_vec()),
+            gateway_public: Some(own.gateway.public_point().to_vec()),
+            fingerprint: fp.clone(),
+            wrapped_keys: None,
+            gateway_cert: None,
+            public_pki_json: None,
+            created_at: now,
+            approved_at: None,
+            approved_by: None,
+            heartbeat_at: None,
+        };
+        // Last, the commit point: the row the operator approves.
+        store.write(|tx| {
+            rows::insert(tx, &row, now)?;
+            crate::store::events::audit(
+                tx,
+                now,
+                &crate::store::maintenance::root_tenant_in(tx)?,
+                "site.appliance.join",
+                "local:join-site",
+                &id,
+                json!({"names": o.gateway_sans, "fingerprint": fp}),
+            )
+        })?;
+        Ok(Joined {
+            id,
+            fingerprint: fp,
+            site_id: site_id.clone(),
+        })
+    })();
+    if r.is_err() {
+        for name in CREATED {
+            let p = o.state_dir.join(name);
+            let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+        }
+    }
+    r
+}
+
+/// `bca site appliances approve ID`, on an appliance that holds the site's keys (`keys`): wraps
+/// them to the pending appliance, signs its gateway leaf, and records both. Refused while a join
+/// key rotation is staged or a previous key still accepted (finish it first: the joined box would
+/// not know its schedule).
+pub fn approve(app: &App, keys: &KeyBundle, id: &str, caller: &str, now: i64) -> ApiResult<Value> {
+    check_id(id)?;
+    if keys.join_signing_next.is_some()
+        || keys.join_encryption_next.is_some()
+        || keys.join_encryption_previous.is_some()
+    {
+        return Err(ApiError::invalid_state(
+            "a join key rotation is under way (a staged next key or an accepted previous one): \
+             finish it before approving an appliance (bca pki show)",
+        ));
+    }
+    let Some(a) = app.store.read(|tx| rows::get(tx, id))? else {
+        return Err(ApiError::not_found(format!(
+            "no appliance {id} in this site"
+        )));
+    };
+    if a.state != "pending" {
+        return Err(ApiError::invalid_state(format!(
+            "appliance {id} is {}, not pending: nothing was changed",
+            a.state
+        )));
+    }
+    let (Some(wrap), Some(gw)) = (&a.wrap_public, &a.gateway_public) else {
+        return Err(ApiError::invalid_state(format!(
+            "appliance {id} has no public keys recorded: it cannot be approved"
+        )));
+    };
+    // The fingerprint is recomputed here, never taken from the row: it is what the operator saw.
+    let fp = fingerprint(Some(wrap), gw);
+    let site_json = keys.site_json();
+    let text = std::str::from_utf8(&site_json).map_err(ApiError::internal)?;
+    let wrapped = crate::proto::jwe::seal(text, wrap, &binding(&app.config.site_id, id), now)
+        .map_err(|e| ApiError::invalid_state(format!("appliance {id}'s wrapping key: {e}")))?;
+    let cert = crate::pki::gateway_leaf_for(&app.config, &keys.serving_ca, gw, &a.names, now)
+        .map_err(|e| ApiError::invalid_state(format!("appliance {id}'s gateway leaf: {e}")))?;
+    let public = public_pki_json(&app.state_dir).map_err(ApiError::internal)?;
+    app.store.write(|tx| {
+        rows::approve(tx, id, (&wrapped, &cert, &public), caller, now)?;
+        crate::store::events::audit(
+            tx,
+            now,
+            &app.root_tenant,
+            "site.appliance.approve",
+            caller,
+            id,
+            json!({"names": a.names, "fingerprint": fp}),
+        )
+    })?;
+    tracing::info!(appliance = id, fingerprint = %fp, "site: appliance approved");
+    Ok(json!({"id": id, "state": "approved", "fingerprint": fp, "names": a.names}))
+}
+
+/// `bca site appliances remove ID`: its wrapped keys deleted and its row `removed`; the removed
+/// appliance stops serving at its next heartbeat, and its sessions are marked closed.
+pub fn remove(
+    store: &Store,
+    root_tenant: &str,
+    id: &str,
+    caller: &str,
+    now: i64,
+) -> ApiResult<Value> {
+    check_id(id)?;
+    let a = store.write(|tx| {
+        let a = rows::remove(tx, id, now)?;
+        crate::store::events::audit(
+            tx,
+            now,
+            root_tenant,
+            "site.appliance.remove",
+            caller,
+            id,
+            json!({"names": a.names, "fingerprint": a.fingerprint}),
+        )?;
+        Ok(a)
+    })?;
+    Ok(json!({"id": a.id, "state": "removed"}))
+}
+
+pub fn list(store: &Store, now: i64) -> ApiResult<Value> {
+    let all = store.read(rows::list)?;
+    Ok(json!({"items": all.iter().map(|a| a.shown(LEASE_SECONDS, now)).collect::<Vec<_>>()}))
+}
+
+fn check_id(id: &str) -> ApiResult<()> {
+    if crate::base::ids::is_id(id, "appl", 26) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_input(format!(
+            "{id:?} is not an appliance id (appl_ and 26 characters: bca site appliances list)"
+        )))
+    }
+}
+
+/// The public PKI files of this appliance, as a joined box receives them.
+fn public_pki_json(state_dir: &Path) -> Result<String, String> {
+    let dir = crate::pki::pki_dir(state_dir);
+    let mut m = serde_json::Map::new();
+    for name in PUBLIC_FILES {
+        let p = dir.join(name);
+        match std::fs::read_to_string(&p) {
+            Ok(t) => {
+                m.insert((*name).to_string(), Value::String(t));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot read {}: {e}", p.display())),
+        }
+    }
+    Ok(Value::Object(m).to_string())
+}
+
+/// At `serve` of a joined appliance whose bundle is not there yet: waits (saying so) until an
+/// operator approves it, then opens the wrapped copy with its own key, writes the public PKI and
+/// its gateway leaf, and seals the bundle as its own keys are (the commit point). Refuses when
+/// the appliance was removed or its row is gone.
+pub fn take_site_keys(
+    state_dir: &Path,
+    config: &crate::config::Config,
+    passphrase: Option<&[u8]>,
+    tcti: Option<&crate::tpm::Tcti>,
+) -> Result<(), String> {
+    let (own, vault) = keys::open_own(state_dir, config.key_protection, passphrase, tcti)?;
+    let id = own_id(state_dir)?;
+    let store = Store::open_at(state_dir, config.store.at(), false)?;
+    let mut said = None::<std::time::Instant>;
+    let a = loop {
+        let a = store
+            .read(|tx| rows::get(tx, &id))
+            .map_err(|e| format!("the site's database: {e}"))?
+            .ok_or_else(|| {
+                format!(
+                    "appliance {id} is not in the site's database any more: join the site again \
+                     (bca join-site) in a new state directory"
+                )
+            })?;
+        match a.state.as_str() {
+            "approved" => break a,
+            "pending" => {
+                if said.is_none_or(|t| t.elapsed().as_secs() >= 60) {
+                    tracing::warn!(
+                        appliance = %id,
+                        fingerprint = %a.fingerprint,
+                        "waiting for an operator's approval: on an appliance of the site, check the \
+                         fingerprint and run `bca site appliances approve {id}`"
+                    );
+                    said = Some(std::time::Instant::now());
+                }
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+            other => {
+                return Err(format!(
+                    "appliance {id} is {other}: it was removed from the site and serves nothing"
+                ))
+            }
+        }
+    };
+    let (Some(wrapped), Some(cert), Some(public)) =
+        (&a.wrapped_keys, &a.gateway_cert, &a.public_pki_json)
+    else {
+        return Err(format!(
+            "appliance {id} is approved but its keys are missing from its row"
+        ));
+    };
+    let key = crate::proto::jwe::decryption_key(own.wrap.pkcs8())?;
+    let clear = crate::proto::jwe::open(
+        wrapped,
+        &key,
+        &crypto::sha256(&binding(&config.site_id, &id)),
+        crate::base::clock::now(),
+        i64::MAX / 4,
+    )
+    .map_err(|e| {
+        format!("the site's keys wrapped to appliance {id} do not open with its key ({e:?})")
+    })?;
+    let bundle = KeyBundle::from_site_json(clear.as_bytes(), own.gateway)?;
+    drop(clear);
+    // The public files, then the bundle (a crash in between: the next start does it again).
+    let dir = crate::pki::pki_dir(state_dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let files: serde_json::Map<String, Value> =
+        serde_json::from_str(public).map_err(|e| format!("appliance {id}'s public PKI: {e}"))?;
+    let mut serving_ca = None;
+    for (name, text) in &files {
+        let (Some(name), Some(text)) = (PUBLIC_FILES.iter().find(|n| **n == name), text.as_str())
+        else {
+            return Err(format!(
+                "appliance {id}'s public PKI names a file {name:?} bca does not write"
+            ));
+        };
+        if *name == "serving-ca.pem" {
+            serving_ca = Some(text.to_string());
+        }
+        crate::base::fsutil::write_atomic(&dir.join(name), text.as_bytes(), 0o644)?;
+    }
+    let serving_ca = serving_ca.ok_or("the site's public PKI has no serving CA")?;
+    crate::base::fsutil::write_atomic(
+        &dir.join("gateway.pem"),
+        (crate::proto::x509::pem("CERTIFICATE", cert) + &serving_ca).as_bytes(),
+        0o644,
+    )?;
+    let public = crate::pki::PublicPki::load(&dir)?;
+    crate::pki::check_keys_against(&public, &bundle)
+        .map_err(|e| format!("the site's keys given to appliance {id} are not the site's: {e}"))?;
+    vault.store_bundle(&bundle)?;
+    tracing::info!(appliance = %id, "site: approved; the site's keys are taken");
+    Ok(())
+}
+
+/// The row of an appliance that holds the site's keys on its own disk (`bca init` made it).
+pub fn origin(
+    id: &str,
+    names: Vec<String>,
+    gateway_url: Option<String>,
+    gateway_point: &[u8],
+    now: i64,
+) -> Appliance {
+    Appliance {
+        id: id.to_string(),
+        state: "origin".into(),
+        names,
+        gateway_url,
+        wrap_public: None,
+        gateway_public: Some(gateway_point.to_vec()),
+        fingerprint: fingerprint(None, gateway_point),
+        wrapped_keys: None,
+        gateway_cert: None,
+        public_pki_json: None,
+        created_at: now,
+        approved_at: None,
+        approved_by: None,
+        heartbeat_at: None,
+    }
+}
+
+/// Writes `appliance.id` (a new state directory's).
+pub fn write_id(state_dir: &Path, id: &str) -> Result<(), String> {
+    crate::base::fsutil::write_new_private(&id_path(state_dir), format!("{id}\n").as_bytes())
+}
+
+/// At every `serve`: this appliance's row, recorded as `origin` when it holds the site's keys
+/// itself and has none yet; refused when it was removed.
+pub fn register(app: &App, keys: &KeyBundle, now: i64) -> Result<String, String> {
+    let id = own_id(&app.state_dir)?;
+    let names = crate::proto::x509::cert_sans(&app.pki.gateway).unwrap_or_default();
+    let gw = keys.gateway.public_point().to_vec();
+    let state = app
+        .store
+        .write(|tx| {
+            let existing = rows::get(tx, &id)?;
+            match existing.as_ref().map(|a| a.state.as_str()) {
+                None | Some("origin") => rows::insert(
+                    tx,
+                    &origin(&id, names.clone(), app.config.gateway_url.clone(), &gw, now),
+                    now,
+                )?,
+                _ => {
+                    rows::heartbeat(tx, &id, now)?;
+                }
+            }
+            Ok(existing.map(|a| a.state))
+        })
+        .map_err(|e| format!("recording this appliance in the site's database: {e}"))?;
+    match state.as_deref() {
+        Some("removed") => Err(format!(
+            "appliance {id} was removed from the site (bca site appliances remove): it serves nothing"
+        )),
+        Some("pending") => Err(format!(
+            "appliance {id} is still pending in the site's database but holds keys: its state \
+             directory is not the one that joined"
+        )),
+        _ => Ok(id),
+    }
+}
+
+/// One heartbeat: this appliance's lease renewed, the sessions of dead appliances marked closed.
+/// `Err` when this appliance was removed from the site (it must stop serving).
+pub fn heartbeat(app: &App, id: &str, now: i64) -> Result<(), String> {
+    let r = app.store.write(|tx| {
+        let state = rows::heartbeat(tx, id, now)?;
+        let dead = crate::store::nodes::disconnect_dead(tx, now - LEASE_SECONDS)?;
+        for (node, tenant) in &dead {
+            crate::store::events::publish(
+                tx,
+                now,
+                tenant,
+                "node.disconnected",
+                json!({"nodeId": node}),
+            )?;
+        }
+        Ok((state, dead.len()))
+    });
+    match r {
+        Ok((Some(s), dead)) if s != "removed" => {
+            if dead > 0 {
+                tracing::warn!(
+                    sessions = dead,
+                    "site: closed the sessions of an appliance found dead"
+                );
+            }
+            Ok(())
+        }
+        Ok(_) => Err(format!(
+            "appliance {id} was removed from the site (bca site appliances remove): stopping"
+        )),
+        Err(e) => {
+            tracing::warn!(error = %e, "site: heartbeat failed; trying again");
+            Ok(())
+        }
+    }
+}
+
+/// Whether several appliances of the site hold its keys: an appliance joined and approved (a join
+/// key rotation is then refused: it is not carried to the others yet).
+pub fn several_hold_keys(store: &Store) -> ApiResult<bool> {
+    Ok(store
+        .read(rows::list)?
+        .iter()
+        .any(|a| a.state == "approved"))
+}
