@@ -55,9 +55,11 @@ test: deps image
 	FUZZ_SECONDS=$${FUZZ_SECONDS:-10} ./scripts/fuzz.sh
 
 ## The long fault runs, outside CI: 20 power cuts of a VM running bca serve under a join and
-## renewal storm (make test makes 5).
+## renewal storm (make test makes 5); 20 SIGKILLs of two appliances on one PostgreSQL and 5
+## restarts of the database under a storm through both (make test makes 6 and 2).
 soak: deps image
 	BCA_POWER_CUTS=$${BCA_POWER_CUTS:-20} cargo test --locked --test tests -- faults::power_cuts --nocapture
+	BCA_SITE_KILLS=$${BCA_SITE_KILLS:-20} BCA_SITE_DB_RESTARTS=$${BCA_SITE_DB_RESTARTS:-5} cargo test --locked --test tests -- sites::two_appliances_under --nocapture
 
 ## The fuzz targets (fuzz/, cargo-fuzz on the nightly toolchain), FUZZ_SECONDS each (default 30).
 fuzz:

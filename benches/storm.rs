@@ -830,9 +830,12 @@ fn quick_storm(name: &str, privsep: bool, n: usize, conc: usize) -> f64 {
     rate
 }
 
-/// The same join storm through one appliance on SQLite (the reference) and one on PostgreSQL
-/// (a cluster started here, on a Unix socket, on this machine), in the same run: joins per
-/// second, the appliance's CPU per join, and the PostgreSQL server's own CPU per join.
+/// The same join storm, then a renewal storm of every admitted machine, through one appliance on
+/// SQLite (the reference), one on PostgreSQL and two on one PostgreSQL (the second joined with
+/// `join-site` and approved; machines alternate between them), in the same run: joins and
+/// renewals per second, the appliances' CPU per join, and the PostgreSQL server's own CPU per join
+/// and per renewal. On this 2-core machine the appliances share core 0 and PostgreSQL floats:
+/// the two-appliance figure measures what sharing the database costs, not what a second box adds.
 fn engines(n: usize, conc: usize) {
     let cluster = bca::store::pg_cluster::Cluster::start().expect("PostgreSQL");
     let postmaster: u32 = std::fs::read_to_string(cluster.dir.join("data/postmaster.pid"))
@@ -843,47 +846,226 @@ fn engines(n: usize, conc: usize) {
         .trim()
         .parse()
         .unwrap();
-    let url = cluster.new_database();
-    let mut rates = Vec::new();
-    for (name, init) in [
-        ("sqlite", vec![]),
-        ("postgres", vec!["--store", url.as_str()]),
-    ] {
-        let mut a = appliance_with(&format!("engine-{name}"), true, &init);
-        let (cfg, machines) = prepare_machines(&a, n);
+    let mut joins = Vec::new();
+    for name in ["sqlite", "postgres", "two_postgres"] {
+        let url = cluster.new_database();
+        let init: Vec<&str> = match name {
+            "sqlite" => vec![],
+            _ => vec!["--store", url.as_str()],
+        };
+        let a = appliance_with(&format!("engine-{name}"), true, &init);
+        let b = (name == "two_postgres").then(|| second_appliance(&a, &url));
+        let (cfg_a, machines) = prepare_machines(&a, n);
+        let cfgs: Vec<Arc<AgentConfig>> = match &b {
+            Some(b) => vec![cfg_a.clone(), agent_config_for(b)],
+            None => vec![cfg_a.clone()],
+        };
+        let pids: Vec<u32> = std::iter::once(a.child.id())
+            .chain(b.as_ref().map(|b| b.child.id()))
+            .collect();
+        let cpu = || pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
         let rt = load_runtime();
-        let (cpu0, pg0) = (cpu_seconds(a.child.id()), cpu_seconds(postmaster));
+        let (cpu0, pg0) = (cpu(), cpu_seconds(postmaster));
         let t = Instant::now();
-        let ok = join_storm(&rt, &cfg, &machines, conc)
-            .iter()
-            .filter(|r| r.1.is_some())
-            .count();
+        let answers = spread_storm(&rt, &cfgs, &machines, conc);
         let wall = t.elapsed().as_secs_f64();
-        let (cpu, pg) = (
-            cpu_seconds(a.child.id()) - cpu0,
-            cpu_seconds(postmaster) - pg0,
-        );
+        let (cpu1, pg1) = (cpu(), cpu_seconds(postmaster));
+        let admitted: Vec<(Arc<Machine>, protocol::JoinResponseBody)> = machines
+            .iter()
+            .zip(answers)
+            .filter_map(|(m, r)| {
+                let body =
+                    agent::verify_response(&cfg_a, r.as_ref()?, &m.csr, &m.key, "node").ok()?;
+                Some((m.clone(), body))
+            })
+            .collect();
+        let ok = admitted.len();
         let rate = ok as f64 / wall;
         line(&format!("engine_{name}_joins"), rate, "joins/s");
         line(
             &format!("engine_{name}_appliance_cpu_per_join"),
-            cpu * 1000.0 / ok.max(1) as f64,
+            (cpu1 - cpu0) * 1000.0 / ok.max(1) as f64,
             "ms",
         );
-        if name == "postgres" {
+        if name != "sqlite" {
             line(
-                "engine_postgres_server_cpu_per_join",
-                pg * 1000.0 / ok.max(1) as f64,
+                &format!("engine_{name}_server_cpu_per_join"),
+                (pg1 - pg0) * 1000.0 / ok.max(1) as f64,
                 "ms",
             );
         }
         line(&format!("engine_{name}_failures"), (n - ok) as f64, "");
-        rates.push(rate);
-        let _ = a.child.kill();
-        let _ = a.child.wait();
-        let _ = std::fs::remove_dir_all(&a.dir);
+        // Every admitted machine renews once, each on a new mTLS connection.
+        let (pg2, t) = (cpu_seconds(postmaster), Instant::now());
+        let renewed = renew_storm(&rt, &cfgs, &admitted, conc);
+        let wall = t.elapsed().as_secs_f64();
+        line(
+            &format!("engine_{name}_renewals"),
+            renewed as f64 / wall,
+            "renewals/s",
+        );
+        if name != "sqlite" {
+            line(
+                &format!("engine_{name}_server_cpu_per_renewal"),
+                (cpu_seconds(postmaster) - pg2) * 1000.0 / renewed.max(1) as f64,
+                "ms",
+            );
+        }
+        line(
+            &format!("engine_{name}_renewal_failures"),
+            (ok - renewed) as f64,
+            "",
+        );
+        joins.push(rate);
+        drop(b);
+        drop(a);
     }
-    line("engine_postgres_to_sqlite", rates[1] / rates[0], "");
+    line("engine_postgres_to_sqlite", joins[1] / joins[0], "");
+    line("engine_two_postgres_to_one", joins[2] / joins[1], "");
+}
+
+/// A second appliance of `a`'s site on the database `url`: `bca join-site`, approved on `a`, then
+/// serving.
+fn second_appliance(a: &Appliance, url: &str) -> Appliance {
+    let dir = a.dir.with_file_name(format!(
+        "{}-second",
+        a.dir.file_name().unwrap().to_string_lossy()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let state = dir.join("state");
+    let o = Command::new(bin())
+        .args([
+            "join-site",
+            "--store",
+            url,
+            "--key-protection",
+            "file",
+            "--gateway-san",
+            "127.0.0.1",
+            "--json",
+            "--state-dir",
+        ])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let id = serde_json::from_slice::<Value>(&o.stdout).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cfg = state.join("config.toml");
+    let mut doc: toml::Table = toml::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let sessions = doc["sessions"].as_table_mut().unwrap();
+    sessions.insert("joins_per_source_per_minute".into(), 0.into());
+    sessions.insert("max_connections_per_source".into(), 1_000_000.into());
+    std::fs::write(&cfg, toml::to_string(&doc).unwrap()).unwrap();
+    api(a, "site/appliances/approve", json!({"id": id}));
+    let (child, ready, _) = start_serve(&state);
+    Appliance {
+        dir,
+        child,
+        http: ready["http"].as_str().unwrap().into(),
+        gateway: ready["gateway"].as_str().unwrap().into(),
+        socket: PathBuf::from(ready["admin"].as_str().unwrap()),
+    }
+}
+
+/// The agent configuration of `a`'s gateway.
+fn agent_config_for(a: &Appliance) -> Arc<AgentConfig> {
+    let adir = a.dir.join("agent");
+    bca::appliance::agent_files::write_agent_config(
+        &a.dir.join("state"),
+        &[format!("https://{}", a.gateway)],
+        &adir,
+    )
+    .unwrap();
+    Arc::new(AgentConfig::load(&adir.join("config.toml")).unwrap())
+}
+
+/// [`join_storm`] with the machines spread over the gateways of `cfgs` in turn.
+fn spread_storm(
+    rt: &tokio::runtime::Runtime,
+    cfgs: &[Arc<AgentConfig>],
+    machines: &[Arc<Machine>],
+    conc: usize,
+) -> Vec<Option<protocol::JoinResponse>> {
+    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
+    rt.block_on(async {
+        let mut hs = Vec::new();
+        for (i, m) in machines.iter().enumerate() {
+            let (cfg, m, sem) = (cfgs[i % cfgs.len()].clone(), m.clone(), sem.clone());
+            hs.push(tokio::spawn(async move {
+                let _p = sem.acquire_owned().await.unwrap();
+                one_join(cfg, m).await.1
+            }));
+        }
+        let mut out = Vec::new();
+        for h in hs {
+            out.push(h.await.unwrap());
+        }
+        out
+    })
+}
+
+/// Each admitted machine renews once over a new mTLS connection, through the gateways of `cfgs`
+/// in turn (its proof and new key made before the clock starts); how many were renewed.
+fn renew_storm(
+    rt: &tokio::runtime::Runtime,
+    cfgs: &[Arc<AgentConfig>],
+    admitted: &[(Arc<Machine>, protocol::JoinResponseBody)],
+    conc: usize,
+) -> usize {
+    let now = bca::base::clock::now();
+    // Each: the chain the connection presents (DER), the machine (its key), the request.
+    type Prepared = (Vec<Vec<u8>>, Arc<Machine>, Vec<u8>);
+    let prepared: Vec<Prepared> = admitted
+        .iter()
+        .map(|(m, body)| {
+            let key = SigningKey::generate();
+            let csr = bca::proto::csr::create(&key);
+            let msg = protocol::renew_pop_message(&crypto::sha256(&csr), &body.node_id, now);
+            let req = Request {
+                v: 1,
+                renew: Some(RenewRequest {
+                    csr: crypto::b64(&csr),
+                    chain: body.certificate_chain.clone(),
+                    client_time: now,
+                    pop_sig: crypto::b64(&m.key.sign(protocol::RENEW_POP_PURPOSE, &msg)),
+                    key_attestation: None,
+                }),
+                ..Default::default()
+            };
+            (
+                chain_der(&body.certificate_chain),
+                m.clone(),
+                serde_json::to_vec(&req).unwrap(),
+            )
+        })
+        .collect();
+    let sem = Arc::new(tokio::sync::Semaphore::new(conc));
+    rt.block_on(async {
+        let mut hs = Vec::new();
+        for (i, (chain, m, req)) in prepared.into_iter().enumerate() {
+            let (cfg, sem) = (cfgs[i % cfgs.len()].clone(), sem.clone());
+            hs.push(tokio::spawn(async move {
+                let _p = sem.acquire_owned().await.unwrap();
+                let Ok(mut s) = agent::connect(&cfg, Some((chain, m.key.pkcs8()))).await else {
+                    return false;
+                };
+                let Ok(raw) = agent::roundtrip(&cfg, &mut s, &req).await else {
+                    return false;
+                };
+                serde_json::from_slice::<Reply>(&raw)
+                    .map(|r| r.renew_response.is_some())
+                    .unwrap_or(false)
+            }));
+        }
+        let mut n = 0;
+        for h in hs {
+            n += h.await.unwrap() as usize;
+        }
+        n
+    })
 }
 
 /// A pool, tokens (10,000 uses each) and `n` machines prepared as real ones would be before the
@@ -1051,7 +1233,7 @@ fn main() {
     let joins = env("BENCH_JOINS", 20_000);
     let conc = env("BENCH_CONCURRENCY", 200);
     if std::env::var_os("BCA_BENCH_ENGINES").is_some() {
-        println!("# bca engines bench: {joins} joins, {conc} concurrent, SQLite then PostgreSQL");
+        println!("# bca engines bench: {joins} joins then as many renewals, {conc} concurrent: one appliance on SQLite, one on PostgreSQL, two on one PostgreSQL");
         println!("{}", support::describe_bin());
         engines(joins, conc);
         return;

@@ -124,11 +124,24 @@ async fn admin(
                 #[serde(rename_all = "camelCase", deny_unknown_fields)]
                 struct One {
                     id: String,
+                    /// `approve`: the fingerprint the new box printed, which the operator checked.
+                    fingerprint: Option<String>,
                 }
                 let i: One = crate::admin::ctx::parse(&body)?;
                 if method.ends_with("approve") {
+                    let Some(fp) = i.fingerprint.as_deref() else {
+                        return Err(ApiError::invalid_input(
+                            "fingerprint is required: the one `bca join-site` printed on the new box",
+                        ));
+                    };
                     return rotator.with_keys(|keys| {
-                        crate::appliance::members::approve(&app, keys, &i.id, ctx.caller, ctx.now)
+                        crate::appliance::members::approve(
+                            &app,
+                            keys,
+                            (&i.id, fp),
+                            ctx.caller,
+                            ctx.now,
+                        )
                     });
                 }
                 return crate::appliance::members::remove(

@@ -65,13 +65,28 @@ pub fn own_id(state_dir: &Path) -> Result<String, String> {
     }
 }
 
-/// The fingerprint an operator compares before approving: SHA-256 over the wrapping key's and the
-/// gateway key's P-256 points, in groups of four hex digits.
-pub fn fingerprint(wrap: Option<&[u8]>, gateway: &[u8]) -> String {
-    let mut m = Vec::with_capacity(140);
-    m.extend_from_slice(b"bca appliance v1\0");
-    m.extend_from_slice(wrap.unwrap_or_default());
-    m.extend_from_slice(gateway);
+/// The fingerprint an operator compares before approving: SHA-256 over everything the approval
+/// acts on (the wrapping key's and the gateway key's P-256 points, the names its leaf is signed
+/// for, the URL agents are given), in groups of four hex digits. A row changed after the box
+/// printed it has another fingerprint.
+pub fn fingerprint(
+    wrap: Option<&[u8]>,
+    gateway: &[u8],
+    names: &[String],
+    gateway_url: Option<&str>,
+) -> String {
+    let mut m = Vec::with_capacity(256);
+    m.extend_from_slice(b"bca appliance v2\0");
+    let names = names.join("\n");
+    for part in [
+        wrap.unwrap_or_default(),
+        gateway,
+        names.as_bytes(),
+        gateway_url.unwrap_or_default().as_bytes(),
+    ] {
+        m.extend_from_slice(&(part.len() as u32).to_be_bytes());
+        m.extend_from_slice(part);
+    }
     let h = crypto::hex(&crypto::sha256(&m));
     h.as_bytes()
         .chunks(4)
@@ -81,6 +96,39 @@ pub fn fingerprint(wrap: Option<&[u8]>, gateway: &[u8]) -> String {
         .join(":")
 }
 
+/// A row's fingerprint as computed from what it holds now (never the stored column).
+fn fingerprint_of(a: &Appliance) -> Option<String> {
+    Some(fingerprint(
+        a.wrap_public.as_deref(),
+        a.gateway_public.as_deref()?,
+        &a.names,
+        a.gateway_url.as_deref(),
+    ))
+}
+
+/// `--gateway-url`: `https://host[:port]`, no user or password in it, its host one of `names`.
+fn check_gateway_url(u: &str, names: &[String]) -> Result<(), String> {
+    let authority = u
+        .strip_prefix("https://")
+        .and_then(|r| r.split('/').next())
+        .unwrap_or_default();
+    if !crate::base::net::url_is_plain(u)
+        || authority.contains('@')
+        || crate::base::net::host_port(u).is_none()
+    {
+        return Err(format!(
+            "--gateway-url {u:?} must be https://host[:port] (no user or password in it)"
+        ));
+    }
+    let host = crate::base::net::url_host(u).unwrap_or_default();
+    if !names.contains(&host) {
+        return Err(format!(
+            "--gateway-url {u:?}: its host {host:?} is not one of the appliance's names (--gateway-san)"
+        ));
+    }
+    Ok(())
+}
+
 /// What the wrapped copy is bound to: the site and the appliance it was made for.
 fn binding(site_id: &str, appliance_id: &str) -> Vec<u8> {
     format!("bca site keys v1 {site_id} {appliance_id}").into_bytes()
@@ -88,6 +136,9 @@ fn binding(site_id: &str, appliance_id: &str) -> Vec<u8> {
 
 pub struct JoinSiteOptions {
     pub state_dir: PathBuf,
+    /// The site's serving CA pin (`bca pki show` on an appliance of the site): what the site's
+    /// keys, when they come, must be.
+    pub serving_ca_pin: String,
     pub store: crate::config::StoreConfig,
     pub gateway_sans: Vec<String>,
     pub gateway_url: Option<String>,
@@ -106,7 +157,17 @@ pub struct Joined {
     pub site_id: String,
 }
 
-const CREATED: &[&str] = &["config.toml", "keys", "appliance.id"];
+const CREATED: &[&str] = &["config.toml", "keys", "appliance.id", "joined.json"];
+
+/// What `bca join-site` keeps on the box of what it asked for, to check what the site gives it
+/// against (`joined.json`): never taken from the database.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct JoinedFile {
+    serving_ca_pin: String,
+    names: Vec<String>,
+    gateway_url: Option<String>,
+}
 
 /// `bca join-site`: a new state directory for an appliance of the site whose database `store`
 /// names, with its own keys, recorded in the database as `pending`. Nothing of the site's keys is
@@ -123,16 +184,28 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             "--gateway-san: name at least one name agents reach this appliance by",
         ));
     }
-    for s in &o.gateway_sans {
+    for (i, s) in o.gateway_sans.iter().enumerate() {
         crate::pki::gateway_san(s)
             .map_err(|e| ApiError::invalid_input(format!("--gateway-san: {e}")))?;
-    }
-    if let Some(u) = &o.gateway_url {
-        if !crate::base::net::url_is_plain(u) || crate::base::net::url_host(u).is_none() {
+        if o.gateway_sans[..i].contains(s) {
             return Err(ApiError::invalid_input(format!(
-                "--gateway-url {u:?} must be an https:// URL with a host"
+                "--gateway-san {s:?} is given twice"
             )));
         }
+    }
+    if let Some(u) = &o.gateway_url {
+        check_gateway_url(u, &o.gateway_sans).map_err(ApiError::invalid_input)?;
+    }
+    let pin_ok = o
+        .serving_ca_pin
+        .strip_prefix("sha256/")
+        .is_some_and(|b| crypto::b64_decode(b).is_some_and(|d| d.len() == 32));
+    if !pin_ok {
+        return Err(ApiError::invalid_input(format!(
+            "--serving-ca-pin {:?} must be the site's serving CA pin, sha256/ and 44 base64 \
+             characters (bca pki show, on an appliance of the site)",
+            o.serving_ca_pin
+        )));
     }
     if o.tpm.is_some() != (o.key_protection == KeyProtection::Tpm) && o.tpm.is_some() {
         return Err(ApiError::invalid_input(
@@ -169,6 +242,7 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             "the store's database holds no site: the first appliance makes it with `bca init --store …`",
         ));
     };
+    let made_dir = !o.state_dir.exists();
     crate::base::fsutil::create_private_dir(&o.state_dir).map_err(ApiError::invalid_input)?;
     let r = (|| {
         let own = OwnKeys::generate();
@@ -192,15 +266,26 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             tcti.as_ref().map(|t| (t, pcrs.as_slice())),
         )
         .map_err(ApiError::unavailable)?;
+        write_id(&o.state_dir, &id).map_err(ApiError::internal)?;
+        let joined = JoinedFile {
+            serving_ca_pin: o.serving_ca_pin.clone(),
+            names: o.gateway_sans.clone(),
+            gateway_url: o.gateway_url.clone(),
+        };
         crate::base::fsutil::write_new_private(
-            &id_path(&o.state_dir),
-            format!("{id}\n").as_bytes(),
+            &o.state_dir.join("joined.json"),
+            &serde_json::to_vec_pretty(&joined).expect("serializes"),
         )
         .map_err(ApiError::internal)?;
         let text = config.to_file_text().map_err(ApiError::internal)?;
         crate::base::fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes())
             .map_err(ApiError::internal)?;
-        let fp = fingerprint(Some(own.wrap.public_point()), own.gateway.public_point());
+        let fp = fingerprint(
+            Some(own.wrap.public_point()),
+            own.gateway.public_point(),
+            &o.gateway_sans,
+            o.gateway_url.as_deref(),
+        );
         let row = Appliance {
             id: id.clone(),
             state: "pending".into(),
@@ -241,6 +326,9 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             let p = o.state_dir.join(name);
             let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
         }
+        if made_dir {
+            let _ = std::fs::remove_dir(&o.state_dir);
+        }
     }
     r
 }
@@ -249,7 +337,13 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
 /// them to the pending appliance, signs its gateway leaf, and records both. Refused while a join
 /// key rotation is staged or a previous key still accepted (finish it first: the joined box would
 /// not know its schedule).
-pub fn approve(app: &App, keys: &KeyBundle, id: &str, caller: &str, now: i64) -> ApiResult<Value> {
+pub fn approve(
+    app: &App,
+    keys: &KeyBundle,
+    (id, expected): (&str, &str),
+    caller: &str,
+    now: i64,
+) -> ApiResult<Value> {
     check_id(id)?;
     if keys.join_signing_next.is_some()
         || keys.join_encryption_next.is_some()
@@ -276,8 +370,27 @@ pub fn approve(app: &App, keys: &KeyBundle, id: &str, caller: &str, now: i64) ->
             "appliance {id} has no public keys recorded: it cannot be approved"
         )));
     };
-    // The fingerprint is recomputed here, never taken from the row: it is what the operator saw.
-    let fp = fingerprint(Some(wrap), gw);
+    // The fingerprint is computed here from what the approval acts on, never taken from the
+    // row's column: it must be the one the new box printed, which the operator gives.
+    let fp = fingerprint(Some(wrap), gw, &a.names, a.gateway_url.as_deref());
+    if fp != a.fingerprint || expected.trim() != fp {
+        return Err(ApiError::invalid_state(format!(
+            "appliance {id}'s row does not have the fingerprint {:?}: its keys, names or URL are \
+             not what the box printed when it joined (changed in the database?); nothing was \
+             approved",
+            expected.trim()
+        )));
+    }
+    if let Some(u) = &a.gateway_url {
+        check_gateway_url(u, &a.names).map_err(ApiError::invalid_state)?;
+    }
+    if app.store.read(rows::list)?.iter().any(|o| {
+        o.id != a.id && o.state != "removed" && o.wrap_public.as_deref() == Some(wrap.as_slice())
+    }) {
+        return Err(ApiError::invalid_state(format!(
+            "appliance {id}'s wrapping key is another appliance's too: nothing was approved"
+        )));
+    }
     let site_json = keys.site_json();
     let text = std::str::from_utf8(&site_json).map_err(ApiError::internal)?;
     let wrapped = crate::proto::jwe::seal(text, wrap, &binding(&app.config.site_id, id), now)
@@ -327,9 +440,21 @@ pub fn remove(
     Ok(json!({"id": a.id, "state": "removed"}))
 }
 
+/// Every appliance; the fingerprint shown is computed from the row's keys, names and URL, and a
+/// row whose stored fingerprint differs is said to be `changed` (written behind bca's back).
 pub fn list(store: &Store, now: i64) -> ApiResult<Value> {
     let all = store.read(rows::list)?;
-    Ok(json!({"items": all.iter().map(|a| a.shown(LEASE_SECONDS, now)).collect::<Vec<_>>()}))
+    let items: Vec<Value> = all
+        .iter()
+        .map(|a| {
+            let mut v = a.shown(LEASE_SECONDS, now);
+            let fp = fingerprint_of(a);
+            v["changed"] = json!(fp.as_deref() != Some(a.fingerprint.as_str()));
+            v["fingerprint"] = json!(fp);
+            v
+        })
+        .collect();
+    Ok(json!({ "items": items }))
 }
 
 fn check_id(id: &str) -> ApiResult<()> {
@@ -424,35 +549,107 @@ pub fn take_site_keys(
     })?;
     let bundle = KeyBundle::from_site_json(clear.as_bytes(), own.gateway)?;
     drop(clear);
-    // The public files, then the bundle (a crash in between: the next start does it again).
-    let dir = crate::pki::pki_dir(state_dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    // Checked against what this box asked for, kept on its own disk: the site's serving CA by
+    // its pin, then everything else against it. The public files go into place only once they
+    // are checked, in one rename, then the bundle (a crash in between: the next start does it
+    // again).
+    let joined: JoinedFile = std::fs::read(state_dir.join("joined.json"))
+        .map_err(|e| {
+            format!(
+                "cannot read {}: {e}",
+                state_dir.join("joined.json").display()
+            )
+        })
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| format!("joined.json: {e}")))?;
     let files: serde_json::Map<String, Value> =
         serde_json::from_str(public).map_err(|e| format!("appliance {id}'s public PKI: {e}"))?;
-    let mut serving_ca = None;
-    for (name, text) in &files {
-        let (Some(name), Some(text)) = (PUBLIC_FILES.iter().find(|n| **n == name), text.as_str())
-        else {
-            return Err(format!(
-                "appliance {id}'s public PKI names a file {name:?} bca does not write"
-            ));
-        };
-        if *name == "serving-ca.pem" {
-            serving_ca = Some(text.to_string());
+    let staging = state_dir.join("pki.new");
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging)
+        .map_err(|e| format!("cannot create {}: {e}", staging.display()))?;
+    let checked = (|| {
+        let mut serving_ca = None;
+        for (name, text) in &files {
+            let (Some(name), Some(text)) =
+                (PUBLIC_FILES.iter().find(|n| **n == name), text.as_str())
+            else {
+                return Err(format!(
+                    "appliance {id}'s public PKI names a file {name:?} bca does not write"
+                ));
+            };
+            if *name == "serving-ca.pem" {
+                serving_ca = Some(text.to_string());
+            }
+            crate::base::fsutil::write_new(&staging.join(name), text.as_bytes(), 0o644)?;
         }
-        crate::base::fsutil::write_atomic(&dir.join(name), text.as_bytes(), 0o644)?;
+        let serving_ca = serving_ca.ok_or("the site's public PKI has no serving CA")?;
+        crate::base::fsutil::write_new(
+            &staging.join("gateway.pem"),
+            (crate::proto::x509::pem("CERTIFICATE", cert) + &serving_ca).as_bytes(),
+            0o644,
+        )?;
+        let public = crate::pki::PublicPki::load(&staging)?;
+        let pin = crypto::spki_pin(&crate::proto::x509::cert_spki(&public.serving_ca)?);
+        if pin != joined.serving_ca_pin {
+            return Err(format!(
+                "the site's keys given to appliance {id} are not the site's whose serving CA pin \
+                 `bca join-site` was given ({}): its serving CA is {pin}",
+                joined.serving_ca_pin
+            ));
+        }
+        crate::pki::check_keys_against(&public, &bundle).map_err(|e| {
+            format!("the site's keys given to appliance {id} are not the site's: {e}")
+        })?;
+        check_leaf(
+            cert,
+            &bundle,
+            &joined.names,
+            config,
+            crate::base::clock::now(),
+        )
+        .map_err(|e| format!("appliance {id}'s gateway certificate: {e}"))
+    })();
+    if let Err(e) = checked {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(e);
     }
-    let serving_ca = serving_ca.ok_or("the site's public PKI has no serving CA")?;
-    crate::base::fsutil::write_atomic(
-        &dir.join("gateway.pem"),
-        (crate::proto::x509::pem("CERTIFICATE", cert) + &serving_ca).as_bytes(),
-        0o644,
-    )?;
-    let public = crate::pki::PublicPki::load(&dir)?;
-    crate::pki::check_keys_against(&public, &bundle)
-        .map_err(|e| format!("the site's keys given to appliance {id} are not the site's: {e}"))?;
+    let dir = crate::pki::pki_dir(state_dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&staging, &dir)
+        .map_err(|e| format!("cannot move {} into place: {e}", staging.display()))?;
     vault.store_bundle(&bundle)?;
     tracing::info!(appliance = %id, "site: approved; the site's keys are taken");
+    Ok(())
+}
+
+/// A joined box's gateway leaf: signed by the site's serving CA, for exactly the names it asked
+/// for, valid now and for no longer than `[pki] gateway_leaf_validity_days`.
+fn check_leaf(
+    cert: &[u8],
+    bundle: &KeyBundle,
+    names: &[String],
+    config: &crate::config::Config,
+    now: i64,
+) -> Result<(), String> {
+    if !crate::proto::x509::signed_by(cert, bundle.serving_ca.public_point()) {
+        return Err("not signed by the site's serving CA".into());
+    }
+    let mut got = crate::proto::x509::cert_sans(cert)?;
+    let mut want = names.to_vec();
+    got.sort();
+    want.sort();
+    if got != want {
+        return Err(format!("it names {got:?}, this box asked for {want:?}"));
+    }
+    let (nb, na) = crate::proto::x509::validity(cert).ok_or("its validity cannot be read")?;
+    let most = config.pki.gateway_leaf_validity_days as i64 * 86_400 + 3_600;
+    if na <= now || nb > now + 300 || na - nb > most {
+        return Err(format!(
+            "valid from {} to {}: not now, or longer than [pki] gateway_leaf_validity_days",
+            crate::base::clock::rfc3339(nb),
+            crate::base::clock::rfc3339(na)
+        ));
+    }
     Ok(())
 }
 
@@ -467,11 +664,11 @@ pub fn origin(
     Appliance {
         id: id.to_string(),
         state: "origin".into(),
+        fingerprint: fingerprint(None, gateway_point, &names, gateway_url.as_deref()),
         names,
         gateway_url,
         wrap_public: None,
         gateway_public: Some(gateway_point.to_vec()),
-        fingerprint: fingerprint(None, gateway_point),
         wrapped_keys: None,
         gateway_cert: None,
         public_pki_json: None,
@@ -539,6 +736,12 @@ pub fn heartbeat(app: &App, id: &str, now: i64) -> Result<(), String> {
         }
         Ok((state, dead.len()))
     });
+    if crate::store::pg::lost_exclusive() {
+        return Err(format!(
+            "another bca serve took appliance {id}'s lock on the database while this one was \
+             reconnecting (a copy of this state directory serving): stopping"
+        ));
+    }
     match r {
         Ok((Some(s), dead)) if s != "removed" => {
             if dead > 0 {

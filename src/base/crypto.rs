@@ -159,6 +159,14 @@ pub fn verify(public_point: &[u8], purpose: &str, message: &[u8], sig: &[u8]) ->
         .is_ok()
 }
 
+/// Verifies an ECDSA P-256 SHA-256 signature (DER) over `message` as X.509 makes them (no
+/// purpose prefix): a certificate's signature over its `tbsCertificate`.
+pub fn verify_x509(public_point: &[u8], message: &[u8], sig: &[u8]) -> bool {
+    UnparsedPublicKey::new(&signature::ECDSA_P256_SHA256_ASN1, public_point)
+        .verify(message, sig)
+        .is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -202,6 +202,10 @@ pub struct JoinSiteArgs {
     /// The file holding the database user's password (mode 0600).
     #[arg(long, value_name = "FILE")]
     pub store_password_file: Option<PathBuf>,
+    /// The site's serving CA pin (sha256/…, `bca pki show` on an appliance of the site): the
+    /// site's keys this box receives must be the ones it names.
+    #[arg(long, value_name = "PIN")]
+    pub serving_ca_pin: String,
     /// A name (DNS or IP) this appliance's gateway certificate carries; repeat for more.
     #[arg(long = "gateway-san", required = true)]
     pub gateway_san: Vec<String>,
@@ -232,7 +236,13 @@ pub enum AppliancesCmd {
     List,
     /// Give a pending appliance the site's keys (check its fingerprint first: bca join-site
     /// printed it on that box).
-    Approve { id: String },
+    Approve {
+        id: String,
+        /// The fingerprint `bca join-site` printed on that box: the approval is refused unless the
+        /// appliance's keys, names and URL in the database give the same one.
+        #[arg(long)]
+        fingerprint: String,
+    },
     /// Remove an appliance from the site: its wrapped keys deleted; it stops serving.
     Remove { id: String },
 }

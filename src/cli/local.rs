@@ -78,6 +78,7 @@ pub(crate) fn cmd_join_site(a: crate::cli::args::JoinSiteArgs, conn: &Conn) -> A
         crate::appliance::members::JoinSiteOptions {
             state_dir: state_dir.clone(),
             store: store_config(Some(a.store), a.store_password_file)?,
+            serving_ca_pin: a.serving_ca_pin,
             gateway_sans: a.gateway_san,
             gateway_url: a.gateway_url,
             key_protection: kp,
@@ -99,9 +100,9 @@ pub(crate) fn cmd_join_site(a: crate::cli::args::JoinSiteArgs, conn: &Conn) -> A
         println!("fingerprint: {}", out.fingerprint);
         println!("site:        {}", out.site_id);
         eprintln!(
-            "pending: on an appliance of the site, check that `bca site appliances list` shows this \
-             fingerprint, then run `bca site appliances approve {}`; `bca serve` here waits until then",
-            out.id
+            "pending: on an appliance of the site, run `bca site appliances approve {} --fingerprint {}` \
+             (it is refused unless the database holds what this box sent); `bca serve` here waits until then",
+            out.id, out.fingerprint
         );
     }
     Ok(())

@@ -78,7 +78,10 @@ fn run(cli: Cli) -> ApiResult<()> {
         Command::Site(SiteCmd::Appliances(cmd)) => {
             let (method, body) = match &cmd {
                 AppliancesCmd::List => ("site/appliances/list", json!({})),
-                AppliancesCmd::Approve { id } => ("site/appliances/approve", json!({"id": id})),
+                AppliancesCmd::Approve { id, fingerprint } => (
+                    "site/appliances/approve",
+                    json!({"id": id, "fingerprint": fingerprint}),
+                ),
                 AppliancesCmd::Remove { id } => ("site/appliances/remove", json!({"id": id})),
             };
             let v = conn.client().call(method, &body)?;

@@ -173,7 +173,14 @@ pub fn gateway_san(s: &str) -> Result<SanType, String> {
 /// Letters, digits and hyphens in dot-separated labels of 1 to 63 (none starting or ending with
 /// a hyphen), at most 253 in all.
 fn is_dns_name(s: &str) -> bool {
+    // A last label of digits only reads as a (bad) IP address, not a host name.
     !s.is_empty()
+        && !s
+            .rsplit('.')
+            .next()
+            .unwrap_or_default()
+            .bytes()
+            .all(|c| c.is_ascii_digit())
         && s.len() <= 253
         && s.split('.').all(|l| {
             !l.is_empty()

@@ -40,6 +40,20 @@ pub fn cert_spki(der: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 /// A certificate's (notBefore, notAfter), in Unix seconds.
+/// Whether `der` is signed (ECDSA P-256 with SHA-256) by the key whose P-256 point is `issuer`.
+pub fn signed_by(der: &[u8], issuer: &[u8]) -> bool {
+    let Ok((_, c)) = x509_parser::parse_x509_certificate(der) else {
+        return false;
+    };
+    // ecdsa-with-SHA256
+    c.signature_algorithm.algorithm.to_id_string() == "1.2.840.10045.4.3.2"
+        && crate::base::crypto::verify_x509(
+            issuer,
+            c.tbs_certificate.as_ref(),
+            &c.signature_value.data,
+        )
+}
+
 pub fn validity(der: &[u8]) -> Option<(i64, i64)> {
     use x509_parser::prelude::*;
     let (_, c) = X509Certificate::from_der(der).ok()?;

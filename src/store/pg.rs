@@ -260,6 +260,14 @@ fn busy(message: &str) -> bool {
         .any(|code| message.starts_with(code))
 }
 
+/// Set when this process, reconnecting, found its appliance's lock taken by another process (a
+/// copy of its state directory serving): `serve` stops rather than serve beside it.
+static LOST_EXCLUSIVE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn lost_exclusive() -> bool {
+    LOST_EXCLUSIVE.load(std::sync::atomic::Ordering::SeqCst)
+}
+
 /// The session-level advisory lock `key`, if no other session holds it.
 async fn try_lock(c: &tokio_postgres::Client, key: i64) -> SqlResult<bool> {
     Ok(c.query_one("SELECT pg_try_advisory_lock($1)", &[&key])
@@ -292,6 +300,7 @@ impl Link {
             });
             if let Some(key) = self.exclusive {
                 if !try_lock(&client, key).await? {
+                    LOST_EXCLUSIVE.store(true, std::sync::atomic::Ordering::SeqCst);
                     return Err(SqlError::Postgres {
                         message: "another bca serve runs as this appliance on the database (it holds the appliance's lock): one serve per appliance".into(),
                         unreachable: true,

@@ -29,19 +29,61 @@ impl Joining {
     }
 }
 
-fn join_site(url: &str, extra: &[&str]) -> (Joining, std::process::Output) {
+/// `bca join-site` on a new directory, with `pin` as the site's serving CA pin.
+fn join_site_pinned(url: &str, pin: &str, extra: &[&str]) -> (Joining, std::process::Output) {
     let j = Joining {
         dir: tempfile::tempdir().unwrap(),
     };
     let out = j.cli(
         &[
-            &["join-site", "--store", url, "--key-protection", "file"][..],
+            &[
+                "join-site",
+                "--store",
+                url,
+                "--key-protection",
+                "file",
+                "--serving-ca-pin",
+                pin,
+            ][..],
             extra,
             &["--json"],
         ]
         .concat(),
     );
     (j, out)
+}
+
+/// The site's serving CA pin, as `bca pki show` prints it on `a`.
+fn serving_pin(a: &Appliance) -> String {
+    a.cli_json(&["pki", "show"])["pins"]["servingCa"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// `bca join-site` with the site's right pin; its id and fingerprint when it succeeded.
+fn join_site(url: &str, extra: &[&str]) -> (Joining, std::process::Output) {
+    let pin = PIN.with(|p| p.borrow().clone());
+    join_site_pinned(url, &pin, extra)
+}
+
+thread_local! {
+    /// The pin `join_site` passes (each test sets its site's).
+    static PIN: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+fn use_pin(a: &Appliance) {
+    let p = serving_pin(a);
+    PIN.with(|x| *x.borrow_mut() = p);
+}
+
+fn joined_id(o: &std::process::Output) -> (String, String) {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    (
+        v["id"].as_str().unwrap().to_string(),
+        v["fingerprint"].as_str().unwrap().to_string(),
+    )
 }
 
 /// A free TCP port on loopback (for an appliance whose URL must be known before it serves).
@@ -72,12 +114,46 @@ fn two_appliances_on_one_postgres_share_the_site_and_spend_nothing_twice() {
     let url = c.new_database();
     // A: the site's first appliance, with DHCP sightings on loopback and its gateway named.
     let mut a = crate::discovery::appliance_with("always", &["--store", &url]);
+    use_pin(&a);
 
     // Bad joins change nothing: a SQLite store, no name, a bad name, a database with no site.
     let before = a.count("SELECT count(*) FROM site_appliances");
     for (args, want) in [
         (vec!["--gateway-san", "b.example"], "postgres"),
         (vec!["--gateway-san", "not a name!"], "neither a DNS name"),
+        (vec!["--gateway-san", "1.2.3.4.5"], "neither a DNS name"),
+        (vec!["--gateway-san", "*.example.com"], "neither a DNS name"),
+        (
+            vec!["--gateway-san", "b.example", "--gateway-san", "b.example"],
+            "given twice",
+        ),
+        (
+            vec![
+                "--gateway-san",
+                "b.example",
+                "--gateway-url",
+                "http://b.example",
+            ],
+            "must be https://",
+        ),
+        (
+            vec![
+                "--gateway-san",
+                "b.example",
+                "--gateway-url",
+                "https://u:pw@b.example",
+            ],
+            "no user or password",
+        ),
+        (
+            vec![
+                "--gateway-san",
+                "b.example",
+                "--gateway-url",
+                "https://c.example",
+            ],
+            "not one of the appliance's names",
+        ),
     ] {
         let store = if want == "postgres" {
             "/tmp/bca.db"
@@ -87,9 +163,18 @@ fn two_appliances_on_one_postgres_share_the_site_and_spend_nothing_twice() {
         let j = Joining {
             dir: tempfile::tempdir().unwrap(),
         };
+        let pin = serving_pin(&a);
         let o = j.cli(
             &[
-                &["join-site", "--store", store, "--key-protection", "file"][..],
+                &[
+                    "join-site",
+                    "--store",
+                    store,
+                    "--key-protection",
+                    "file",
+                    "--serving-ca-pin",
+                    &pin,
+                ][..],
                 &args,
             ]
             .concat(),
@@ -97,8 +182,24 @@ fn two_appliances_on_one_postgres_share_the_site_and_spend_nothing_twice() {
         assert!(!o.status.success());
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains(want), "{err}");
-        assert!(!j.state().join("keys").exists(), "nothing made: {err}");
+        assert!(!j.state().exists(), "nothing made: {err}");
     }
+    let j = Joining {
+        dir: tempfile::tempdir().unwrap(),
+    };
+    let o = j.cli(&[
+        "join-site",
+        "--store",
+        &url,
+        "--key-protection",
+        "file",
+        "--serving-ca-pin",
+        "sha256/short",
+        "--gateway-san",
+        "b.example",
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--serving-ca-pin"));
+    assert!(!j.state().exists());
     let empty = c.new_database();
     let (j, o) = join_site(&empty, &["--gateway-san", "127.0.0.1"]);
     assert!(!o.status.success());
@@ -172,10 +273,24 @@ fn two_appliances_on_one_postgres_share_the_site_and_spend_nothing_twice() {
     );
 
     // Bad approvals change nothing: not an id, an unknown id, the origin removed.
-    let (code, err) = a.cli_err(&["site", "appliances", "approve", "appl_nope"]);
+    let (code, err) = a.cli_err(&[
+        "site",
+        "appliances",
+        "approve",
+        "appl_nope",
+        "--fingerprint",
+        &fp,
+    ]);
     assert_eq!(code, "INVALID_INPUT", "{err}");
     let unknown = format!("appl_{}", "0".repeat(26));
-    let (code, err) = a.cli_err(&["site", "appliances", "approve", &unknown]);
+    let (code, err) = a.cli_err(&[
+        "site",
+        "appliances",
+        "approve",
+        &unknown,
+        "--fingerprint",
+        &fp,
+    ]);
     assert_eq!(code, "NOT_FOUND", "{err}");
     let (code, err) = a.cli_err(&["site", "appliances", "remove", &a_id]);
     assert_eq!(code, "INVALID_STATE", "{err}");
@@ -185,10 +300,19 @@ fn two_appliances_on_one_postgres_share_the_site_and_spend_nothing_twice() {
     );
 
     // The operator approves B on A.
-    let ok = a.cli_json(&["site", "appliances", "approve", &b_id]);
+    let (code, err) = a.cli_err(&[
+        "site",
+        "appliances",
+        "approve",
+        &b_id,
+        "--fingerprint",
+        "0000:0000:0000:0000:0000:0000:0000:0000",
+    ]);
+    assert_eq!(code, "INVALID_STATE", "{err}");
+    let ok = a.cli_json(&["site", "appliances", "approve", &b_id, "--fingerprint", &fp]);
     assert_eq!(ok["state"], "approved");
     assert_eq!(ok["fingerprint"], fp.as_str());
-    let (code, _) = a.cli_err(&["site", "appliances", "approve", &b_id]);
+    let (code, _) = a.cli_err(&["site", "appliances", "approve", &b_id, "--fingerprint", &fp]);
     assert_eq!(code, "INVALID_STATE", "approved once");
     // The audit row names the appliance that wrote it.
     let audit = a.cli_json(&["audit", "list"]);
@@ -408,4 +532,389 @@ fn two_appliances_on_one_postgres_share_the_site_and_spend_nothing_twice() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+/// A second appliance of `a`'s site on `url`: joined, approved on `a`, serving with its gateway on
+/// `gw` (fixed, so that agents' configurations stay good across its restarts).
+fn second(a: &Appliance, url: &str, gw: u16) -> Appliance {
+    let (j, o) = join_site(
+        url,
+        &[
+            "--gateway-san",
+            "127.0.0.1",
+            "--gateway-url",
+            &format!("https://127.0.0.1:{gw}"),
+        ],
+    );
+    let (id, fp) = joined_id(&o);
+    a.cli_json(&["site", "appliances", "approve", &id, "--fingerprint", &fp]);
+    let mut b = Appliance {
+        dir: j.dir,
+        child: None,
+        http: String::new(),
+        gateway: String::new(),
+        socket: Default::default(),
+        init_stdout: String::new(),
+    };
+    b.serve_at(PASSPHRASE, "127.0.0.1:0", &format!("127.0.0.1:{gw}"));
+    b
+}
+
+/// A renewal through `cfg`'s gateway: the new leaf's serial once renewed, `None` when refused or
+/// not answered (the appliance killed under it).
+fn try_renew(
+    cfg: &bca::proto::agent_config::AgentConfig,
+    chain_pem: &[String],
+    key: &bca::base::crypto::SigningKey,
+    node: &str,
+) -> Option<(String, Vec<String>, bca::base::crypto::SigningKey)> {
+    use bca::base::crypto;
+    use bca::proto::protocol::{renew_pop_message, RenewRequest, Request, RENEW_POP_PURPOSE};
+    let new_key = crypto::SigningKey::generate();
+    let csr = bca::proto::csr::create(&new_key);
+    let now = bca::base::clock::now();
+    let msg = renew_pop_message(&crypto::sha256(&csr), node, now);
+    let req = Request {
+        v: 1,
+        renew: Some(RenewRequest {
+            csr: crypto::b64(&csr),
+            chain: chain_pem.to_vec(),
+            client_time: now,
+            pop_sig: crypto::b64(&key.sign(RENEW_POP_PURPOSE, &msg)),
+            key_attestation: None,
+        }),
+        ..Default::default()
+    };
+    let chain: Vec<Vec<u8>> = chain_pem
+        .iter()
+        .map(|p| bca::proto::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
+        .collect();
+    let raw = rt().block_on(async {
+        let mut s = bca::agent::connect(cfg, Some((chain, key.pkcs8())))
+            .await
+            .ok()?;
+        bca::agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&req).unwrap())
+            .await
+            .ok()
+    })?;
+    let resp = serde_json::from_slice::<Reply>(&raw).ok()?.renew_response?;
+    let body: bca::proto::protocol::JoinResponseBody =
+        serde_json::from_slice(&crypto::b64_decode(&resp.body)?).ok()?;
+    let leaf =
+        bca::proto::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
+    let serial = bca::proto::x509::parse_node_leaf(&leaf)?.serial_hex;
+    Some((serial, body.certificate_chain, new_key))
+}
+
+/// Under a join and renewal storm through both appliances, appliances are SIGKILLed and
+/// PostgreSQL restarted at random moments (`make test`: 6 kills and 2 restarts; `make soak`: the
+/// issue's 20 and 5 with `BCA_SITE_KILLS=20 BCA_SITE_DB_RESTARTS=5`). Afterwards every
+/// acknowledged certificate has its row and node, no token is over its uses, uses spent equal
+/// nodes admitted, and every client of the storm finished.
+#[test]
+fn two_appliances_under_kills_and_database_restarts_lose_nothing_acknowledged() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::sync::Mutex;
+    let kills: usize = std::env::var("BCA_SITE_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    let db_restarts: usize = std::env::var("BCA_SITE_DB_RESTARTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    // A cluster of this test's own: it is restarted under the storm.
+    let c = Cluster::start().unwrap();
+    let url = c.new_database();
+    let mut a = Appliance::start_with("file", &["--store", &url]);
+    use_pin(&a);
+    let mut b = second(&a, &url, free_tcp());
+    let pool = a.pool("storm");
+    let (big, token) = a.token(&pool, json!({"maxUses": 10000}));
+    let (small, scarce) = a.token(&pool, json!({"maxUses": 25}));
+    let sims = [Sim::new(&a), Sim::new(&b)];
+
+    let stop = AtomicBool::new(false);
+    let joined: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let renewed: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let (failed, finished) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let mut seed = u64::from_le_bytes(
+        bca::base::crypto::sha256(url.as_bytes())[..8]
+            .try_into()
+            .unwrap(),
+    );
+    let mut rand = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    std::thread::scope(|s| {
+        for w in 0..4usize {
+            let (sims, stop, joined, renewed, failed, finished) =
+                (&sims, &stop, &joined, &renewed, &failed, &finished);
+            let (token, scarce) = (&token, &scarce);
+            s.spawn(move || {
+                let mut i = w;
+                while !stop.load(SeqCst) {
+                    i += 1;
+                    let sim = &sims[i % 2];
+                    let t = if i % 5 == 0 { scarce } else { token };
+                    let Ok((raw, csr, key)) = sim.try_join(t, &machine()) else {
+                        failed.fetch_add(1, SeqCst);
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                        continue;
+                    };
+                    let Some(r) = serde_json::from_slice::<Reply>(&raw)
+                        .ok()
+                        .and_then(|r| r.join_response)
+                    else {
+                        continue;
+                    };
+                    let body =
+                        bca::agent::verify_response(&sim.cfg, &r, &csr, &key, "node").unwrap();
+                    let leaf =
+                        bca::proto::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE")
+                            .remove(0);
+                    joined
+                        .lock()
+                        .unwrap()
+                        .push(bca::proto::x509::parse_node_leaf(&leaf).unwrap().serial_hex);
+                    // It renews through the other appliance.
+                    if let Some((serial, _, _)) = try_renew(
+                        &sims[(i + 1) % 2].cfg,
+                        &body.certificate_chain,
+                        &key,
+                        &body.node_id,
+                    ) {
+                        renewed.lock().unwrap().push(serial);
+                    }
+                }
+                finished.fetch_add(1, SeqCst);
+            });
+        }
+        // Whatever happens below, the storm stops (a failed step must not leave it running).
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, SeqCst);
+            }
+        }
+        let _stop = Stop(&stop);
+        // The chaos: kills of either appliance, and restarts of PostgreSQL, in a random order.
+        let mut events: Vec<bool> = (0..kills)
+            .map(|_| true)
+            .chain((0..db_restarts).map(|_| false))
+            .collect();
+        for k in (1..events.len()).rev() {
+            events.swap(k, rand(k as u64 + 1) as usize);
+        }
+        for kill in events {
+            std::thread::sleep(std::time::Duration::from_millis(300 + rand(900)));
+            if kill {
+                let x = if rand(2) == 0 { &mut a } else { &mut b };
+                let (http, gw) = (x.http.clone(), x.gateway.clone());
+                let mut child = x.child.take().unwrap();
+                child.kill().unwrap();
+                child.wait().unwrap();
+                x.serve_at(PASSPHRASE, &http, &gw);
+            } else {
+                // Down for a moment, as a crash and a restart by its supervisor would be.
+                c.stop().unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(200 + rand(800)));
+                c.restart().unwrap();
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        stop.store(true, SeqCst);
+    });
+    assert_eq!(
+        finished.load(SeqCst),
+        4,
+        "every client of the storm finished"
+    );
+    let joined = joined.into_inner().unwrap();
+    let renewed = renewed.into_inner().unwrap();
+    eprintln!(
+        "sites storm: {kills} kills, {db_restarts} database restarts; acknowledged {} joins, {} renewals; {} calls unanswered",
+        joined.len(),
+        renewed.len(),
+        failed.load(SeqCst)
+    );
+    assert!(
+        !joined.is_empty() && !renewed.is_empty(),
+        "the storm did some work"
+    );
+    let live = a.live();
+    for s in joined.iter().chain(&renewed) {
+        assert_eq!(
+            live.count(&format!(
+                "SELECT count(*) FROM node_certs c JOIN nodes n ON n.id = c.node_id WHERE c.serial = '{s}'"
+            )),
+            1,
+            "an acknowledged certificate has no row or node"
+        );
+    }
+    let nodes = live.count("SELECT count(*) FROM nodes");
+    let spent = live.count(&format!(
+        "SELECT (10000 - (SELECT uses_left FROM join_tokens WHERE id = '{}')) + (25 - (SELECT uses_left FROM join_tokens WHERE id = '{}'))",
+        big["id"].as_str().unwrap(),
+        small["id"].as_str().unwrap()
+    ));
+    assert_eq!(spent, nodes, "uses spent equal nodes admitted");
+    // No token over its uses: the scarce one raced by a fifth of the storm through both.
+    for t in [&big, &small] {
+        assert!(a.uses_left(t["id"].as_str().unwrap()) >= 0);
+    }
+}
+
+/// What a writer of the database (or a rogue box with its credentials) tries against the approval
+/// of a new appliance, each refused: a pending row's keys, names or URL changed after the box
+/// printed its fingerprint; a leaf not signed by the site's serving CA, public files naming paths
+/// outside `pki/`, keys of another site given to a box that was told the site's pin.
+#[test]
+fn a_database_writer_cannot_slip_keys_names_or_files_past_the_operator() {
+    let c = Cluster::shared();
+    let url = c.new_database();
+    let a = Appliance::start_with("file", &["--store", &url]);
+    use_pin(&a);
+    let live = a.live();
+    let (_d_dir, o) = join_site(&url, &["--gateway-san", "d.example"]);
+    let (d, d_fp) = joined_id(&o);
+    let (_c_dir, o) = join_site(&url, &["--gateway-san", "c.example"]);
+    let (rogue, rogue_fp) = joined_id(&o);
+
+    // The rogue's wrapping and gateway keys put into D's row: the list shows D changed, with the
+    // rogue's keys' fingerprint, and the approval with D's printed fingerprint is refused.
+    live.execute(
+        "UPDATE site_appliances SET wrap_public = (SELECT wrap_public FROM site_appliances WHERE id = ?2),
+             gateway_public = (SELECT gateway_public FROM site_appliances WHERE id = ?2)
+         WHERE id = ?1",
+        &[&d, &rogue],
+    );
+    let row = appliances(&a)
+        .into_iter()
+        .find(|x| x["id"] == d.as_str())
+        .unwrap();
+    assert_eq!(row["changed"], true, "{row}");
+    assert_ne!(row["fingerprint"], d_fp.as_str(), "{row}");
+    let (code, err) = a.cli_err(&["site", "appliances", "approve", &d, "--fingerprint", &d_fp]);
+    assert_eq!(code, "INVALID_STATE", "{err}");
+    assert!(err.contains("not what the box printed"), "{err}");
+    // Nor with the fingerprint the list now shows (the stored one differs).
+    let shown = row["fingerprint"].as_str().unwrap().to_string();
+    let (code, _) = a.cli_err(&["site", "appliances", "approve", &d, "--fingerprint", &shown]);
+    assert_eq!(code, "INVALID_STATE");
+    // The rogue's own row with other names, or another URL: refused too.
+    live.execute(
+        "UPDATE site_appliances SET names_json = '[\"www.example.org\"]' WHERE id = ?1",
+        &[&rogue],
+    );
+    let (code, _) = a.cli_err(&[
+        "site",
+        "appliances",
+        "approve",
+        &rogue,
+        "--fingerprint",
+        &rogue_fp,
+    ]);
+    assert_eq!(code, "INVALID_STATE");
+    assert_eq!(
+        live.count("SELECT count(*) FROM site_appliances WHERE state = 'approved' OR wrapped_keys IS NOT NULL"),
+        0
+    );
+
+    // E is approved as it asked; then its row's leaf is replaced by one another CA signed for
+    // its key and names: E's serve refuses it, and writes no public file and no key.
+    let (e_dir, o) = join_site(&url, &["--gateway-san", "127.0.0.1"]);
+    let (e, e_fp) = joined_id(&o);
+    a.cli_json(&["site", "appliances", "approve", &e, "--fingerprint", &e_fp]);
+    let cfg = bca::config::Config::load(&a.state()).unwrap();
+    let evil = bca::base::crypto::SigningKey::generate();
+    let point: Vec<u8> = {
+        let v = live.count(&format!(
+            "SELECT count(*) FROM site_appliances WHERE id = '{e}' AND gateway_public IS NOT NULL"
+        ));
+        assert_eq!(v, 1);
+        // E's gateway key's point, from its own key file.
+        let own: Value = serde_json::from_slice(
+            &std::fs::read(e_dir.state().join("keys/appliance.json")).unwrap(),
+        )
+        .unwrap();
+        let der = bca::base::crypto::b64_decode(own["gateway"].as_str().unwrap()).unwrap();
+        bca::base::crypto::SigningKey::from_pkcs8(&der)
+            .unwrap()
+            .public_point()
+            .to_vec()
+    };
+    let forged = bca::pki::gateway_leaf_for(
+        &cfg,
+        &evil,
+        &point,
+        &["127.0.0.1".to_string()],
+        bca::base::clock::now(),
+    )
+    .unwrap();
+    let genuine: Vec<u8> = {
+        let o = Command::new("psql")
+            .arg("-h")
+            .arg(&c.dir)
+            .args([
+                "-p",
+                &c.port.to_string(),
+                "-U",
+                c.user,
+                "-d",
+                url.rsplit('/').next().unwrap(),
+                "-Atc",
+                &format!(
+                    "SELECT encode(gateway_cert, 'hex') FROM site_appliances WHERE id = '{e}'"
+                ),
+            ])
+            .output()
+            .unwrap();
+        bca::base::crypto::hex_decode(String::from_utf8_lossy(&o.stdout).trim()).unwrap()
+    };
+    let set_cert = |der: &[u8]| {
+        live.execute_values(
+            "UPDATE site_appliances SET gateway_cert = ?1 WHERE id = ?2",
+            &[V::Blob(der.to_vec()), V::Text(e.clone())],
+        );
+    };
+    set_cert(&forged);
+    let o = serve_exit(&e_dir.state(), PASSPHRASE);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not signed by the site's serving CA"), "{err}");
+    assert!(!e_dir.state().join("pki").exists() && !e_dir.state().join("pki.new").exists());
+    assert!(!e_dir.state().join("keys/keys.json").exists());
+
+    // Public files naming a path outside pki/: refused, nothing written anywhere.
+    set_cert(&genuine);
+    let escape = e_dir.dir.path().join("escaped");
+    live.execute(
+        "UPDATE site_appliances SET public_pki_json = ?1 WHERE id = ?2",
+        &[
+            &json!({ format!("../../{}", escape.file_name().unwrap().to_string_lossy()): "x" })
+                .to_string(),
+            &e,
+        ],
+    );
+    let o = serve_exit(&e_dir.state(), PASSPHRASE);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("bca does not write"), "{err}");
+    assert!(!escape.exists() && !e_dir.state().join("pki").exists());
+    assert!(!e_dir.state().join("keys/keys.json").exists());
+
+    // A box told another pin (it was given the join-signing key's) takes no key from this site.
+    let wrong = a.cli_json(&["pki", "show"])["pins"]["joinSigning"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (f_dir, o) = join_site_pinned(&url, &wrong, &["--gateway-san", "127.0.0.1"]);
+    let (f, f_fp) = joined_id(&o);
+    a.cli_json(&["site", "appliances", "approve", &f, "--fingerprint", &f_fp]);
+    let o = serve_exit(&f_dir.state(), PASSPHRASE);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("serving CA pin"), "{err}");
+    assert!(!f_dir.state().join("keys/keys.json").exists());
 }
