@@ -293,13 +293,19 @@ fn allocate(app: &App, mac: &str, relay: Option<Ipv4Addr>, now: i64) -> Option<I
     let b = &app.config.boot;
     let pool = b.pool_for(relay)?;
     let until = now + b.lease_seconds as i64;
-    // The state's lock is held across the commit: two REQUESTs never take one address.
+    // The state's lock is held across the commit: two REQUESTs never take one address. Another
+    // appliance of the site may have leased it meanwhile (the database refuses a second lease
+    // of one address): this one's view is then read again, and the machine asks again.
     let mut g = dhcp_state(app);
     let st = g.as_mut()?;
     let ip = st.address_for(b, pool.range, mac, now)?;
-    let committed = crate::store::boot::dhcp_lease(&app.store, mac, &ip.to_string(), until);
+    let committed = crate::store::boot::dhcp_lease(&app.store, mac, &ip.to_string(), until, now);
     if let Err(e) = committed {
-        tracing::error!(%mac, error = %e, "dhcp: the lease could not be committed; no ACK");
+        tracing::warn!(%mac, %ip, error = %e, "dhcp: the lease could not be committed (taken by another appliance, or the database is down); no ACK, the leases read again");
+        st.offers.remove(mac);
+        if let Ok(fresh) = DhcpState::load(&app.store) {
+            st.leases = fresh.leases;
+        }
         return None;
     }
     st.leases.retain(|m, (l, _)| m == mac || *l != ip);

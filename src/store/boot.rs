@@ -65,14 +65,15 @@ pub fn dhcp_leases(store: &Store) -> ApiResult<Vec<(String, String, i64)>> {
     })
 }
 
-/// A MAC's durable lease on `ip` until `until`; an (expired) lease of another MAC on the address
-/// gives way. Committed before the caller answers.
-pub fn dhcp_lease(store: &Store, mac: &str, ip: &str, until: i64) -> ApiResult<()> {
+/// A MAC's durable lease on `ip` until `until`; an expired lease of another MAC on the address
+/// gives way, an unexpired one does not (the address's uniqueness refuses the lease: another
+/// appliance of the site gave it first). Committed before the caller answers.
+pub fn dhcp_lease(store: &Store, mac: &str, ip: &str, until: i64, now: i64) -> ApiResult<()> {
     store.write(|tx| {
         crate::store::exec(
             tx,
-            "DELETE FROM dhcp_leases WHERE ip = ?1 AND mac != ?2",
-            params![ip, mac],
+            "DELETE FROM dhcp_leases WHERE ip = ?1 AND mac != ?2 AND expires_at <= ?3",
+            params![ip, mac, now],
         )?;
         crate::store::exec(
             tx,

@@ -46,6 +46,15 @@ impl Netns {
         Netns { name, net }
     }
 
+    /// A namespace with only its loopback up, on the network `net` (`10.x.y`), wired by the
+    /// caller.
+    fn bare(tag: &str, net: String) -> Self {
+        let name = format!("bca-{tag}-{}", rand_hex(3));
+        sh(&format!("ip netns add {name}"));
+        sh(&format!("ip -n {name} link set lo up"));
+        Netns { name, net }
+    }
+
     fn ip(&self) -> String {
         format!("{}.1", self.net)
     }
@@ -88,12 +97,22 @@ fn appliance(ns: &Netns, mode: &str) -> Appliance {
 
 /// [`appliance`] with its `config.toml` passed through `edit` first.
 fn appliance_cfg(ns: &Netns, mode: &str, edit: impl Fn(String) -> String) -> Appliance {
-    let ip = ns.ip();
+    let (ip, net) = (ns.ip(), &ns.net);
+    let boot = format!(
+        "[boot]\nenabled = true\nmode = \"{mode}\"\ninterface = \"br0\"\nserver_ip = \"{ip}\"\nrange_start = \"{net}.100\"\n\
+         range_end = \"{net}.150\"\nnetmask = \"255.255.255.0\"\nkernel_args = \"console=ttyS0\"\n"
+    );
+    appliance_in(ns, &ip, &boot, edit)
+}
+
+/// An appliance serving network boot in `ns` at `ip`, with `boot` as its `[boot]` table and its
+/// `config.toml` passed through `edit`.
+fn appliance_in(ns: &Netns, ip: &str, boot: &str, edit: impl Fn(String) -> String) -> Appliance {
     let (dir, out) = init_dir(
         "file",
         &[
             "--gateway-san",
-            &ip,
+            ip,
             "--gateway-url",
             &format!("https://{ip}:8443"),
         ],
@@ -106,12 +125,7 @@ fn appliance_cfg(ns: &Netns, mode: &str, edit: impl Fn(String) -> String) -> App
     let state = dir.path().join("state");
     let cfg = state.join("config.toml");
     let text = std::fs::read_to_string(&cfg).unwrap();
-    let net = &ns.net;
-    let boot = format!(
-        "[boot]\nenabled = true\nmode = \"{mode}\"\ninterface = \"br0\"\nserver_ip = \"{ip}\"\nrange_start = \"{net}.100\"\n\
-         range_end = \"{net}.150\"\nnetmask = \"255.255.255.0\"\nkernel_args = \"console=ttyS0\"\n"
-    );
-    let text = replace_table(&text, "boot", &boot)
+    let text = replace_table(&text, "boot", boot)
         .replace("retry_after_seconds = 30", "retry_after_seconds = 2");
     std::fs::write(&cfg, edit(text)).unwrap();
     let root = state.join("boot");
@@ -509,6 +523,89 @@ fn a_vm_pxe_boots_through_proxy_dhcp_beside_the_sites_dhcp_server() {
     assert!(
         (160..=190).contains(&last),
         "{ip} is not from the site's range"
+    );
+}
+
+/// A provisioning network behind a router: the VM on the router's bridge (its network
+/// `10.95.x`), a real DHCP relay there (dnsmasq `--dhcp-relay`, forwarding to bca with `giaddr`
+/// the router's address on the VM's network), and bca in a namespace of its own on another network
+/// (`10.94.x`), reached through the router. bca in full DHCP mode leases from the relay's
+/// `[[boot.subnets]]` range and answers to the relay; the VM boots, asks, is approved and joins
+/// through the router; its boot lease records the relay. Switch: without the subnet (or without
+/// the relay listed) bca gives the relayed DISCOVER nothing, and the VM never asks.
+#[test]
+fn a_vm_pxe_boots_through_a_dhcp_relay_and_joins_across_the_router() {
+    require_tools();
+    let _vm = vm_lock();
+    let router = Netns::new("relay", 95);
+    let rack = Netns::bare("rack", format!("10.94.{}", 10 + (std::process::id() % 200)));
+    let (relay_ip, up, bca_ip) = (
+        router.ip(),
+        format!("{}.1", rack.net),
+        format!("{}.2", rack.net),
+    );
+    let (vr, vb) = (format!("vr{}", rand_hex(3)), format!("vb{}", rand_hex(3)));
+    sh(&format!(
+        "ip -n {} link add {vr} type veth peer name {vb} netns {}",
+        router.name, rack.name
+    ));
+    sh(&format!("ip -n {} addr add {up}/24 dev {vr}", router.name));
+    sh(&format!("ip -n {} link set {vr} up", router.name));
+    sh(&format!(
+        "ip -n {} addr add {bca_ip}/24 dev {vb}",
+        rack.name
+    ));
+    sh(&format!("ip -n {} link set {vb} up", rack.name));
+    sh(&format!(
+        "ip -n {} route add {}.0/24 via {up}",
+        rack.name, router.net
+    ));
+    sh(&format!(
+        "ip netns exec {} sysctl -qw net.ipv4.ip_forward=1",
+        router.name
+    ));
+    let net = &router.net;
+    // The relay's packets come from its address toward bca, with its address on the VM's
+    // network as giaddr: both are listed.
+    let boot = format!(
+        "[boot]\nenabled = true\nmode = \"dhcp\"\ninterface = \"{vb}\"\nserver_ip = \"{bca_ip}\"\n\
+         kernel_args = \"console=ttyS0\"\nrelays = [\"{relay_ip}\", \"{up}\"]\n\n\
+         [[boot.subnets]]\nrelay = \"{relay_ip}\"\nrange_start = \"{net}.100\"\nrange_end = \"{net}.150\"\n\
+         netmask = \"255.255.255.0\"\nrouter = \"{relay_ip}\"\n"
+    );
+    let a = appliance_in(&rack, &bca_ip, &boot, |t| t);
+    let dir = a.dir.path().to_path_buf();
+    let _relay = Killed(
+        router
+            .cmd("dnsmasq")
+            .args([
+                "--no-daemon",
+                "--port=0",
+                "--interface=br0",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--log-dhcp",
+                "--user=root",
+            ])
+            // The server's answers come back on the link toward bca.
+            .arg(format!("--interface={vr}"))
+            .arg(format!("--dhcp-relay={relay_ip},{bca_ip}"))
+            .arg(format!("--pid-file={}", dir.join("relay.pid").display()))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("relay.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let mac = "52:54:00:4e:1a:01";
+    boot_and_approve(&router, &a, mac, false);
+    // The address is from the relay's subnet, the lease names the relay, and the relay relayed.
+    let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
+    let items = leases["items"].as_array().unwrap();
+    assert!(
+        items.iter().any(|l| l["relay"] == relay_ip.as_str()
+            && l["ip"].as_str().unwrap().starts_with(net.as_str())),
+        "{leases}; relay's log: {}",
+        std::fs::read_to_string(dir.join("relay.log")).unwrap_or_default()
     );
 }
 

@@ -918,3 +918,51 @@ fn a_database_writer_cannot_slip_keys_names_or_files_past_the_operator() {
     assert!(err.contains("serving CA pin"), "{err}");
     assert!(!f_dir.state().join("keys/keys.json").exists());
 }
+
+/// Full DHCP on a site of several appliances: two allocators (each an `App` with its own view of
+/// the leases, as two appliances have) on one database never lease one address to two machines.
+/// The second, whose view is stale, offers the first's address; its REQUEST is refused by the
+/// database (no ACK), it reads the leases again, and the machine's next DISCOVER gets another.
+#[test]
+fn two_appliances_in_full_dhcp_never_lease_one_address_twice() {
+    let c = Cluster::shared();
+    let url = c.new_database();
+    let mut a = Appliance::start_with("file", &["--store", &url]);
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());
+    let boot = format!(
+        "[boot]\nenabled = true\nmode = \"dhcp\"\nserver_ip = \"127.0.0.1\"\nlisten_dhcp = \"127.0.0.1:{dhcp}\"\n\
+         listen_proxy = \"127.0.0.1:{proxy}\"\nlisten_tftp = \"127.0.0.1:{tftp}\"\nrange_start = \"127.0.0.100\"\nrange_end = \"127.0.0.110\"\n"
+    );
+    std::fs::write(&cfg, replace_table(&text, "boot", &boot)).unwrap();
+    a.restart();
+    let one = bca::appliance::app::App::load(&a.state()).unwrap();
+    let two = bca::appliance::app::App::load(&a.state()).unwrap();
+    let (m1, m2) = ("52:54:00:00:d1:01", "52:54:00:00:d1:02");
+    let now = bca::base::clock::now();
+    use bca::appliance::boot::address;
+    // The second's view is read now, before the first leases anything.
+    let stale = address(&two, m2, true, None, now).unwrap();
+    let first = address(&one, m1, true, None, now).unwrap();
+    assert_eq!(stale, first, "both views offer the first free address");
+    assert_eq!(address(&one, m1, false, None, now), Some(first));
+    // The second's REQUEST for the same address: no ACK, nothing of the first's lease changed.
+    assert_eq!(address(&two, m2, false, None, now), None);
+    let live = a.live();
+    assert_eq!(
+        live.count(&format!(
+            "SELECT count(*) FROM dhcp_leases WHERE mac = '{m1}' AND ip = '{first}'"
+        )),
+        1
+    );
+    // The machine asks again: another address, leased.
+    let next = address(&two, m2, true, None, now).unwrap();
+    assert_ne!(next, first);
+    assert_eq!(address(&two, m2, false, None, now), Some(next));
+    assert_eq!(
+        live.count("SELECT count(DISTINCT ip) FROM dhcp_leases"),
+        live.count("SELECT count(*) FROM dhcp_leases")
+    );
+    assert_eq!(live.count("SELECT count(*) FROM dhcp_leases"), 2);
+}
