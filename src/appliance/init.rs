@@ -1,13 +1,13 @@
 //! `bca init`: a new state directory with its database, root tenant, site, PKI and sealed keys.
 
 use crate::base::error::{ApiError, ApiResult};
-use crate::config::{Config, JoinConfig, KeyProtection, PkiConfig};
+use crate::config::KeyProtection;
 use crate::keys::{self};
 use crate::pki::bundle::KeyBundle;
 use crate::pki::{self, Pins, PublicPki};
 use crate::store::Store;
 use crate::{base::fsutil, base::ids};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 pub struct InitOptions {
     pub state_dir: PathBuf,
@@ -45,10 +45,6 @@ const CREATED: &[&str] = &[
     "pki",
     "keys",
 ];
-
-pub fn is_initialised(dir: &Path) -> bool {
-    dir.join("config.toml").exists() || dir.join("bca.db").exists() || dir.join("keys").exists()
-}
 
 /// `trust_domain`: a lower-case DNS name, as SPIFFE requires.
 pub fn check_trust_domain(td: &str) -> ApiResult<()> {
@@ -118,7 +114,7 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
         ));
     }
     let pcrs = pcrs_of(&o)?;
-    if is_initialised(&o.state_dir) {
+    if crate::appliance::statedir::is_initialised(&o.state_dir) {
         return Err(ApiError::already_exists(format!(
             "{} is already initialised; nothing was changed",
             o.state_dir.display()
@@ -166,56 +162,13 @@ fn tcti_of(o: &InitOptions) -> ApiResult<crate::tpm::Tcti> {
         .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))
 }
 
-/// What one appliance's `config.toml` says of the box itself (the rest is the site's, or the
-/// defaults an operator edits).
-pub struct BoxParts {
-    pub gateway_url: Option<String>,
-    pub key_protection: KeyProtection,
-    pub tpm: Option<String>,
-    pub listen_http: Option<String>,
-    pub listen_gateway: Option<String>,
-    pub store: crate::config::StoreConfig,
-}
-
-/// A new appliance's configuration for the site `(id, name, trust domain)`: `bca init` and
-/// `bca join-site`.
-pub fn site_config((site_id, site_name, trust_domain): (&str, &str, &str), b: &BoxParts) -> Config {
-    Config {
-        trust_domain: trust_domain.to_string(),
-        site_id: site_id.to_string(),
-        site_name: site_name.to_string(),
-        gateway_url: b.gateway_url.clone(),
-        gateway_server_name: None,
-        key_protection: b.key_protection,
-        tpm: b.tpm.clone(),
-        listen_http: b.listen_http.clone().unwrap_or_else(|| "0.0.0.0:80".into()),
-        listen_gateway: b
-            .listen_gateway
-            .clone()
-            .unwrap_or_else(|| "0.0.0.0:443".into()),
-        admin_socket: None,
-        admin_group: None,
-        pki: PkiConfig::default(),
-        join: JoinConfig::default(),
-        sessions: Default::default(),
-        discovery: Default::default(),
-        tpm_attestor: Default::default(),
-        x509pop: Default::default(),
-        boot: Default::default(),
-        retention: Default::default(),
-        health: Default::default(),
-        privsep: Default::default(),
-        store: b.store.clone(),
-    }
-}
-
 fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
     let site_id = ids::new_id("site", now * 1000);
     let root_tenant = ids::new_id("tn", now * 1000);
     let appliance = ids::new_id("appl", now * 1000);
-    let config = site_config(
+    let config = crate::appliance::statedir::site_config(
         (&site_id, &o.site, &o.trust_domain),
-        &BoxParts {
+        &crate::appliance::statedir::BoxParts {
             gateway_url: o.gateway_url.clone(),
             key_protection: o.key_protection,
             tpm: match o.key_protection {
@@ -289,7 +242,7 @@ fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {
         )
         .map_err(ApiError::internal)?,
     }
-    crate::appliance::members::write_id(&o.state_dir, &appliance).map_err(ApiError::internal)?;
+    crate::appliance::statedir::write_id(&o.state_dir, &appliance).map_err(ApiError::internal)?;
     let text = config.to_file_text().map_err(ApiError::internal)?;
     fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes())
         .map_err(ApiError::internal)?;

@@ -40,31 +40,6 @@ const PUBLIC_FILES: &[&str] = &[
     "join-encryption.previous.jwk",
 ];
 
-fn id_path(state_dir: &Path) -> PathBuf {
-    state_dir.join("appliance.id")
-}
-
-/// This state directory's appliance id (`appliance.id`), made on first use by an appliance that
-/// holds the site's keys itself (the one `bca init` made).
-pub fn own_id(state_dir: &Path) -> Result<String, String> {
-    let p = id_path(state_dir);
-    match std::fs::read_to_string(&p) {
-        Ok(s) => {
-            let id = s.trim().to_string();
-            if !crate::base::ids::is_id(&id, "appl", 26) {
-                return Err(format!("{} does not hold an appliance id", p.display()));
-            }
-            Ok(id)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let id = crate::base::ids::new_id("appl", crate::base::clock::now() * 1000);
-            crate::base::fsutil::write_new_private(&p, format!("{id}\n").as_bytes())?;
-            Ok(id)
-        }
-        Err(e) => Err(format!("cannot read {}: {e}", p.display())),
-    }
-}
-
 /// The fingerprint an operator compares before approving: SHA-256 over everything the approval
 /// acts on (the wrapping key's and the gateway key's P-256 points, the names its leaf is signed
 /// for, the URL agents are given), in groups of four hex digits. A row changed after the box
@@ -212,7 +187,7 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             "--tpm names the TPM to seal to: it goes with --key-protection tpm",
         ));
     }
-    if crate::appliance::init::is_initialised(&o.state_dir) {
+    if crate::appliance::statedir::is_initialised(&o.state_dir) {
         return Err(ApiError::already_exists(format!(
             "{} is already initialised; nothing was changed",
             o.state_dir.display()
@@ -247,9 +222,9 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
     let r = (|| {
         let own = OwnKeys::generate();
         let id = crate::base::ids::new_id("appl", now * 1000);
-        let config = crate::appliance::init::site_config(
+        let config = crate::appliance::statedir::site_config(
             (&site_id, &site_name, &trust_domain),
-            &crate::appliance::init::BoxParts {
+            &crate::appliance::statedir::BoxParts {
                 gateway_url: o.gateway_url.clone(),
                 key_protection: o.key_protection,
                 tpm: tcti.as_ref().map(|t| t.to_string()),
@@ -266,7 +241,7 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             tcti.as_ref().map(|t| (t, pcrs.as_slice())),
         )
         .map_err(ApiError::unavailable)?;
-        write_id(&o.state_dir, &id).map_err(ApiError::internal)?;
+        crate::appliance::statedir::write_id(&o.state_dir, &id).map_err(ApiError::internal)?;
         let joined = JoinedFile {
             serving_ca_pin: o.serving_ca_pin.clone(),
             names: o.gateway_sans.clone(),
@@ -495,7 +470,7 @@ pub fn take_site_keys(
     tcti: Option<&crate::tpm::Tcti>,
 ) -> Result<(), String> {
     let (own, vault) = keys::open_own(state_dir, config.key_protection, passphrase, tcti)?;
-    let id = own_id(state_dir)?;
+    let id = crate::appliance::statedir::own_id(state_dir)?;
     let store = Store::open_at(state_dir, config.store.at(), false)?;
     let mut said = None::<std::time::Instant>;
     let a = loop {
@@ -679,15 +654,10 @@ pub fn origin(
     }
 }
 
-/// Writes `appliance.id` (a new state directory's).
-pub fn write_id(state_dir: &Path, id: &str) -> Result<(), String> {
-    crate::base::fsutil::write_new_private(&id_path(state_dir), format!("{id}\n").as_bytes())
-}
-
 /// At every `serve`: this appliance's row, recorded as `origin` when it holds the site's keys
 /// itself and has none yet; refused when it was removed.
 pub fn register(app: &App, keys: &KeyBundle, now: i64) -> Result<String, String> {
-    let id = own_id(&app.state_dir)?;
+    let id = crate::appliance::statedir::own_id(&app.state_dir)?;
     let names = crate::proto::x509::cert_sans(&app.pki.gateway).unwrap_or_default();
     let gw = keys.gateway.public_point().to_vec();
     let state = app

@@ -13,4 +13,5 @@ pub mod leases;
 pub mod members;
 pub mod retention;
 pub mod rotation;
+pub mod statedir;
 pub mod store_move;

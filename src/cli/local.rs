@@ -17,13 +17,18 @@ pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
         ))
     })?;
     let passphrase = match kp {
-        KeyProtection::Passphrase if !crate::appliance::init::is_initialised(&state_dir) => Some(
-            crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?,
-        ),
+        KeyProtection::Passphrase if !crate::appliance::statedir::is_initialised(&state_dir) => {
+            Some(
+                crate::keys::passphrase_from_env_or_prompt(true)
+                    .map_err(ApiError::invalid_input)?,
+            )
+        }
         _ => None,
     };
     let escrow = match (&a.escrow, kp) {
-        (Some(path), KeyProtection::Tpm) if !crate::appliance::init::is_initialised(&state_dir) => {
+        (Some(path), KeyProtection::Tpm)
+            if !crate::appliance::statedir::is_initialised(&state_dir) =>
+        {
             Some((
                 path.clone(),
                 crate::keys::passphrase_from_env_or_prompt(true)
@@ -69,9 +74,12 @@ pub(crate) fn cmd_join_site(a: crate::cli::args::JoinSiteArgs, conn: &Conn) -> A
         ))
     })?;
     let passphrase = match kp {
-        KeyProtection::Passphrase if !crate::appliance::init::is_initialised(&state_dir) => Some(
-            crate::keys::passphrase_from_env_or_prompt(true).map_err(ApiError::invalid_input)?,
-        ),
+        KeyProtection::Passphrase if !crate::appliance::statedir::is_initialised(&state_dir) => {
+            Some(
+                crate::keys::passphrase_from_env_or_prompt(true)
+                    .map_err(ApiError::invalid_input)?,
+            )
+        }
         _ => None,
     };
     let out = crate::appliance::members::join_site(
@@ -164,7 +172,7 @@ pub(crate) fn cmd_dev(a: DevArgs, state_dir: PathBuf) -> ApiResult<()> {
             keep: a.sim_keep,
         });
     }
-    if !crate::appliance::init::is_initialised(&state_dir) {
+    if !crate::appliance::statedir::is_initialised(&state_dir) {
         let out = crate::appliance::init::init(
             crate::appliance::init::InitOptions {
                 state_dir: state_dir.clone(),

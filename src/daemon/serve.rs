@@ -93,7 +93,7 @@ pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
     let (app, keys, vault) = prepare_vault(state_dir, opts.tpm.as_deref())?;
     // And one per appliance of the site (a copy of this state directory serving elsewhere is
     // refused); then its row in the site's database, which its audit rows and sessions name.
-    let id = crate::appliance::members::own_id(state_dir)?;
+    let id = crate::appliance::statedir::own_id(state_dir)?;
     app.store.claim_exclusive(&id)?;
     crate::appliance::members::register(&app, &keys, crate::base::clock::now())?;
     crate::store::appliances::set_this(&id);
