@@ -933,11 +933,22 @@ fn second_appliance(a: &Appliance, url: &str) -> Appliance {
     ));
     let _ = std::fs::remove_dir_all(&dir);
     let state = dir.join("state");
+    let show = Command::new(bin())
+        .args(["pki", "show", "--json"])
+        .env("BCA_STATE_DIR", a.dir.join("state"))
+        .output()
+        .unwrap();
+    let pin = serde_json::from_slice::<Value>(&show.stdout).unwrap()["pins"]["servingCa"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let o = Command::new(bin())
         .args([
             "join-site",
             "--store",
             url,
+            "--serving-ca-pin",
+            &pin,
             "--key-protection",
             "file",
             "--gateway-san",
@@ -949,17 +960,19 @@ fn second_appliance(a: &Appliance, url: &str) -> Appliance {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let id = serde_json::from_slice::<Value>(&o.stdout).unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let joined: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (id, fp) = (joined["id"].clone(), joined["fingerprint"].clone());
     let cfg = state.join("config.toml");
     let mut doc: toml::Table = toml::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     let sessions = doc["sessions"].as_table_mut().unwrap();
     sessions.insert("joins_per_source_per_minute".into(), 0.into());
     sessions.insert("max_connections_per_source".into(), 1_000_000.into());
     std::fs::write(&cfg, toml::to_string(&doc).unwrap()).unwrap();
-    api(a, "site/appliances/approve", json!({"id": id}));
+    api(
+        a,
+        "site/appliances/approve",
+        json!({"id": id, "fingerprint": fp}),
+    );
     let (child, ready, _) = start_serve(&state);
     Appliance {
         dir,
