@@ -29,16 +29,18 @@ pub const HEARTBEAT_SECONDS: u64 = 5;
 /// and the others mark the sessions it held closed.
 pub const LEASE_SECONDS: i64 = 20;
 
-/// The public PKI files a joined appliance receives (its own `gateway.pem` is made for it).
+/// The public PKI files a joined appliance receives (its own `gateway.pem` is made for it; no
+/// rotation's files: an approval is refused while a rotation is under way).
 const PUBLIC_FILES: &[&str] = &[
     "node-ca.pem",
     "serving-ca.pem",
     "join-signing.pem",
     "join-encryption.jwk",
-    "join-signing.next.pem",
-    "join-encryption.next.jwk",
-    "join-encryption.previous.jwk",
 ];
+
+/// What the approving appliance signs with the site's serving CA key: the public files, the
+/// site's identity and the new box's leaf, for that box (`public_pki_json`).
+const PUBLIC_PURPOSE: &str = "bca site public pki v1";
 
 /// The fingerprint an operator compares before approving: SHA-256 over everything the approval
 /// acts on (the wrapping key's and the gateway key's P-256 points, the names its leaf is signed
@@ -130,6 +132,8 @@ pub struct Joined {
     pub id: String,
     pub fingerprint: String,
     pub site_id: String,
+    /// The site's trust domain as the database named it (checked again, signed, at approval).
+    pub trust_domain: String,
 }
 
 const CREATED: &[&str] = &["config.toml", "keys", "appliance.id", "joined.json"];
@@ -294,6 +298,7 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             id,
             fingerprint: fp,
             site_id: site_id.clone(),
+            trust_domain: trust_domain.clone(),
         })
     })();
     if r.is_err() {
@@ -372,7 +377,7 @@ pub fn approve(
         .map_err(|e| ApiError::invalid_state(format!("appliance {id}'s wrapping key: {e}")))?;
     let cert = crate::pki::gateway_leaf_for(&app.config, &keys.serving_ca, gw, &a.names, now)
         .map_err(|e| ApiError::invalid_state(format!("appliance {id}'s gateway leaf: {e}")))?;
-    let public = public_pki_json(&app.state_dir).map_err(ApiError::internal)?;
+    let public = signed_public(app, keys, id, &cert).map_err(ApiError::internal)?;
     app.store.write(|tx| {
         rows::approve(tx, id, (&wrapped, &cert, &public), caller, now)?;
         crate::store::events::audit(
@@ -442,8 +447,28 @@ fn check_id(id: &str) -> ApiResult<()> {
     }
 }
 
+/// What a joined box receives besides its wrapped keys, signed by the site's serving CA key: the
+/// public PKI files of this appliance, the site's id, name and trust domain, the box's own leaf,
+/// and the box it is for. The box checks the signature under the serving CA it was given the pin
+/// of, so nothing in it can come from a database writer.
+fn signed_public(app: &App, keys: &KeyBundle, id: &str, leaf: &[u8]) -> Result<String, String> {
+    let payload = json!({
+        "appliance": id,
+        "site": {
+            "id": app.config.site_id,
+            "name": app.config.site_name,
+            "trustDomain": app.config.trust_domain,
+        },
+        "files": public_files(&app.state_dir)?,
+        "gatewayCert": crypto::b64(leaf),
+    });
+    let bytes = serde_json::to_vec(&payload).expect("serializes");
+    let sig = keys.serving_ca.sign(PUBLIC_PURPOSE, &bytes);
+    Ok(json!({"payload": crypto::b64(&bytes), "signature": crypto::b64(&sig)}).to_string())
+}
+
 /// The public PKI files of this appliance, as a joined box receives them.
-fn public_pki_json(state_dir: &Path) -> Result<String, String> {
+fn public_files(state_dir: &Path) -> Result<Value, String> {
     let dir = crate::pki::pki_dir(state_dir);
     let mut m = serde_json::Map::new();
     for name in PUBLIC_FILES {
@@ -456,7 +481,41 @@ fn public_pki_json(state_dir: &Path) -> Result<String, String> {
             Err(e) => return Err(format!("cannot read {}: {e}", p.display())),
         }
     }
-    Ok(Value::Object(m).to_string())
+    Ok(Value::Object(m))
+}
+
+/// The signed part of what a joined box received ([`signed_public`]), once its signature verifies
+/// under the serving CA whose pin the box was given: the payload, and that CA's certificate.
+fn verified_public(envelope: &str, pin: &str) -> Result<Value, String> {
+    let e: Value = serde_json::from_str(envelope).map_err(|e| format!("not JSON: {e}"))?;
+    let field = |k: &str| {
+        e[k].as_str()
+            .and_then(crypto::b64_decode)
+            .ok_or_else(|| format!("no {k}"))
+    };
+    let (bytes, sig) = (field("payload")?, field("signature")?);
+    let payload: Value =
+        serde_json::from_slice(&bytes).map_err(|e| format!("the payload is not JSON: {e}"))?;
+    let ca = payload["files"]["serving-ca.pem"]
+        .as_str()
+        .and_then(|t| {
+            crate::proto::x509::pem_decode_all(t, "CERTIFICATE")
+                .into_iter()
+                .next()
+        })
+        .ok_or("it holds no serving CA certificate")?;
+    let spki = crate::proto::x509::cert_spki(&ca)?;
+    if crypto::spki_pin(&spki) != pin {
+        return Err(format!(
+            "its serving CA is {}, not the site's whose pin `bca join-site` was given ({pin})",
+            crypto::spki_pin(&spki)
+        ));
+    }
+    let point = crypto::p256_point_from_spki(&spki).ok_or("the serving CA's key is not P-256")?;
+    if !crypto::verify(point, PUBLIC_PURPOSE, &bytes, &sig) {
+        return Err("it is not signed by the site's serving CA".into());
+    }
+    Ok(payload)
 }
 
 /// At `serve` of a joined appliance whose bundle is not there yet: waits (saying so) until an
@@ -504,7 +563,7 @@ pub fn take_site_keys(
             }
         }
     };
-    let (Some(wrapped), Some(cert), Some(public)) =
+    let (Some(wrapped), Some(_), Some(public)) =
         (&a.wrapped_keys, &a.gateway_cert, &a.public_pki_json)
     else {
         return Err(format!(
@@ -536,8 +595,27 @@ pub fn take_site_keys(
             )
         })
         .and_then(|b| serde_json::from_slice(&b).map_err(|e| format!("joined.json: {e}")))?;
-    let files: serde_json::Map<String, Value> =
-        serde_json::from_str(public).map_err(|e| format!("appliance {id}'s public PKI: {e}"))?;
+    // The signature first: nothing of it is used, or written, before it verifies.
+    let payload = verified_public(public, &joined.serving_ca_pin)
+        .map_err(|e| format!("what the site gave appliance {id} is refused: {e}"))?;
+    let site = &payload["site"];
+    if payload["appliance"] != id.as_str()
+        || site["id"] != config.site_id.as_str()
+        || site["trustDomain"] != config.trust_domain.as_str()
+        || site["name"] != config.site_name.as_str()
+    {
+        return Err(format!(
+            "what the site gave appliance {id} is for {} of site {} ({}), but this box's config.toml \
+             says site {} ({}): the database named another site when it joined; join the site again \
+             in a new state directory",
+            payload["appliance"], site["id"], site["trustDomain"], config.site_id, config.trust_domain
+        ));
+    }
+    let cert = payload["gatewayCert"]
+        .as_str()
+        .and_then(crypto::b64_decode)
+        .ok_or_else(|| format!("what the site gave appliance {id} holds no gateway certificate"))?;
+    let files = payload["files"].as_object().cloned().unwrap_or_default();
     let staging = state_dir.join("pki.new");
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging)
@@ -560,23 +638,15 @@ pub fn take_site_keys(
         let serving_ca = serving_ca.ok_or("the site's public PKI has no serving CA")?;
         crate::base::fsutil::write_new(
             &staging.join("gateway.pem"),
-            (crate::proto::x509::pem("CERTIFICATE", cert) + &serving_ca).as_bytes(),
+            (crate::proto::x509::pem("CERTIFICATE", &cert) + &serving_ca).as_bytes(),
             0o644,
         )?;
         let public = crate::pki::PublicPki::load(&staging)?;
-        let pin = crypto::spki_pin(&crate::proto::x509::cert_spki(&public.serving_ca)?);
-        if pin != joined.serving_ca_pin {
-            return Err(format!(
-                "the site's keys given to appliance {id} are not the site's whose serving CA pin \
-                 `bca join-site` was given ({}): its serving CA is {pin}",
-                joined.serving_ca_pin
-            ));
-        }
         crate::pki::check_keys_against(&public, &bundle).map_err(|e| {
             format!("the site's keys given to appliance {id} are not the site's: {e}")
         })?;
         check_leaf(
-            cert,
+            &cert,
             &bundle,
             &joined.names,
             config,

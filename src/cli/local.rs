@@ -101,12 +101,12 @@ pub(crate) fn cmd_join_site(a: crate::cli::args::JoinSiteArgs, conn: &Conn) -> A
     if conn.json {
         println!(
             "{}",
-            serde_json::json!({"id": out.id, "fingerprint": out.fingerprint, "siteId": out.site_id, "state": "pending"})
+            serde_json::json!({"id": out.id, "fingerprint": out.fingerprint, "siteId": out.site_id, "trustDomain": out.trust_domain, "state": "pending"})
         );
     } else {
         println!("appliance:   {}", out.id);
         println!("fingerprint: {}", out.fingerprint);
-        println!("site:        {}", out.site_id);
+        println!("site:        {} ({})", out.site_id, out.trust_domain);
         eprintln!(
             "pending: on an appliance of the site, run `bca site appliances approve {} --fingerprint {}` \
              (it is refused unless the database holds what this box sent); `bca serve` here waits until then",

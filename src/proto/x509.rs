@@ -40,11 +40,15 @@ pub fn cert_spki(der: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 /// A certificate's (notBefore, notAfter), in Unix seconds.
-/// Whether `der` is signed (ECDSA P-256 with SHA-256) by the key whose P-256 point is `issuer`.
+/// Whether `der` is one certificate (nothing after it) signed (ECDSA P-256 with SHA-256) by the
+/// key whose P-256 point is `issuer`.
 pub fn signed_by(der: &[u8], issuer: &[u8]) -> bool {
-    let Ok((_, c)) = x509_parser::parse_x509_certificate(der) else {
+    let Ok((rest, c)) = x509_parser::parse_x509_certificate(der) else {
         return false;
     };
+    if !rest.is_empty() {
+        return false;
+    }
     // ecdsa-with-SHA256
     c.signature_algorithm.algorithm.to_id_string() == "1.2.840.10045.4.3.2"
         && crate::base::crypto::verify_x509(

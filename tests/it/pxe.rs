@@ -108,14 +108,25 @@ fn appliance_cfg(ns: &Netns, mode: &str, edit: impl Fn(String) -> String) -> App
 /// An appliance serving network boot in `ns` at `ip`, with `boot` as its `[boot]` table and its
 /// `config.toml` passed through `edit`.
 fn appliance_in(ns: &Netns, ip: &str, boot: &str, edit: impl Fn(String) -> String) -> Appliance {
+    appliance_init(ns, ip, boot, &[], edit)
+}
+
+/// [`appliance_in`], `bca init` given `init` too (`--store postgres://…`).
+fn appliance_init(
+    ns: &Netns,
+    ip: &str,
+    boot: &str,
+    init: &[&str],
+    edit: impl Fn(String) -> String,
+) -> Appliance {
+    let url = format!("https://{ip}:8443");
     let (dir, out) = init_dir(
         "file",
         &[
-            "--gateway-san",
-            ip,
-            "--gateway-url",
-            &format!("https://{ip}:8443"),
-        ],
+            &["--gateway-san", ip, "--gateway-url", url.as_str()][..],
+            init,
+        ]
+        .concat(),
     );
     assert!(
         out.status.success(),
@@ -140,6 +151,12 @@ fn appliance_in(ns: &Netns, ip: &str, boot: &str, edit: impl Fn(String) -> Strin
         std::fs::copy(image().join(f), root.join(f))
             .unwrap_or_else(|e| panic!("{f}: {e}: run make image"));
     }
+    serve_in(ns, dir, ip)
+}
+
+/// `bca serve` of the state directory in `dir` inside `ns`, on `ip` (HTTP 8080, gateway 8443),
+/// its log in `dir/serve.log`; once it said it is ready.
+fn serve_in(ns: &Netns, dir: tempfile::TempDir, ip: &str) -> Appliance {
     let mut child = ns
         .cmd(bin())
         .args([
@@ -149,7 +166,7 @@ fn appliance_in(ns: &Netns, ip: &str, boot: &str, edit: impl Fn(String) -> Strin
             "--listen-gateway",
             &format!("{ip}:8443"),
         ])
-        .env("BCA_STATE_DIR", &state)
+        .env("BCA_STATE_DIR", dir.path().join("state"))
         .env("BCA_LOG", "info")
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(dir.path().join("serve.log")).unwrap())
@@ -607,6 +624,87 @@ fn a_vm_pxe_boots_through_a_dhcp_relay_and_joins_across_the_router() {
         "{leases}; relay's log: {}",
         std::fs::read_to_string(dir.join("relay.log")).unwrap_or_default()
     );
+}
+
+/// Two appliances of one site on one PostgreSQL, on one provisioning network: A serves the boot
+/// (full DHCP, TFTP, HTTP), B only its gateway (joined with `join-site`, approved on A). The VM
+/// boots from A and asks through A (its archive lists both gateways); the operator approves on B;
+/// A goes down; the ramdisk fails over to B and is admitted there, and holds its session on B.
+#[test]
+fn a_vm_booted_by_one_appliance_joins_through_the_other() {
+    require_tools();
+    let _vm = vm_lock();
+    let ns = Netns::new("two", 93);
+    let net = ns.net.clone();
+    let (ip_a, ip_b) = (ns.ip(), format!("{net}.2"));
+    sh(&format!("ip -n {} addr add {ip_b}/24 dev br0", ns.name));
+    let url = bca::store::pg_cluster::Cluster::shared().new_database();
+    let boot = format!(
+        "[boot]\nenabled = true\nmode = \"dhcp\"\ninterface = \"br0\"\nserver_ip = \"{ip_a}\"\nrange_start = \"{net}.100\"\n\
+         range_end = \"{net}.150\"\nnetmask = \"255.255.255.0\"\nkernel_args = \"console=ttyS0\"\n"
+    );
+    let mut a = appliance_init(&ns, &ip_a, &boot, &["--store", &url], |t| {
+        t.replace("retry_after_seconds = 30", "retry_after_seconds = 2")
+    });
+    // B: joined, approved with the fingerprint it printed, serving its gateway on the same wire.
+    let b_dir = tempfile::tempdir().unwrap();
+    let b_state = b_dir.path().join("state");
+    let pin = a.cli_json(&["pki", "show"])["pins"]["servingCa"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let o = Command::new(bin())
+        .args(["join-site", "--store", &url, "--serving-ca-pin", &pin])
+        .args(["--key-protection", "file", "--gateway-san", &ip_b])
+        .args(["--gateway-url", &format!("https://{ip_b}:8443"), "--json"])
+        .arg("--state-dir")
+        .arg(&b_state)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let joined: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let b_id = joined["id"].as_str().unwrap().to_string();
+    a.cli_json(&[
+        "site",
+        "appliances",
+        "approve",
+        &b_id,
+        "--fingerprint",
+        joined["fingerprint"].as_str().unwrap(),
+    ]);
+    let b = serve_in(&ns, b_dir, &ip_b);
+
+    let mac = "52:54:00:7e:0b:01";
+    let pool = a.pool("intake");
+    let (_vm, console) = vm_with(&ns, &a, mac, false, &[]);
+    let req = wait_for("the VM's join request", 300, &console, || {
+        crate::discovery::pending(&a, mac)
+    });
+    // Approved on B, then A goes down: the ramdisk's next ask reaches B.
+    b.cli_json(&[
+        "join-requests",
+        "approve",
+        req["id"].as_str().unwrap(),
+        "--pool",
+        &pool,
+    ]);
+    a.stop();
+    let node = wait_for("the node, through B", 120, &console, || {
+        b.cli_json(&["nodes", "list", "--pool", &pool])["items"]
+            .as_array()
+            .unwrap()
+            .first()
+            .cloned()
+    });
+    assert_eq!(node["role"], "ramdisk");
+    let id = node["id"].as_str().unwrap().to_string();
+    wait_for("the ramdisk's session on B", 60, &console, || {
+        (b.cli_json(&["nodes", "get", &id])["connected"] == true).then_some(())
+    });
+    let held = b.live().count(&format!(
+        "SELECT count(*) FROM nodes WHERE id = '{id}' AND session_appliance = '{b_id}'"
+    ));
+    assert_eq!(held, 1, "the session is B's");
 }
 
 /// The "installed OS" of the whole-life test: the same machine (MAC, SMBIOS) booted from its

@@ -824,29 +824,57 @@ fn a_database_writer_cannot_slip_keys_names_or_files_past_the_operator() {
         0
     );
 
-    // E is approved as it asked; then its row's leaf is replaced by one another CA signed for
-    // its key and names: E's serve refuses it, and writes no public file and no key.
+    // E is approved as it asked. What the site gave it is signed by the site's serving CA; a
+    // database writer's changes to it are refused at E's start, and nothing is written.
     let (e_dir, o) = join_site(&url, &["--gateway-san", "127.0.0.1"]);
     let (e, e_fp) = joined_id(&o);
     a.cli_json(&["site", "appliances", "approve", &e, "--fingerprint", &e_fp]);
-    let cfg = bca::config::Config::load(&a.state()).unwrap();
-    let evil = bca::base::crypto::SigningKey::generate();
-    let point: Vec<u8> = {
-        let v = live.count(&format!(
-            "SELECT count(*) FROM site_appliances WHERE id = '{e}' AND gateway_public IS NOT NULL"
-        ));
-        assert_eq!(v, 1);
-        // E's gateway key's point, from its own key file.
-        let own: Value = serde_json::from_slice(
-            &std::fs::read(e_dir.state().join("keys/appliance.json")).unwrap(),
-        )
-        .unwrap();
-        let der = bca::base::crypto::b64_decode(own["gateway"].as_str().unwrap()).unwrap();
-        bca::base::crypto::SigningKey::from_pkcs8(&der)
-            .unwrap()
-            .public_point()
-            .to_vec()
+    let text = |sql: &str| -> String {
+        let o = Command::new("psql")
+            .arg("-h")
+            .arg(&c.dir)
+            .args(["-p", &c.port.to_string(), "-U", c.user])
+            .args(["-d", url.rsplit('/').next().unwrap(), "-Atc", sql])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
     };
+    let genuine: Value = serde_json::from_str(&text(&format!(
+        "SELECT public_pki_json FROM site_appliances WHERE id = '{e}'"
+    )))
+    .unwrap();
+    let b64 = bca::base::crypto::b64;
+    let payload: Value = serde_json::from_slice(
+        &bca::base::crypto::b64_decode(genuine["payload"].as_str().unwrap()).unwrap(),
+    )
+    .unwrap();
+    let set_public = |envelope: &Value| {
+        live.execute(
+            "UPDATE site_appliances SET public_pki_json = ?1 WHERE id = ?2",
+            &[&envelope.to_string(), &e],
+        );
+    };
+    let refused = |what: &str, want: &str| {
+        let o = serve_exit(&e_dir.state(), PASSPHRASE);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(want), "{what}: {err}");
+        assert!(
+            !e_dir.state().join("pki").exists() && !e_dir.state().join("pki.new").exists(),
+            "{what}"
+        );
+        assert!(!e_dir.state().join("keys/keys.json").exists(), "{what}");
+    };
+    // Its leaf replaced by one another CA signed for its key and names, the signature kept.
+    let cfg = bca::config::Config::load(&a.state()).unwrap();
+    let own: Value =
+        serde_json::from_slice(&std::fs::read(e_dir.state().join("keys/appliance.json")).unwrap())
+            .unwrap();
+    let der = bca::base::crypto::b64_decode(own["gateway"].as_str().unwrap()).unwrap();
+    let point = bca::base::crypto::SigningKey::from_pkcs8(&der)
+        .unwrap()
+        .public_point()
+        .to_vec();
+    let evil = bca::base::crypto::SigningKey::generate();
     let forged = bca::pki::gateway_leaf_for(
         &cfg,
         &evil,
@@ -855,55 +883,38 @@ fn a_database_writer_cannot_slip_keys_names_or_files_past_the_operator() {
         bca::base::clock::now(),
     )
     .unwrap();
-    let genuine: Vec<u8> = {
-        let o = Command::new("psql")
-            .arg("-h")
-            .arg(&c.dir)
-            .args([
-                "-p",
-                &c.port.to_string(),
-                "-U",
-                c.user,
-                "-d",
-                url.rsplit('/').next().unwrap(),
-                "-Atc",
-                &format!(
-                    "SELECT encode(gateway_cert, 'hex') FROM site_appliances WHERE id = '{e}'"
-                ),
-            ])
-            .output()
-            .unwrap();
-        bca::base::crypto::hex_decode(String::from_utf8_lossy(&o.stdout).trim()).unwrap()
-    };
-    let set_cert = |der: &[u8]| {
-        live.execute_values(
-            "UPDATE site_appliances SET gateway_cert = ?1 WHERE id = ?2",
-            &[V::Blob(der.to_vec()), V::Text(e.clone())],
-        );
-    };
-    set_cert(&forged);
-    let o = serve_exit(&e_dir.state(), PASSPHRASE);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("not signed by the site's serving CA"), "{err}");
-    assert!(!e_dir.state().join("pki").exists() && !e_dir.state().join("pki.new").exists());
-    assert!(!e_dir.state().join("keys/keys.json").exists());
-
-    // Public files naming a path outside pki/: refused, nothing written anywhere.
-    set_cert(&genuine);
-    let escape = e_dir.dir.path().join("escaped");
-    live.execute(
-        "UPDATE site_appliances SET public_pki_json = ?1 WHERE id = ?2",
-        &[
-            &json!({ format!("../../{}", escape.file_name().unwrap().to_string_lossy()): "x" })
-                .to_string(),
-            &e,
-        ],
+    let mut p = payload.clone();
+    p["gatewayCert"] = json!(b64(&forged));
+    set_public(
+        &json!({"payload": b64(&serde_json::to_vec(&p).unwrap()), "signature": genuine["signature"]}),
     );
-    let o = serve_exit(&e_dir.state(), PASSPHRASE);
+    refused("a forged leaf", "not signed by the site's serving CA");
+    // A file naming a path outside pki/, the signature kept.
+    let escape = e_dir.dir.path().join("escaped");
+    let mut p = payload.clone();
+    p["files"][format!("../../{}", escape.file_name().unwrap().to_string_lossy())] = json!("x");
+    set_public(
+        &json!({"payload": b64(&serde_json::to_vec(&p).unwrap()), "signature": genuine["signature"]}),
+    );
+    refused("a path outside pki/", "not signed by the site's serving CA");
+    assert!(!escape.exists());
+    // The whole payload signed anew by the writer's own "serving CA": not the pinned one.
+    let mut p = payload.clone();
+    let evil_ca = bca::pki::issuer(bca::pki::CaKind::Serving, &cfg, &evil).0;
+    p["files"]["serving-ca.pem"] = json!(bca::proto::x509::pem("CERTIFICATE", evil_ca.der()));
+    let bytes = serde_json::to_vec(&p).unwrap();
+    let sig = evil.sign("bca site public pki v1", &bytes);
+    set_public(&json!({"payload": b64(&bytes), "signature": b64(&sig)}));
+    refused("another serving CA", "not the site's whose pin");
+    // The genuine one back: E takes the site's keys.
+    set_public(&genuine);
+    let o = serve_exit_with(
+        &e_dir.state(),
+        PASSPHRASE,
+        &["--admin-socket", "/nonexistent/bca.sock"],
+    );
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("bca does not write"), "{err}");
-    assert!(!escape.exists() && !e_dir.state().join("pki").exists());
-    assert!(!e_dir.state().join("keys/keys.json").exists());
+    assert!(e_dir.state().join("keys/keys.json").exists(), "{err}");
 
     // A box told another pin (it was given the join-signing key's) takes no key from this site.
     let wrong = a.cli_json(&["pki", "show"])["pins"]["joinSigning"]
@@ -915,8 +926,26 @@ fn a_database_writer_cannot_slip_keys_names_or_files_past_the_operator() {
     a.cli_json(&["site", "appliances", "approve", &f, "--fingerprint", &f_fp]);
     let o = serve_exit(&f_dir.state(), PASSPHRASE);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("serving CA pin"), "{err}");
+    assert!(err.contains("not the site's whose pin"), "{err}");
     assert!(!f_dir.state().join("keys/keys.json").exists());
+
+    // A box that joined while a writer named another trust domain in the site's row: its
+    // approval is signed for the real one, and the box refuses to serve another.
+    let td = text("SELECT trust_domain FROM site");
+    live.execute("UPDATE site SET trust_domain = 'evil.example.org'", &[]);
+    let (g_dir, o) = join_site(&url, &["--gateway-san", "127.0.0.1"]);
+    live.execute("UPDATE site SET trust_domain = ?1", &[&td]);
+    let (g, g_fp) = joined_id(&o);
+    let printed: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        printed["trustDomain"], "evil.example.org",
+        "join-site says what it was told"
+    );
+    a.cli_json(&["site", "appliances", "approve", &g, "--fingerprint", &g_fp]);
+    let o = serve_exit(&g_dir.state(), PASSPHRASE);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("named another site"), "{err}");
+    assert!(!g_dir.state().join("keys/keys.json").exists());
 }
 
 /// Full DHCP on a site of several appliances: two allocators (each an `App` with its own view of
