@@ -146,6 +146,9 @@ pub struct Store {
     conn: Mutex<Conn>,
 }
 
+/// How long `serve` waits for an appliance's lock a killed predecessor's session still holds.
+const CLAIM_GRACE: std::time::Duration = std::time::Duration::from_secs(8);
+
 /// One transaction of the store: a write or a read. The callers above the store reach the
 /// database only through the operations defined on it.
 pub struct Tx<'c>(TxInner<'c>);
@@ -323,12 +326,20 @@ impl Store {
         };
         let h = crate::base::crypto::sha256(format!("bca appliance {appliance_id}").as_bytes());
         let key = i64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
-        match p.claim(key) {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(format!(
-                "another bca serve runs as appliance {appliance_id} on this database (it holds the appliance's lock): one serve per appliance"
-            )),
-            Err(e) => Err(format!("cannot claim the store's database: {e}")),
+        // A serve that was just killed holds the lock until the database notices its session is
+        // gone: a few seconds' grace before a second serve is told it is one.
+        let until = std::time::Instant::now() + CLAIM_GRACE;
+        loop {
+            match p.claim(key) {
+                Ok(true) => return Ok(()),
+                Ok(false) if std::time::Instant::now() < until => {
+                    std::thread::sleep(std::time::Duration::from_millis(200))
+                }
+                Ok(false) => return Err(format!(
+                    "another bca serve runs as appliance {appliance_id} on this database (it holds the appliance's lock): one serve per appliance"
+                )),
+                Err(e) => return Err(format!("cannot claim the store's database: {e}")),
+            }
         }
     }
 
