@@ -995,6 +995,30 @@ fn agent_config_for(a: &Appliance) -> Arc<AgentConfig> {
     Arc::new(AgentConfig::load(&adir.join("config.toml")).unwrap())
 }
 
+/// A renewal of an admitted machine, made as the machine would before it asks: its new key, the
+/// CSR, and the request's bytes (the proof signed with its current key at `now`).
+fn renew_request(
+    m: &Machine,
+    body: &protocol::JoinResponseBody,
+    now: i64,
+) -> (SigningKey, Vec<u8>, Vec<u8>) {
+    let key = SigningKey::generate();
+    let csr = bca::proto::csr::create(&key);
+    let msg = protocol::renew_pop_message(&crypto::sha256(&csr), &body.node_id, now);
+    let req = Request {
+        v: 1,
+        renew: Some(RenewRequest {
+            csr: crypto::b64(&csr),
+            chain: body.certificate_chain.clone(),
+            client_time: now,
+            pop_sig: crypto::b64(&m.key.sign(protocol::RENEW_POP_PURPOSE, &msg)),
+            key_attestation: None,
+        }),
+        ..Default::default()
+    };
+    (key, csr, serde_json::to_vec(&req).unwrap())
+}
+
 /// [`join_storm`] with the machines spread over the gateways of `cfgs` in turn.
 fn spread_storm(
     rt: &tokio::runtime::Runtime,
@@ -1034,25 +1058,8 @@ fn renew_storm(
     let prepared: Vec<Prepared> = admitted
         .iter()
         .map(|(m, body)| {
-            let key = SigningKey::generate();
-            let csr = bca::proto::csr::create(&key);
-            let msg = protocol::renew_pop_message(&crypto::sha256(&csr), &body.node_id, now);
-            let req = Request {
-                v: 1,
-                renew: Some(RenewRequest {
-                    csr: crypto::b64(&csr),
-                    chain: body.certificate_chain.clone(),
-                    client_time: now,
-                    pop_sig: crypto::b64(&m.key.sign(protocol::RENEW_POP_PURPOSE, &msg)),
-                    key_attestation: None,
-                }),
-                ..Default::default()
-            };
-            (
-                chain_der(&body.certificate_chain),
-                m.clone(),
-                serde_json::to_vec(&req).unwrap(),
-            )
+            let (_, _, req) = renew_request(m, body, now);
+            (chain_der(&body.certificate_chain), m.clone(), req)
         })
         .collect();
     let sem = Arc::new(tokio::sync::Semaphore::new(conc));
@@ -1382,23 +1389,7 @@ fn main() {
     let now = bca::base::clock::now();
     let prepared: Vec<(SigningKey, Vec<u8>, Vec<u8>)> = nodes
         .iter()
-        .map(|(m, body)| {
-            let key = SigningKey::generate();
-            let csr = bca::proto::csr::create(&key);
-            let msg = protocol::renew_pop_message(&crypto::sha256(&csr), &body.node_id, now);
-            let req = Request {
-                v: 1,
-                renew: Some(RenewRequest {
-                    csr: crypto::b64(&csr),
-                    chain: body.certificate_chain.clone(),
-                    client_time: now,
-                    pop_sig: crypto::b64(&m.key.sign(protocol::RENEW_POP_PURPOSE, &msg)),
-                    key_attestation: None,
-                }),
-                ..Default::default()
-            };
-            (key, csr, serde_json::to_vec(&req).unwrap())
-        })
+        .map(|(m, body)| renew_request(m, body, now))
         .collect();
     let (_, renewal_ceil_before) = appliance_core_ceilings("renewal", "_before_storm");
     let cpu0 = cpu_seconds(a.child.id());

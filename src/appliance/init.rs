@@ -146,20 +146,11 @@ pub fn init(o: InitOptions, now: i64) -> ApiResult<Initialised> {
 }
 
 fn pcrs_of(o: &InitOptions) -> ApiResult<Vec<u32>> {
-    o.tpm_pcrs
-        .as_deref()
-        .map(crate::tpm::parse_pcrs)
-        .transpose()
-        .map(Option::unwrap_or_default)
-        .map_err(|e| ApiError::invalid_input(format!("--tpm-pcrs: {e}")))
+    crate::appliance::statedir::pcrs_arg(o.tpm_pcrs.as_deref())
 }
 
 fn tcti_of(o: &InitOptions) -> ApiResult<crate::tpm::Tcti> {
-    o.tpm
-        .as_deref()
-        .unwrap_or(crate::tpm::DEFAULT_TCTI)
-        .parse()
-        .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))
+    crate::appliance::statedir::tcti_arg(o.tpm.as_deref())
 }
 
 fn build(o: &InitOptions, sans: &[String], now: i64) -> ApiResult<Initialised> {

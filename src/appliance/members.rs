@@ -197,21 +197,9 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
             o.state_dir.display()
         )));
     }
-    let pcrs = o
-        .tpm_pcrs
-        .as_deref()
-        .map(crate::tpm::parse_pcrs)
-        .transpose()
-        .map_err(|e| ApiError::invalid_input(format!("--tpm-pcrs: {e}")))?
-        .unwrap_or_default();
-    let tcti: Option<crate::tpm::Tcti> = match o.key_protection {
-        KeyProtection::Tpm => Some(
-            o.tpm
-                .as_deref()
-                .unwrap_or(crate::tpm::DEFAULT_TCTI)
-                .parse()
-                .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))?,
-        ),
+    let pcrs = crate::appliance::statedir::pcrs_arg(o.tpm_pcrs.as_deref())?;
+    let tcti = match o.key_protection {
+        KeyProtection::Tpm => Some(crate::appliance::statedir::tcti_arg(o.tpm.as_deref())?),
         _ => None,
     };
     // The database first: a wrong URL or password changes nothing on this box.
@@ -259,28 +247,14 @@ pub fn join_site(o: JoinSiteOptions, now: i64) -> ApiResult<Joined> {
         let text = config.to_file_text().map_err(ApiError::internal)?;
         crate::base::fsutil::write_new_private(&o.state_dir.join("config.toml"), text.as_bytes())
             .map_err(ApiError::internal)?;
-        let fp = fingerprint(
-            Some(own.wrap.public_point()),
-            own.gateway.public_point(),
-            &o.gateway_sans,
-            o.gateway_url.as_deref(),
+        let row = new_row(
+            (&id, "pending"),
+            o.gateway_sans.clone(),
+            o.gateway_url.clone(),
+            (Some(own.wrap.public_point()), own.gateway.public_point()),
+            now,
         );
-        let row = Appliance {
-            id: id.clone(),
-            state: "pending".into(),
-            names: o.gateway_sans.clone(),
-            gateway_url: o.gateway_url.clone(),
-            wrap_public: Some(own.wrap.public_point().to_vec()),
-            gateway_public: Some(own.gateway.public_point().to_vec()),
-            fingerprint: fp.clone(),
-            wrapped_keys: None,
-            gateway_cert: None,
-            public_pki_json: None,
-            created_at: now,
-            approved_at: None,
-            approved_by: None,
-            heartbeat_at: None,
-        };
+        let fp = row.fingerprint.clone();
         // Last, the commit point: the row the operator approves.
         store.write(|tx| {
             rows::insert(tx, &row, now)?;
@@ -706,14 +680,32 @@ pub fn origin(
     gateway_point: &[u8],
     now: i64,
 ) -> Appliance {
-    Appliance {
-        id: id.to_string(),
-        state: "origin".into(),
-        fingerprint: fingerprint(None, gateway_point, &names, gateway_url.as_deref()),
+    new_row(
+        (id, "origin"),
         names,
         gateway_url,
-        wrap_public: None,
-        gateway_public: Some(gateway_point.to_vec()),
+        (None, gateway_point),
+        now,
+    )
+}
+
+/// A new row `(id, state)` with the box's names, URL and `(wrapping, gateway)` public keys, its
+/// fingerprint computed from them.
+fn new_row(
+    (id, state): (&str, &str),
+    names: Vec<String>,
+    gateway_url: Option<String>,
+    (wrap, gateway): (Option<&[u8]>, &[u8]),
+    now: i64,
+) -> Appliance {
+    Appliance {
+        id: id.to_string(),
+        state: state.to_string(),
+        fingerprint: fingerprint(wrap, gateway, &names, gateway_url.as_deref()),
+        names,
+        gateway_url,
+        wrap_public: wrap.map(<[u8]>::to_vec),
+        gateway_public: Some(gateway.to_vec()),
         wrapped_keys: None,
         gateway_cert: None,
         public_pki_json: None,
@@ -726,22 +718,21 @@ pub fn origin(
 
 /// At every `serve`: this appliance's row, recorded as `origin` when it holds the site's keys
 /// itself and has none yet; refused when it was removed.
-pub fn register(app: &App, keys: &KeyBundle, now: i64) -> Result<String, String> {
-    let id = crate::appliance::statedir::own_id(&app.state_dir)?;
+pub fn register(app: &App, keys: &KeyBundle, id: &str, now: i64) -> Result<(), String> {
     let names = crate::proto::x509::cert_sans(&app.pki.gateway).unwrap_or_default();
     let gw = keys.gateway.public_point().to_vec();
     let state = app
         .store
         .write(|tx| {
-            let existing = rows::get(tx, &id)?;
+            let existing = rows::get(tx, id)?;
             match existing.as_ref().map(|a| a.state.as_str()) {
                 None | Some("origin") => rows::insert(
                     tx,
-                    &origin(&id, names.clone(), app.config.gateway_url.clone(), &gw, now),
+                    &origin(id, names.clone(), app.config.gateway_url.clone(), &gw, now),
                     now,
                 )?,
                 _ => {
-                    rows::heartbeat(tx, &id, now)?;
+                    rows::heartbeat(tx, id, now)?;
                 }
             }
             Ok(existing.map(|a| a.state))
@@ -755,7 +746,7 @@ pub fn register(app: &App, keys: &KeyBundle, now: i64) -> Result<String, String>
             "appliance {id} is still pending in the site's database but holds keys: its state \
              directory is not the one that joined"
         )),
-        _ => Ok(id),
+        _ => Ok(()),
     }
 }
 

@@ -1,6 +1,8 @@
 //! What a new appliance's state directory starts with, shared by `bca init` and `bca join-site`:
-//! its `config.toml`, its appliance id (`appliance.id`), and whether a directory is one already.
+//! its `config.toml`, its appliance id (`appliance.id`), whether a directory is one already, and
+//! the TPM arguments both take.
 
+use crate::base::error::{ApiError, ApiResult};
 use crate::config::{Config, JoinConfig, KeyProtection, PkiConfig};
 use std::path::{Path, PathBuf};
 
@@ -81,4 +83,19 @@ pub fn own_id(state_dir: &Path) -> Result<String, String> {
 /// Writes `appliance.id` (a new state directory's).
 pub fn write_id(state_dir: &Path, id: &str) -> Result<(), String> {
     crate::base::fsutil::write_new_private(&id_path(state_dir), format!("{id}\n").as_bytes())
+}
+
+/// `--tpm-pcrs` (none when absent); `bca join-site` reads it the same way.
+pub fn pcrs_arg(list: Option<&str>) -> ApiResult<Vec<u32>> {
+    list.map(crate::tpm::parse_pcrs)
+        .transpose()
+        .map(Option::unwrap_or_default)
+        .map_err(|e| ApiError::invalid_input(format!("--tpm-pcrs: {e}")))
+}
+
+/// `--tpm` (the default TPM when absent); `bca join-site` reads it the same way.
+pub fn tcti_arg(tpm: Option<&str>) -> ApiResult<crate::tpm::Tcti> {
+    tpm.unwrap_or(crate::tpm::DEFAULT_TCTI)
+        .parse()
+        .map_err(|e: String| ApiError::invalid_input(format!("--tpm: {e}")))
 }

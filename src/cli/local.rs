@@ -8,16 +8,19 @@ use crate::config::KeyProtection;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
-pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
-    let state_dir = conn.state_dir();
-    let kp = KeyProtection::parse(&a.key_protection).ok_or_else(|| {
+/// `--key-protection`, and the new passphrase it asks for (twice, on a terminal) when it is
+/// `passphrase` and the state directory is new (`bca init`, `bca join-site`).
+fn protection(
+    name: &str,
+    state_dir: &Path,
+) -> ApiResult<(KeyProtection, Option<zeroize::Zeroizing<String>>)> {
+    let kp = KeyProtection::parse(name).ok_or_else(|| {
         ApiError::invalid_input(format!(
-            "--key-protection {:?} must be passphrase, file or tpm",
-            a.key_protection
+            "--key-protection {name:?} must be passphrase, file or tpm"
         ))
     })?;
     let passphrase = match kp {
-        KeyProtection::Passphrase if !crate::appliance::statedir::is_initialised(&state_dir) => {
+        KeyProtection::Passphrase if !crate::appliance::statedir::is_initialised(state_dir) => {
             Some(
                 crate::keys::passphrase_from_env_or_prompt(true)
                     .map_err(ApiError::invalid_input)?,
@@ -25,6 +28,12 @@ pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
         }
         _ => None,
     };
+    Ok((kp, passphrase))
+}
+
+pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
+    let state_dir = conn.state_dir();
+    let (kp, passphrase) = protection(&a.key_protection, &state_dir)?;
     let escrow = match (&a.escrow, kp) {
         (Some(path), KeyProtection::Tpm)
             if !crate::appliance::statedir::is_initialised(&state_dir) =>
@@ -67,21 +76,7 @@ pub(crate) fn cmd_init(a: InitArgs, conn: &Conn) -> ApiResult<()> {
 /// an appliance of the site before `bca site appliances approve ID`.
 pub(crate) fn cmd_join_site(a: crate::cli::args::JoinSiteArgs, conn: &Conn) -> ApiResult<()> {
     let state_dir = conn.state_dir();
-    let kp = KeyProtection::parse(&a.key_protection).ok_or_else(|| {
-        ApiError::invalid_input(format!(
-            "--key-protection {:?} must be passphrase, file or tpm",
-            a.key_protection
-        ))
-    })?;
-    let passphrase = match kp {
-        KeyProtection::Passphrase if !crate::appliance::statedir::is_initialised(&state_dir) => {
-            Some(
-                crate::keys::passphrase_from_env_or_prompt(true)
-                    .map_err(ApiError::invalid_input)?,
-            )
-        }
-        _ => None,
-    };
+    let (kp, passphrase) = protection(&a.key_protection, &state_dir)?;
     let out = crate::appliance::members::join_site(
         crate::appliance::members::JoinSiteOptions {
             state_dir: state_dir.clone(),

@@ -95,7 +95,7 @@ pub fn run(state_dir: &Path, opts: ServeOptions) -> Result<(), String> {
     // refused); then its row in the site's database, which its audit rows and sessions name.
     let id = crate::appliance::statedir::own_id(state_dir)?;
     app.store.claim_exclusive(&id)?;
-    crate::appliance::members::register(&app, &keys, crate::base::clock::now())?;
+    crate::appliance::members::register(&app, &keys, &id, crate::base::clock::now())?;
     crate::store::appliances::set_this(&id);
     let rotator = Arc::new(crate::appliance::rotation::Rotator::new(vault));
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -13,8 +13,13 @@ fn boot_appliance(mode: &str) -> (Appliance, u16, u16) {
 
 /// [`boot_appliance`], with the network edge in a confined child (`privsep`) or in one process.
 pub fn boot_appliance_with(mode: &str, privsep: bool) -> (Appliance, u16, u16) {
+    boot_appliance_init(mode, privsep, &[])
+}
+
+/// [`boot_appliance_with`], `bca init` given `init` too (`--store postgres://…`).
+pub fn boot_appliance_init(mode: &str, privsep: bool, init: &[&str]) -> (Appliance, u16, u16) {
     let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());
-    let mut a = Appliance::start();
+    let mut a = Appliance::start_with("file", init);
     let cfg = a.state().join("config.toml");
     let mut text = std::fs::read_to_string(&cfg).unwrap();
     if !privsep {

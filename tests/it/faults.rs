@@ -267,7 +267,7 @@ pub(crate) struct Held {
     key: bca::base::crypto::SigningKey,
 }
 
-fn serial_of(chain_pem: &[String]) -> String {
+pub(crate) fn serial_of(chain_pem: &[String]) -> String {
     let der = bca::proto::x509::pem_decode_all(&chain_pem[0], "CERTIFICATE").remove(0);
     bca::proto::x509::parse_node_leaf(&der).unwrap().serial_hex
 }

@@ -560,52 +560,6 @@ fn second(a: &Appliance, url: &str, gw: u16) -> Appliance {
     b
 }
 
-/// A renewal through `cfg`'s gateway: the new leaf's serial once renewed, `None` when refused or
-/// not answered (the appliance killed under it).
-fn try_renew(
-    cfg: &bca::proto::agent_config::AgentConfig,
-    chain_pem: &[String],
-    key: &bca::base::crypto::SigningKey,
-    node: &str,
-) -> Option<(String, Vec<String>, bca::base::crypto::SigningKey)> {
-    use bca::base::crypto;
-    use bca::proto::protocol::{renew_pop_message, RenewRequest, Request, RENEW_POP_PURPOSE};
-    let new_key = crypto::SigningKey::generate();
-    let csr = bca::proto::csr::create(&new_key);
-    let now = bca::base::clock::now();
-    let msg = renew_pop_message(&crypto::sha256(&csr), node, now);
-    let req = Request {
-        v: 1,
-        renew: Some(RenewRequest {
-            csr: crypto::b64(&csr),
-            chain: chain_pem.to_vec(),
-            client_time: now,
-            pop_sig: crypto::b64(&key.sign(RENEW_POP_PURPOSE, &msg)),
-            key_attestation: None,
-        }),
-        ..Default::default()
-    };
-    let chain: Vec<Vec<u8>> = chain_pem
-        .iter()
-        .map(|p| bca::proto::x509::pem_decode_all(p, "CERTIFICATE").remove(0))
-        .collect();
-    let raw = rt().block_on(async {
-        let mut s = bca::agent::connect(cfg, Some((chain, key.pkcs8())))
-            .await
-            .ok()?;
-        bca::agent::roundtrip(cfg, &mut s, &serde_json::to_vec(&req).unwrap())
-            .await
-            .ok()
-    })?;
-    let resp = serde_json::from_slice::<Reply>(&raw).ok()?.renew_response?;
-    let body: bca::proto::protocol::JoinResponseBody =
-        serde_json::from_slice(&crypto::b64_decode(&resp.body)?).ok()?;
-    let leaf =
-        bca::proto::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE").remove(0);
-    let serial = bca::proto::x509::parse_node_leaf(&leaf)?.serial_hex;
-    Some((serial, body.certificate_chain, new_key))
-}
-
 /// Under a join and renewal storm through both appliances, appliances are SIGKILLed and
 /// PostgreSQL restarted at random moments (`make test`: 6 kills and 2 restarts; `make soak`: the
 /// issue's 20 and 5 with `BCA_SITE_KILLS=20 BCA_SITE_DB_RESTARTS=5`). Afterwards every
@@ -673,20 +627,13 @@ fn two_appliances_under_kills_and_database_restarts_lose_nothing_acknowledged() 
                     };
                     let body =
                         bca::agent::verify_response(&sim.cfg, &r, &csr, &key, "node").unwrap();
-                    let leaf =
-                        bca::proto::x509::pem_decode_all(&body.certificate_chain[0], "CERTIFICATE")
-                            .remove(0);
                     joined
                         .lock()
                         .unwrap()
-                        .push(bca::proto::x509::parse_node_leaf(&leaf).unwrap().serial_hex);
+                        .push(crate::faults::serial_of(&body.certificate_chain));
                     // It renews through the other appliance.
-                    if let Some((serial, _, _)) = try_renew(
-                        &sims[(i + 1) % 2].cfg,
-                        &body.certificate_chain,
-                        &key,
-                        &body.node_id,
-                    ) {
+                    let node = crate::faults::held(body.node_id, &body.certificate_chain, key);
+                    if let Some((serial, _)) = crate::faults::renew(&sims[(i + 1) % 2].cfg, &node) {
                         renewed.lock().unwrap().push(serial);
                     }
                 }
@@ -956,16 +903,8 @@ fn a_database_writer_cannot_slip_keys_names_or_files_past_the_operator() {
 fn two_appliances_in_full_dhcp_never_lease_one_address_twice() {
     let c = Cluster::shared();
     let url = c.new_database();
-    let mut a = Appliance::start_with("file", &["--store", &url]);
-    let cfg = a.state().join("config.toml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    let (dhcp, proxy, tftp) = (free_udp(), free_udp(), free_udp());
-    let boot = format!(
-        "[boot]\nenabled = true\nmode = \"dhcp\"\nserver_ip = \"127.0.0.1\"\nlisten_dhcp = \"127.0.0.1:{dhcp}\"\n\
-         listen_proxy = \"127.0.0.1:{proxy}\"\nlisten_tftp = \"127.0.0.1:{tftp}\"\nrange_start = \"127.0.0.100\"\nrange_end = \"127.0.0.110\"\n"
-    );
-    std::fs::write(&cfg, replace_table(&text, "boot", &boot)).unwrap();
-    a.restart();
+    // Full DHCP on loopback, the range 127.0.0.100-110.
+    let (a, _, _) = crate::boot::boot_appliance_init("dhcp", true, &["--store", &url]);
     let one = bca::appliance::app::App::load(&a.state()).unwrap();
     let two = bca::appliance::app::App::load(&a.state()).unwrap();
     let (m1, m2) = ("52:54:00:00:d1:01", "52:54:00:00:d1:02");
