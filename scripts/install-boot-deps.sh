@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the network-boot tests and `make image` need: QEMU (from bookworm-backports, so the
 # preinstalled qemu-utils 10 stays), its iPXE option ROMs, OVMF, Debian's iPXE binaries, busybox,
-# cpio, dnsmasq (the site DHCP server of the proxy-mode test), kmod (depmod) and iproute2.
+# cpio, dnsmasq (the site DHCP server of the proxy-mode test), kmod (depmod), iproute2 and
+# sbsigntool (make image checks that shim, GRUB and the kernel are signed).
 set -euo pipefail
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
 if ! grep -rqs bookworm-backports /etc/apt/sources.list.d/; then
@@ -21,6 +22,7 @@ command -v cpio >/dev/null || need+=(cpio)
 command -v dnsmasq >/dev/null || need+=(dnsmasq-base)
 command -v depmod >/dev/null || need+=(kmod)
 command -v ip >/dev/null || need+=(iproute2)
+command -v sbverify >/dev/null || need+=(sbsigntool)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends -t bookworm-backports "${need[@]}" >/dev/null \

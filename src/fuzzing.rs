@@ -34,11 +34,13 @@ pub fn dhcp(data: &[u8]) {
         ipxe_efi: true,
         snponly: true,
         arm64: true,
+        shim: true,
     };
     let ctx = crate::edge::boot::dhcp::ReplyCtx {
         server_ip: std::net::Ipv4Addr::new(10, 0, 0, 1),
         http_base: "http://10.0.0.1",
         files: &files,
+        uefi_shim: false,
         lease: Some(std::net::Ipv4Addr::new(10, 0, 0, 50)),
         netmask: Some(std::net::Ipv4Addr::new(255, 255, 255, 0)),
         router: None,

@@ -19,9 +19,14 @@ impl EdgeCore for LocalCore {
 pub async fn answer(app: &Arc<App>, a: Ask) -> Answer {
     let app2 = app.clone();
     match a {
-        Ask::BootScript { mac, peer, base } => {
+        Ask::BootScript {
+            mac,
+            peer,
+            base,
+            grub,
+        } => {
             use crate::appliance::boot::ScriptRefused;
-            match crate::appliance::boot::script(app, &mac, &peer, &base).await {
+            match crate::appliance::boot::script(app, &mac, &peer, &base, grub).await {
                 Ok(text) => Answer::Text { text },
                 Err(ScriptRefused::NotSighted(message)) => Answer::Forbidden { message },
                 Err(ScriptRefused::Rate(message)) => Answer::TooMany { message },

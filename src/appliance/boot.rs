@@ -67,7 +67,8 @@ pub enum ScriptRefused {
     Unavailable(String),
 }
 
-/// The core's side of `boot.ipxe`. A discovery token is minted, and the boot recorded, only for
+/// The core's side of `boot.ipxe` (and, with `grub`, of GRUB's `grub/<mac>.cfg`: the same
+/// decisions, written for GRUB). A discovery token is minted, and the boot recorded, only for
 /// a MAC the boot server's DHCP saw at `peer` (the address the edge saw the request come from)
 /// within `[boot] sighting_seconds`; the local-disk answer needs no sighting. A refused request
 /// writes nothing: no lease row, no token voided, no archive taken.
@@ -76,7 +77,13 @@ pub async fn script(
     mac: &str,
     peer: &str,
     base: &str,
+    grub: bool,
 ) -> Result<String, ScriptRefused> {
+    let (local_disk, discovery) = if grub {
+        (templates::LOCAL_DISK_GRUB, templates::DISCOVERY_GRUB)
+    } else {
+        (templates::LOCAL_DISK, templates::DISCOVERY)
+    };
     let bad = |m: &str| ScriptRefused::Unavailable(m.to_string());
     let mac = crate::proto::claims::loose_mac(mac).ok_or_else(|| bad("not a MAC address"))?;
     let mac = mac.as_str();
@@ -129,7 +136,7 @@ pub async fn script(
                 tracing::info!(%mac, "boot: local disk (an OS node, or its OS being installed)");
                 Ok(templates::render(
                     &script_root(app)?,
-                    templates::LOCAL_DISK,
+                    local_disk,
                     &[],
                 ))
             }
@@ -150,7 +157,7 @@ pub async fn script(
             tracing::info!(%mac, "boot: local disk (an OS node, or its OS being installed)");
             Ok(templates::render(
                 &script_root(app)?,
-                templates::LOCAL_DISK,
+                local_disk,
                 &[],
             ))
         }
@@ -173,7 +180,7 @@ pub async fn script(
             tracing::info!(%mac, "boot: discovery ramdisk");
             Ok(templates::render(
                 &script_root(app)?,
-                templates::DISCOVERY,
+                discovery,
                 &[
                     ("mac", mac),
                     ("base", base),

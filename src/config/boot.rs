@@ -48,6 +48,11 @@ pub struct BootConfig {
     /// The discovery kernel's command line.
     #[serde(default = "default_args")]
     pub kernel_args: String,
+    /// The chain x64 UEFI clients get: `ipxe` (iPXE, unsigned: Secure Boot refuses it) or `shim`
+    /// (Debian's signed shim, then signed network GRUB with a per-machine `grub.cfg`, then the
+    /// signed kernel: boots with Secure Boot enforced). BIOS clients always get iPXE.
+    #[serde(default = "default_uefi_chain")]
+    pub uefi_chain: String,
     /// TFTP transfers at once; more are refused with a log line.
     #[serde(default = "default_transfers")]
     pub tftp_max_transfers: usize,
@@ -175,6 +180,9 @@ fn default_lease() -> u32 {
 fn default_args() -> String {
     "console=ttyS0 quiet".into()
 }
+fn default_uefi_chain() -> String {
+    "ipxe".into()
+}
 fn default_transfers() -> usize {
     256
 }
@@ -204,6 +212,12 @@ impl BootConfig {
             if u32::from(a) > u32::from(b) || u32::from(b) - u32::from(a) > 65_535 {
                 return Err("boot.range_start must not be after boot.range_end, and the range at most 65536 addresses".into());
             }
+        }
+        if self.uefi_chain != "ipxe" && self.uefi_chain != "shim" {
+            return Err(format!(
+                "boot.uefi_chain must be \"ipxe\" or \"shim\", not {:?}",
+                self.uefi_chain
+            ));
         }
         if self.kernel_args.contains(['\n', '\r']) {
             return Err("boot.kernel_args must be one line".into());
@@ -325,6 +339,17 @@ mod subnet_tests {
         assert_eq!(relayed.router, Some("10.1.0.1".parse().unwrap()));
         assert_eq!(relayed.dns, ["10.1.0.2".parse::<Ipv4Addr>().unwrap()]);
         assert!(c.pool_for(Some("10.9.0.1".parse().unwrap())).is_none());
+    }
+
+    #[test]
+    fn the_uefi_chain_is_ipxe_by_default_and_anything_but_ipxe_or_shim_is_refused() {
+        assert_eq!(with("", "").unwrap().uefi_chain, "ipxe");
+        assert_eq!(
+            with("uefi_chain = \"shim\"\n", "").unwrap().uefi_chain,
+            "shim"
+        );
+        let e = with("uefi_chain = \"grub\"\n", "").unwrap_err();
+        assert_eq!(e, "boot.uefi_chain must be \"ipxe\" or \"shim\", not \"grub\"");
     }
 
     #[test]

@@ -52,11 +52,14 @@ pub enum Ask {
         stage: String,
         file: Option<String>,
     },
-    /// The per-machine iPXE script (for a discovery boot, with a fresh per-boot archive).
+    /// The per-machine iPXE script, or with `grub` the per-machine GRUB configuration (for a
+    /// discovery boot, with a fresh per-boot archive).
     BootScript {
         mac: String,
         peer: String,
         base: String,
+        #[serde(default)]
+        grub: bool,
     },
     /// A per-boot archive, served once, to the address it was made for.
     BootArchive {

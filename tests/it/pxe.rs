@@ -147,6 +147,8 @@ fn appliance_init(
         "undionly.kpxe",
         "ipxe.efi",
         "snponly.efi",
+        "shimx64.efi",
+        "grubx64.efi",
     ] {
         std::fs::copy(image().join(f), root.join(f))
             .unwrap_or_else(|e| panic!("{f}: {e}: run make image"));
@@ -363,6 +365,35 @@ fn boot_and_approve_with(ns: &Netns, a: &Appliance, mac: &str, uefi: bool, extra
     assert!(stages.contains(&"script"), "{stages:?}");
 }
 
+/// QEMU arguments for OVMF with Secure Boot enforced: Debian's `.ms` pair (its variables hold
+/// Microsoft's UEFI CA, and Secure Boot is on), on `q35` with SMM and the secure flash the
+/// firmware requires. A fresh copy of the variables per VM (`tag`).
+fn secure_boot(a: &Appliance, tag: &str) -> Vec<String> {
+    let vars = a.dir.path().join(format!("OVMF_VARS-{tag}.ms.fd"));
+    std::fs::copy("/usr/share/OVMF/OVMF_VARS_4M.ms.fd", &vars).unwrap();
+    [
+        "-machine",
+        "q35,smm=on",
+        "-global",
+        "driver=cfi.pflash01,property=secure,value=on",
+        "-drive",
+        "if=pflash,format=raw,unit=0,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.ms.fd",
+        "-drive",
+    ]
+    .into_iter()
+    .map(String::from)
+    .chain([format!("if=pflash,format=raw,unit=1,file={}", vars.display())])
+    .collect()
+}
+
+/// Whether the console in `path` says `what` yet.
+fn console_says(path: &Path, what: &str) -> Option<()> {
+    std::fs::read_to_string(path)
+        .ok()
+        .filter(|l| l.contains(what))
+        .map(|_| ())
+}
+
 fn require_tools() {
     for t in ["qemu-system-x86_64", "ip"] {
         assert!(
@@ -410,6 +441,50 @@ fn a_vm_pxe_boots_with_ovmf_and_is_approved() {
         a.count("SELECT count(*) FROM join_requests WHERE attestor = 'tpm'"),
         0
     );
+}
+
+/// Secure Boot enforced by the firmware (Microsoft's UEFI CA enrolled, as on a server off the
+/// shelf). The switch this test flips is `[boot] uefi_chain`: with `ipxe` (the default) the
+/// firmware refuses the unsigned iPXE bca hands it ("Access Denied") and nothing asks to join;
+/// with `shim` the machine boots Debian's signed shim over TFTP, shim the signed network GRUB
+/// beside it, GRUB the per-machine configuration and the signed kernel and ramdisk over HTTP; the
+/// ramdisk reads Secure Boot as enabled, asks, is approved, and joins.
+#[test]
+fn a_vm_with_secure_boot_enforced_boots_the_signed_chain_and_is_approved() {
+    require_tools();
+    let _vm = vm_lock();
+    let ns = Netns::new("sb", 92);
+    let a = appliance(&ns, "dhcp");
+    let refused = "52:54:00:5b:00:01";
+    let (vm, console) = vm_with(&ns, &a, refused, false, &secure_boot(&a, "ipxe"));
+    wait_for(
+        "the firmware's refusal of unsigned iPXE",
+        240,
+        &console,
+        || console_says(&console, "Access Denied"),
+    );
+    drop(vm);
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert!(!log.contains("bca: discovery ramdisk"), "{log}");
+    let serve_log = std::fs::read_to_string(a.dir.path().join("serve.log")).unwrap();
+    assert!(serve_log.contains("snponly.efi"), "{serve_log}");
+    assert!(crate::discovery::pending(&a, refused).is_none());
+    drop(a);
+
+    let a = appliance_cfg(&ns, "dhcp", |t| {
+        t.replace("[boot]\n", "[boot]\nuefi_chain = \"shim\"\n")
+    });
+    let mac = "52:54:00:5b:00:02";
+    boot_and_approve_with(&ns, &a, mac, false, &secure_boot(&a, "shim"));
+    let console = a.dir.path().join("console-5254005b0002.log");
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert!(log.contains(&format!("bca: GRUB for {mac}")), "{log}");
+    assert!(log.contains("bca: Secure Boot: enabled"), "{log}");
+    // The firmware fetched shim and GRUB from bca's TFTP, GRUB its configuration from it.
+    let serve_log = std::fs::read_to_string(a.dir.path().join("serve.log")).unwrap();
+    for f in ["shimx64.efi", "grubx64.efi", "grub/grub.cfg"] {
+        assert!(serve_log.contains(&format!("file={f}")), "{f}: {serve_log}");
+    }
 }
 
 /// A VM with a TPM (swtpm behind QEMU's `-tpmdev emulator`) whose EK an operator allowed into a

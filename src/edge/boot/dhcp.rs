@@ -129,16 +129,21 @@ pub struct Files {
     pub ipxe_efi: bool,
     pub snponly: bool,
     pub arm64: bool,
+    /// The Secure Boot chain: `shimx64.efi` and `grubx64.efi` both there.
+    pub shim: bool,
 }
 
 /// The boot file for a client: the chain script (over TFTP) for iPXE, an `http://` URL for HTTP-boot
 /// clients, else the iPXE binary for its architecture (RFC 4578: 0 BIOS, 7 and 9 x64 UEFI, 11
-/// arm64 UEFI, 16 and 19 HTTP boot). `None` when the appliance has nothing for it.
+/// arm64 UEFI, 16 and 19 HTTP boot). With `shim` (`[boot] uefi_chain = "shim"`) x64 UEFI clients
+/// get the signed chain instead, shim over TFTP (it loads `grubx64.efi` from beside itself), and
+/// never unsigned iPXE, which Secure Boot would refuse. `None` when the appliance has nothing for it.
 pub fn boot_file(
     c: &PxeClient,
     tftp_server: Ipv4Addr,
     http_base: &str,
     f: &Files,
+    shim: bool,
 ) -> Option<String> {
     if c.ipxe {
         // iPXE fetches the chain script over TFTP from this server, named in full: beside a site
@@ -146,6 +151,7 @@ pub fn boot_file(
         return Some(format!("tftp://{tftp_server}/chain.ipxe"));
     }
     match c.arch {
+        7 | 9 if shim && !c.http => f.shim.then(|| "shimx64.efi".into()),
         16 | 19 if f.ipxe_efi => Some(format!("{http_base}/api/compute/boot/files/ipxe.efi")),
         _ if c.http => None,
         0 if f.undionly => Some("undionly.kpxe".into()),
@@ -161,6 +167,8 @@ pub struct ReplyCtx<'a> {
     pub server_ip: Ipv4Addr,
     pub http_base: &'a str,
     pub files: &'a Files,
+    /// `[boot] uefi_chain = "shim"`: x64 UEFI clients get the signed chain.
+    pub uefi_shim: bool,
     /// For full DHCP: the address leased to this client, and the network's settings.
     pub lease: Option<Ipv4Addr>,
     pub netmask: Option<Ipv4Addr>,
@@ -230,7 +238,7 @@ pub fn reply(req: &Message, proxy: bool, port_4011: bool, ctx: &ReplyCtx<'_>) ->
         if !c.http {
             o.insert(DhcpOption::VendorExtensions(PXE_VENDOR_OPTIONS.to_vec()));
         }
-        if let Some(file) = boot_file(c, ctx.server_ip, ctx.http_base, ctx.files) {
+        if let Some(file) = boot_file(c, ctx.server_ip, ctx.http_base, ctx.files, ctx.uefi_shim) {
             o.insert(DhcpOption::BootfileName(file.as_bytes().to_vec()));
             m.set_fname_str(&file);
         } else if proxy {
@@ -323,6 +331,7 @@ mod tests {
             ipxe_efi: true,
             snponly: true,
             arm64: false,
+            shim: true,
         }
     }
 
@@ -331,6 +340,7 @@ mod tests {
             server_ip: Ipv4Addr::new(10, 0, 0, 1),
             http_base: "http://10.0.0.1:8080",
             files,
+            uefi_shim: false,
             lease,
             netmask: Some(Ipv4Addr::new(255, 255, 255, 0)),
             router: None,
@@ -347,7 +357,54 @@ mod tests {
     }
 
     fn boot_file_t(c: &PxeClient, base: &str, f: &Files) -> Option<String> {
-        boot_file(c, Ipv4Addr::new(10, 0, 0, 1), base, f)
+        boot_file(c, Ipv4Addr::new(10, 0, 0, 1), base, f, false)
+    }
+
+    #[test]
+    fn the_shim_chain_goes_to_x64_uefi_pxe_clients_only() {
+        let f = all_files();
+        let shim = |arch, ipxe, http, f: &Files| {
+            let c = PxeClient {
+                mac: "m".into(),
+                arch,
+                ipxe,
+                http,
+            };
+            boot_file(&c, Ipv4Addr::new(10, 0, 0, 1), "http://h", f, true)
+        };
+        assert_eq!(shim(7, false, false, &f).as_deref(), Some("shimx64.efi"));
+        assert_eq!(shim(9, false, false, &f).as_deref(), Some("shimx64.efi"));
+        // BIOS clients always get iPXE; iPXE itself still gets its script; HTTP clients are not
+        // changed by it.
+        assert_eq!(shim(0, false, false, &f).as_deref(), Some("undionly.kpxe"));
+        assert_eq!(
+            shim(7, true, false, &f).as_deref(),
+            Some("tftp://10.0.0.1/chain.ipxe")
+        );
+        assert_eq!(
+            shim(16, false, true, &f).as_deref(),
+            Some("http://h/api/compute/boot/files/ipxe.efi")
+        );
+        // Chosen but missing: nothing, never the unsigned binary Secure Boot would refuse.
+        let none = Files {
+            shim: false,
+            ..all_files()
+        };
+        assert_eq!(shim(7, false, false, &none), None);
+        // And the whole reply: a DISCOVER from x64 UEFI gets shim by name, from the TFTP server.
+        let req = request(
+            MessageType::Discover,
+            Some(b"PXEClient:Arch:00007:UNDI:003016"),
+            Some(7),
+            None,
+        );
+        let c = ReplyCtx {
+            uefi_shim: true,
+            ..ctx(&f, Some(Ipv4Addr::new(10, 0, 0, 50)))
+        };
+        let m = reply(&req, false, false, &c).unwrap();
+        assert_eq!(file_of(&m).as_deref(), Some("shimx64.efi"));
+        assert_eq!(m.siaddr(), Ipv4Addr::new(10, 0, 0, 1));
     }
 
     #[test]

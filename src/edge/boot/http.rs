@@ -153,6 +153,28 @@ pub fn chain_script(root: &ReadRoot, base: &str) -> String {
     )
 }
 
+/// GRUB's name for the HTTP listener: `http://10.0.0.1:8080` is `(http,10.0.0.1:8080)` (a path
+/// after the host stays after the device). `None` for a URL GRUB cannot fetch (`https://`: the
+/// network GRUB speaks no TLS).
+pub fn grub_device(base: &str) -> Option<String> {
+    let rest = base.strip_prefix("http://")?;
+    let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = host.strip_suffix(":80").unwrap_or(host);
+    (!host.is_empty() && !host.contains([' ', ')', ',', '"', '$', ';']))
+        .then(|| format!("(http,{host}){path}"))
+}
+
+/// The `grub/grub.cfg` GRUB reads over TFTP: it fetches the per-machine configuration over HTTP
+/// by the MAC it booted from. `None` when the boot URL is not one GRUB can fetch.
+pub fn grub_chain(root: &ReadRoot, base: &str) -> Option<String> {
+    let device = grub_device(base)?;
+    Some(templates::render(
+        root,
+        templates::CHAIN_GRUB,
+        &[("base", &device), ("base_path", BASE_PATH)],
+    ))
+}
+
 fn valid_file_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 64
@@ -174,22 +196,39 @@ pub async fn handle(
     if rest == "chain.ipxe" {
         return BootAnswer::Text(chain_script(&edge.boot_root, &base));
     }
-    if rest == "boot.ipxe" {
-        let mac = query
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("mac="))
-            .map(|m| m.replace("%3A", ":").replace("%3a", ":"));
+    // GRUB's per-machine configuration (the shim chain): `grub/<mac>.cfg`, the MAC as GRUB's
+    // `$net_default_mac` writes it; anything else is not found.
+    let grub = rest.strip_prefix("grub/").and_then(|r| r.strip_suffix(".cfg"));
+    if rest == "boot.ipxe" || grub.is_some() {
+        let mac = match grub {
+            Some(m) => Some(m.to_string()),
+            None => query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("mac="))
+                .map(|m| m.replace("%3A", ":").replace("%3a", ":")),
+        };
         let Some(mac) = mac.as_deref().and_then(crate::proto::claims::loose_mac) else {
+            if grub.is_some() {
+                return BootAnswer::NotFound;
+            }
             return BootAnswer::Text(templates::render(
                 &edge.boot_root,
                 templates::NEEDS_MAC,
                 &[],
             ));
         };
+        let base = match grub {
+            Some(_) => match grub_device(&base) {
+                Some(d) => d,
+                None => return BootAnswer::NotFound,
+            },
+            None => base,
+        };
         let ask = Ask::BootScript {
             mac,
             peer: peer.ip().to_string(),
             base,
+            grub: grub.is_some(),
         };
         return match edge.core.ask(ask).await {
             Answer::Text { text } => BootAnswer::Text(text),
@@ -248,4 +287,28 @@ pub async fn handle(
         };
     }
     BootAnswer::NotFound
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grub_names_the_http_listener_as_a_device_and_cannot_name_tls() {
+        assert_eq!(
+            grub_device("http://10.0.0.1:8080").as_deref(),
+            Some("(http,10.0.0.1:8080)")
+        );
+        assert_eq!(
+            grub_device("http://10.0.0.1:80").as_deref(),
+            Some("(http,10.0.0.1)")
+        );
+        assert_eq!(
+            grub_device("http://boot.rack1/site").as_deref(),
+            Some("(http,boot.rack1)/site")
+        );
+        for bad in ["https://10.0.0.1", "tftp://10.0.0.1", "http://", "http://a)b"] {
+            assert_eq!(grub_device(bad), None, "{bad}");
+        }
+    }
 }

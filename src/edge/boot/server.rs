@@ -41,12 +41,20 @@ fn udp(
     Ok(s.into())
 }
 
+/// The Secure Boot chain's files in the boot root: Debian's signed shim, and its signed network
+/// GRUB under the name shim loads (`make image` puts both in `image/out/`).
+pub const SHIM: &str = "shimx64.efi";
+pub const GRUB: &str = "grubx64.efi";
+/// Where GRUB looks for its configuration on the TFTP server (Debian's network image's prefix).
+pub const GRUB_CFG: &str = "grub/grub.cfg";
+
 fn files(root: &ReadRoot) -> Files {
     Files {
         undionly: root.is_file("undionly.kpxe"),
         ipxe_efi: root.is_file("ipxe.efi"),
         snponly: root.is_file("snponly.efi"),
         arm64: root.is_file("ipxe-arm64.efi"),
+        shim: root.is_file(SHIM) && root.is_file(GRUB),
     }
 }
 
@@ -157,6 +165,7 @@ async fn answer(
         server_ip: b.server_ip?,
         http_base,
         files: &files,
+        uefi_shim: b.uefi_chain == "shim",
         lease,
         netmask: pool.map_or(b.netmask, |p| p.netmask),
         router: pool.map_or(b.router, |p| p.router),
@@ -284,10 +293,22 @@ pub struct BootSockets {
     pub tftp: std::net::UdpSocket,
 }
 
-/// Binds DHCP and TFTP when `[boot] enabled`, and writes `chain.ipxe` into the boot root.
+/// Binds DHCP and TFTP when `[boot] enabled`, and writes `chain.ipxe` (and GRUB's `grub.cfg`)
+/// into the boot root. `uefi_chain = "shim"` without shim and GRUB in the boot root is refused
+/// here, by name, rather than leaving every UEFI machine without a boot file.
 pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootSockets>, String> {
     if !b.enabled {
         return Ok(None);
+    }
+    let read_root = crate::base::fsutil::ReadRoot::open(root)?;
+    if b.uefi_chain == "shim" {
+        if let Some(missing) = [SHIM, GRUB].into_iter().find(|f| !read_root.is_file(f)) {
+            return Err(format!(
+                "boot.uefi_chain = \"shim\" needs {missing} in the boot root {} (make image puts \
+                 shimx64.efi and grubx64.efi in image/out/; docs/boot.md)",
+                root.display()
+            ));
+        }
     }
     let iface = b.interface.as_deref();
     let dhcp = udp(&b.listen_dhcp, iface, true)?;
@@ -296,12 +317,22 @@ pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootS
         .transpose()?;
     let tftp = udp(&b.listen_tftp, iface, false)?;
     // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
-    let script = crate::edge::boot::http::chain_script(
-        &crate::base::fsutil::ReadRoot::open(root)?,
-        http_base,
-    );
+    let script = crate::edge::boot::http::chain_script(&read_root, http_base);
     crate::base::fsutil::write_atomic(&root.join("chain.ipxe"), script.as_bytes(), 0o644)
         .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
+    // GRUB (the shim chain) reads grub/grub.cfg over TFTP; it fetches the per-machine
+    // configuration over HTTP. Written whatever the chain, like chain.ipxe: an operator who
+    // switches to shim needs no other step.
+    if let Some(cfg) = crate::edge::boot::http::grub_chain(&read_root, http_base) {
+        let dir = root.join("grub");
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        crate::base::fsutil::write_atomic(&root.join(GRUB_CFG), cfg.as_bytes(), 0o644)
+            .map_err(|e| format!("cannot write {GRUB_CFG}: {e}"))?;
+    } else if b.uefi_chain == "shim" {
+        return Err(format!(
+            "boot.uefi_chain = \"shim\" needs an http:// boot URL (GRUB speaks no TLS), not {http_base}"
+        ));
+    }
     Ok(Some(BootSockets { dhcp, proxy, tftp }))
 }
 

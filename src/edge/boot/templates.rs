@@ -1,4 +1,4 @@
-//! The iPXE scripts the boot server hands out, rendered from templates: the files in `pxe/` are
+//! The iPXE scripts (and GRUB configurations) the boot server hands out, rendered from templates: the files in `pxe/` are
 //! built into the binary, and an operator's file of the same name under `<boot root>/templates/`
 //! replaces the built-in one (read at each use, so an edit needs no restart; a file larger than
 //! 64 KiB, or a link leading out of the boot root, is ignored).
@@ -21,6 +21,17 @@ pub const DISCOVERY: (&str, &str) = (
 pub const LOCAL_DISK: (&str, &str) = (
     "local-disk.ipxe",
     include_str!("../../../pxe/local-disk.ipxe"),
+);
+/// The GRUB configurations of the Secure Boot chain (`[boot] uefi_chain = "shim"`): the one GRUB
+/// reads over TFTP, and the per-machine ones it fetches over HTTP, with the iPXE scripts' decisions.
+pub const CHAIN_GRUB: (&str, &str) = ("chain.grub", include_str!("../../../pxe/chain.grub"));
+pub const DISCOVERY_GRUB: (&str, &str) = (
+    "discovery.grub",
+    include_str!("../../../pxe/discovery.grub"),
+);
+pub const LOCAL_DISK_GRUB: (&str, &str) = (
+    "local-disk.grub",
+    include_str!("../../../pxe/local-disk.grub"),
 );
 pub const NEEDS_MAC: (&str, &str) = (
     "needs-mac.ipxe",
@@ -91,6 +102,37 @@ mod tests {
         assert!(s.starts_with("#!ipxe\n"));
         assert!(s.contains("kernel http://10.0.0.1/api/compute/boot/files/vmlinuz console=ttyS0"));
         assert!(s.contains("/boot/per-boot/00ff/initrd.img"));
+    }
+
+    #[test]
+    fn the_grub_configurations_render_every_value_they_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = ReadRoot::open(dir.path()).unwrap();
+        let s = render(
+            &root,
+            DISCOVERY_GRUB,
+            &[
+                ("mac", "52:54:00:00:00:01"),
+                ("base", "(http,10.0.0.1:8080)"),
+                ("base_path", "/api/compute"),
+                ("kernel_args", "console=ttyS0"),
+                ("nonce", "00ff"),
+            ],
+        );
+        assert!(!s.contains("{{"), "{s}");
+        assert!(s.contains(
+            "linux (http,10.0.0.1:8080)/api/compute/boot/files/vmlinuz console=ttyS0\n"
+        ));
+        assert!(s.contains("initrd (http,10.0.0.1:8080)/api/compute/boot/per-boot/00ff/initrd.img"));
+        let c = render(
+            &root,
+            CHAIN_GRUB,
+            &[("base", "(http,10.0.0.1:8080)"), ("base_path", "/api/compute")],
+        );
+        assert!(!c.contains("{{"), "{c}");
+        assert!(c.contains(
+            "configfile (http,10.0.0.1:8080)/api/compute/boot/grub/${net_default_mac}.cfg"
+        ));
     }
 
     #[test]

@@ -99,10 +99,11 @@ pub fn parse(b: &[u8]) -> Result<Packet, TftpError> {
 }
 
 /// A name confined to the boot root, as a path relative to it: no `..`, no empty or hidden
-/// components.
+/// components. A leading `/` names the boot root itself, as tftp-hpa's `--secure` and dnsmasq
+/// read it (GRUB asks for `/grub/grub.cfg`).
 pub fn confine(name: &str) -> Option<PathBuf> {
     let name = name.replace('\\', "/");
-    let p = Path::new(&name);
+    let p = Path::new(name.trim_start_matches('/'));
     if name.is_empty() || name.len() > 255 || p.is_absolute() {
         return None;
     }
@@ -113,7 +114,7 @@ pub fn confine(name: &str) -> Option<PathBuf> {
             _ => return None,
         }
     }
-    Some(out)
+    (!out.as_os_str().is_empty()).then_some(out)
 }
 
 pub fn error_packet(code: u16, msg: &str) -> Vec<u8> {
@@ -426,9 +427,16 @@ mod tests {
             Some(PathBuf::from("undionly.kpxe"))
         );
         assert_eq!(confine("efi/ipxe.efi"), Some(PathBuf::from("efi/ipxe.efi")));
+        // Absolute is relative to the boot root: never the host's root.
+        assert_eq!(
+            confine("/grub/grub.cfg"),
+            Some(PathBuf::from("grub/grub.cfg"))
+        );
+        assert_eq!(confine("/etc/passwd"), Some(PathBuf::from("etc/passwd")));
         for bad in [
             "../etc/passwd",
-            "/etc/passwd",
+            "/../etc/passwd",
+            "//",
             "a/../../b",
             "..",
             "",
