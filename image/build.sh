@@ -33,7 +33,7 @@ cp "$work/sb/usr/lib/grub/x86_64-efi-signed/grubnetx64.efi.signed" "$OUT/grubx64
 (cd "$OUT" && sha256sum -c --quiet ../../firmware/SHA256SUMS) || {
   echo "image: the boot binaries do not match firmware/SHA256SUMS (see firmware/README.md)" >&2; exit 1; }
 for d in "$work"/shim-signed_*.deb "$work"/grub-efi-amd64-signed_*.deb; do
-  dpkg-deb -f "$d" Package Version | paste -sd' '
+  dpkg-deb -W --showformat='${Package} ${Version}\n' "$d"
 done > "$OUT/SECURE-BOOT-PACKAGES"
 
 # The kernel: the package linux-image-amd64 points at.

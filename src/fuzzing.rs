@@ -41,6 +41,7 @@ pub fn dhcp(data: &[u8]) {
         http_base: "http://10.0.0.1",
         files: &files,
         uefi_shim: false,
+        tftp: true,
         lease: Some(std::net::Ipv4Addr::new(10, 0, 0, 50)),
         netmask: Some(std::net::Ipv4Addr::new(255, 255, 255, 0)),
         router: None,

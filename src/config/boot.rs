@@ -27,6 +27,8 @@ pub struct BootConfig {
     pub listen_dhcp: String,
     #[serde(default = "default_proxy")]
     pub listen_proxy: String,
+    /// TFTP's address, or `"off"`: no TFTP at all (an HTTP-boot-only network: UEFI HTTP boot
+    /// and iPXE are answered, PXE clients that need TFTP get no boot file).
     #[serde(default = "default_tftp")]
     pub listen_tftp: String,
     /// The boot files: `undionly.kpxe`, `ipxe.efi`, `snponly.efi`, `vmlinuz`, `initrd.img`
@@ -194,6 +196,11 @@ impl Default for BootConfig {
 }
 
 impl BootConfig {
+    /// Whether TFTP is served (`listen_tftp` is not `"off"`).
+    pub fn tftp_on(&self) -> bool {
+        self.listen_tftp != "off"
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.mode != "proxy" && self.mode != "dhcp" {
             return Err("boot.mode must be proxy or dhcp".into());
@@ -218,6 +225,12 @@ impl BootConfig {
                 "boot.uefi_chain must be \"ipxe\" or \"shim\", not {:?}",
                 self.uefi_chain
             ));
+        }
+        if self.uefi_chain == "shim" && !self.tftp_on() {
+            return Err(
+                "boot.uefi_chain = \"shim\" hands shim out over TFTP: boot.listen_tftp cannot be \"off\""
+                    .into(),
+            );
         }
         if self.kernel_args.contains(['\n', '\r']) {
             return Err("boot.kernel_args must be one line".into());
@@ -350,6 +363,9 @@ mod subnet_tests {
         );
         let e = with("uefi_chain = \"grub\"\n", "").unwrap_err();
         assert_eq!(e, "boot.uefi_chain must be \"ipxe\" or \"shim\", not \"grub\"");
+        let e = with("uefi_chain = \"shim\"\nlisten_tftp = \"off\"\n", "").unwrap_err();
+        assert!(e.contains("boot.listen_tftp cannot be \"off\""), "{e}");
+        assert!(!with("listen_tftp = \"off\"\n", "").unwrap().tftp_on());
     }
 
     #[test]

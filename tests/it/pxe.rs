@@ -487,6 +487,56 @@ fn a_vm_with_secure_boot_enforced_boots_the_signed_chain_and_is_approved() {
     }
 }
 
+/// UEFI HTTP boot with no TFTP at all: the appliance serves none (`[boot] listen_tftp = "off"`;
+/// the test shows nothing answers TFTP in the namespace), OVMF's PXE is switched off through its
+/// fw_cfg knobs (`opt/org.tianocore/IPv4PXESupport` and `IPv6PXESupport`), so the firmware goes
+/// straight to its HTTPv4 boot option: it asks as `HTTPClient` (architecture 16), gets
+/// `http://…/boot/files/ipxe.efi`, and iPXE gets its chain script over HTTP too. The switch is
+/// bca's answer to `HTTPClient`: without `ipxe.efi` in the boot root the appliance has none, and
+/// the machine never asks to join.
+#[test]
+fn a_vm_uefi_http_boots_with_no_tftp_and_is_approved() {
+    require_tools();
+    let _vm = vm_lock();
+    let ns = Netns::new("http", 91);
+    let a = appliance_cfg(&ns, "dhcp", |t| {
+        t.replace("[boot]\n", "[boot]\nlisten_tftp = \"off\"\n")
+    });
+    // Nothing answers TFTP on the provisioning network: curl's request is refused.
+    let probe = ns
+        .cmd("curl")
+        .args(["-sS", "--max-time", "5"])
+        .arg(format!("tftp://{}/chain.ipxe", ns.ip()))
+        .output()
+        .unwrap();
+    assert!(!probe.status.success(), "something answered TFTP");
+    let mac = "52:54:00:47:70:01";
+    let no_pxe = [
+        "-fw_cfg",
+        "name=opt/org.tianocore/IPv4PXESupport,string=no",
+        "-fw_cfg",
+        "name=opt/org.tianocore/IPv6PXESupport,string=no",
+    ]
+    .map(String::from);
+    boot_and_approve_with(&ns, &a, mac, true, &no_pxe);
+    let serve_log = std::fs::read_to_string(a.dir.path().join("serve.log")).unwrap();
+    assert!(!serve_log.contains("tftp: sent"), "{serve_log}");
+    let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
+    let firmware = leases["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["arch"] == 16)
+        .unwrap_or_else(|| panic!("no HTTPClient lease: {leases}"));
+    assert!(
+        firmware["file"]
+            .as_str()
+            .unwrap()
+            .ends_with("/api/compute/boot/files/ipxe.efi"),
+        "{firmware}"
+    );
+}
+
 /// A VM with a TPM (swtpm behind QEMU's `-tpmdev emulator`) whose EK an operator allowed into a
 /// pool: its ramdisk joins with `--attestor tpm`, no join request, no token spent, the node key
 /// made in the VM's TPM.

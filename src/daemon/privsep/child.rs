@@ -49,7 +49,11 @@ pub fn child_main() -> Result<(), String> {
             let proxy = (init.boot.mode == "proxy")
                 .then(|| next("proxyDHCP socket").map(std::net::UdpSocket::from))
                 .transpose()?;
-            let tftp = std::net::UdpSocket::from(next("TFTP socket")?);
+            let tftp = init
+                .boot
+                .tftp_on()
+                .then(|| next("TFTP socket").map(std::net::UdpSocket::from))
+                .transpose()?;
             Some(crate::edge::boot::server::BootSockets { dhcp, proxy, tftp })
         } else {
             None

@@ -371,7 +371,7 @@ impl Sockets {
         };
         let mut v = vec![b.dhcp.as_fd()];
         v.extend(b.proxy.as_ref().map(|p| p.as_fd()));
-        v.push(b.tftp.as_fd());
+        v.extend(b.tftp.as_ref().map(|t| t.as_fd()));
         v
     }
 }

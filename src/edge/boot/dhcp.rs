@@ -133,27 +133,25 @@ pub struct Files {
     pub shim: bool,
 }
 
-/// The boot file for a client: the chain script (over TFTP) for iPXE, an `http://` URL for HTTP-boot
-/// clients, else the iPXE binary for its architecture (RFC 4578: 0 BIOS, 7 and 9 x64 UEFI, 11
-/// arm64 UEFI, 16 and 19 HTTP boot). With `shim` (`[boot] uefi_chain = "shim"`) x64 UEFI clients
-/// get the signed chain instead, shim over TFTP (it loads `grubx64.efi` from beside itself), and
-/// never unsigned iPXE, which Secure Boot would refuse. `None` when the appliance has nothing for it.
-pub fn boot_file(
-    c: &PxeClient,
-    tftp_server: Ipv4Addr,
-    http_base: &str,
-    f: &Files,
-    shim: bool,
-) -> Option<String> {
+/// The boot file for a client: the chain script (over HTTP) for iPXE, an `http://` URL for
+/// HTTP-boot clients, else the iPXE binary for its architecture over TFTP (RFC 4578: 0 BIOS, 7 and
+/// 9 x64 UEFI, 11 arm64 UEFI, 16 and 19 HTTP boot). With `uefi_shim` (`[boot] uefi_chain =
+/// "shim"`) x64 UEFI PXE clients get the signed chain instead, shim over TFTP (it loads
+/// `grubx64.efi` from beside itself), and never unsigned iPXE, which Secure Boot would refuse.
+/// Without TFTP (`listen_tftp = "off"`) only HTTP clients and iPXE get an answer. `None` when the
+/// appliance has nothing for it.
+pub fn boot_file(c: &PxeClient, ctx: &ReplyCtx<'_>) -> Option<String> {
+    let (f, http_base) = (ctx.files, ctx.http_base);
     if c.ipxe {
-        // iPXE fetches the chain script over TFTP from this server, named in full: beside a site
-        // DHCP server, next-server may be that server's; the script chains to HTTP.
-        return Some(format!("tftp://{tftp_server}/chain.ipxe"));
+        // iPXE fetches the chain script over HTTP, named in full (beside a site DHCP server,
+        // next-server may be that server's): no TFTP after the first stage, none at all for a
+        // machine that HTTP-booted iPXE. The script chains to the per-machine one.
+        return Some(format!("{http_base}/api/compute/boot/chain.ipxe"));
     }
     match c.arch {
-        7 | 9 if shim && !c.http => f.shim.then(|| "shimx64.efi".into()),
         16 | 19 if f.ipxe_efi => Some(format!("{http_base}/api/compute/boot/files/ipxe.efi")),
-        _ if c.http => None,
+        _ if c.http || !ctx.tftp => None,
+        7 | 9 if ctx.uefi_shim => f.shim.then(|| "shimx64.efi".into()),
         0 if f.undionly => Some("undionly.kpxe".into()),
         7 | 9 if f.snponly => Some("snponly.efi".into()),
         7 | 9 if f.ipxe_efi => Some("ipxe.efi".into()),
@@ -169,6 +167,8 @@ pub struct ReplyCtx<'a> {
     pub files: &'a Files,
     /// `[boot] uefi_chain = "shim"`: x64 UEFI clients get the signed chain.
     pub uefi_shim: bool,
+    /// TFTP is served (`[boot] listen_tftp` is not `"off"`).
+    pub tftp: bool,
     /// For full DHCP: the address leased to this client, and the network's settings.
     pub lease: Option<Ipv4Addr>,
     pub netmask: Option<Ipv4Addr>,
@@ -238,7 +238,7 @@ pub fn reply(req: &Message, proxy: bool, port_4011: bool, ctx: &ReplyCtx<'_>) ->
         if !c.http {
             o.insert(DhcpOption::VendorExtensions(PXE_VENDOR_OPTIONS.to_vec()));
         }
-        if let Some(file) = boot_file(c, ctx.server_ip, ctx.http_base, ctx.files, ctx.uefi_shim) {
+        if let Some(file) = boot_file(c, ctx) {
             o.insert(DhcpOption::BootfileName(file.as_bytes().to_vec()));
             m.set_fname_str(&file);
         } else if proxy {
@@ -341,6 +341,7 @@ mod tests {
             http_base: "http://10.0.0.1:8080",
             files,
             uefi_shim: false,
+            tftp: true,
             lease,
             netmask: Some(Ipv4Addr::new(255, 255, 255, 0)),
             router: None,
@@ -357,7 +358,11 @@ mod tests {
     }
 
     fn boot_file_t(c: &PxeClient, base: &str, f: &Files) -> Option<String> {
-        boot_file(c, Ipv4Addr::new(10, 0, 0, 1), base, f, false)
+        let c2 = ReplyCtx {
+            http_base: base,
+            ..ctx(f, None)
+        };
+        boot_file(c, &c2)
     }
 
     #[test]
@@ -370,7 +375,12 @@ mod tests {
                 ipxe,
                 http,
             };
-            boot_file(&c, Ipv4Addr::new(10, 0, 0, 1), "http://h", f, true)
+            let x = ReplyCtx {
+                uefi_shim: true,
+                http_base: "http://h",
+                ..ctx(f, None)
+            };
+            boot_file(&c, &x)
         };
         assert_eq!(shim(7, false, false, &f).as_deref(), Some("shimx64.efi"));
         assert_eq!(shim(9, false, false, &f).as_deref(), Some("shimx64.efi"));
@@ -379,7 +389,7 @@ mod tests {
         assert_eq!(shim(0, false, false, &f).as_deref(), Some("undionly.kpxe"));
         assert_eq!(
             shim(7, true, false, &f).as_deref(),
-            Some("tftp://10.0.0.1/chain.ipxe")
+            Some("http://h/api/compute/boot/chain.ipxe")
         );
         assert_eq!(
             shim(16, false, true, &f).as_deref(),
@@ -454,14 +464,35 @@ mod tests {
             boot_file_t(&c(19, false, true), base, &f).as_deref(),
             Some("http://h/api/compute/boot/files/ipxe.efi")
         );
-        // iPXE itself gets the script: the chainload loop is broken.
+        // iPXE itself gets the script, over HTTP: the chainload loop is broken.
         assert_eq!(
             boot_file_t(&c(0, true, false), base, &f).as_deref(),
-            Some("tftp://10.0.0.1/chain.ipxe")
+            Some("http://h/api/compute/boot/chain.ipxe")
         );
         assert_eq!(
             boot_file_t(&c(7, true, false), base, &f).as_deref(),
-            Some("tftp://10.0.0.1/chain.ipxe")
+            Some("http://h/api/compute/boot/chain.ipxe")
+        );
+        // Without TFTP only HTTP clients and iPXE are answered.
+        let no_tftp = |cl: &PxeClient| {
+            boot_file(
+                cl,
+                &ReplyCtx {
+                    tftp: false,
+                    http_base: base,
+                    ..ctx(&f, None)
+                },
+            )
+        };
+        assert_eq!(no_tftp(&c(0, false, false)), None);
+        assert_eq!(no_tftp(&c(7, false, false)), None);
+        assert_eq!(
+            no_tftp(&c(16, false, true)).as_deref(),
+            Some("http://h/api/compute/boot/files/ipxe.efi")
+        );
+        assert_eq!(
+            no_tftp(&c(7, true, false)).as_deref(),
+            Some("http://h/api/compute/boot/chain.ipxe")
         );
     }
 
@@ -625,7 +656,7 @@ mod tests {
         assert_eq!(Message::decode(&mut Decoder::new(&again)).unwrap(), back);
         assert_eq!(
             file_of(&back).as_deref(),
-            Some("tftp://10.0.0.1/chain.ipxe")
+            Some("http://10.0.0.1:8080/api/compute/boot/chain.ipxe")
         );
         // Garbage does not decode into anything we would answer.
         assert!(Message::decode(&mut Decoder::new(&[1, 2, 3])).is_err());

@@ -166,6 +166,7 @@ async fn answer(
         http_base,
         files: &files,
         uefi_shim: b.uefi_chain == "shim",
+        tftp: b.tftp_on(),
         lease,
         netmask: pool.map_or(b.netmask, |p| p.netmask),
         router: pool.map_or(b.router, |p| p.router),
@@ -290,7 +291,8 @@ async fn answer_one(
 pub struct BootSockets {
     pub dhcp: std::net::UdpSocket,
     pub proxy: Option<std::net::UdpSocket>,
-    pub tftp: std::net::UdpSocket,
+    /// `None` with `listen_tftp = "off"` (an HTTP-boot-only network).
+    pub tftp: Option<std::net::UdpSocket>,
 }
 
 /// Binds DHCP and TFTP when `[boot] enabled`, and writes `chain.ipxe` (and GRUB's `grub.cfg`)
@@ -315,8 +317,12 @@ pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootS
     let proxy = (b.mode == "proxy")
         .then(|| udp(&b.listen_proxy, iface, true))
         .transpose()?;
-    let tftp = udp(&b.listen_tftp, iface, false)?;
-    // iPXE fetches this over TFTP; it chains to the per-machine script over HTTP.
+    let tftp = b
+        .tftp_on()
+        .then(|| udp(&b.listen_tftp, iface, false))
+        .transpose()?;
+    // iPXE fetches this (over HTTP, or TFTP when an operator's DHCP names it so); it chains to
+    // the per-machine script over HTTP.
     let script = crate::edge::boot::http::chain_script(&read_root, http_base);
     crate::base::fsutil::write_atomic(&root.join("chain.ipxe"), script.as_bytes(), 0o644)
         .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
@@ -364,14 +370,16 @@ pub fn run(
             http_base.clone(),
         )));
     }
-    let on_transfer: crate::edge::boot::tftp::OnTransfer =
-        Arc::new(|peer, file| tracing::info!(%peer, %file, "tftp: sent"));
-    tasks.push(tokio::spawn(crate::edge::boot::tftp::serve(
-        tokio_udp(sockets.tftp)?,
-        edge.boot_root.clone(),
-        (b.tftp_max_transfers, b.tftp_max_per_source),
-        on_transfer,
-    )));
+    if let Some(t) = sockets.tftp {
+        let on_transfer: crate::edge::boot::tftp::OnTransfer =
+            Arc::new(|peer, file| tracing::info!(%peer, %file, "tftp: sent"));
+        tasks.push(tokio::spawn(crate::edge::boot::tftp::serve(
+            tokio_udp(t)?,
+            edge.boot_root.clone(),
+            (b.tftp_max_transfers, b.tftp_max_per_source),
+            on_transfer,
+        )));
+    }
     tracing::info!(mode = %b.mode, dhcp = %b.listen_dhcp, tftp = %b.listen_tftp, %http_base, "boot server up");
     tokio::spawn(async move {
         let mut stop = stop;
