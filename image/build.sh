@@ -61,10 +61,11 @@ cp "$BCA" "$root/bin/bca"
 step 5 "NIC drivers"
 # The NIC drivers a server needs, with their dependencies, in load order; and virtio_blk and
 # ext4 (crc32c first: ext4 asks the crypto API for it, and nothing loads modules on demand), for
-# the test image's other modes (image/init: an "installed OS", an appliance on a disk).
+# the test image's other modes (image/init: an "installed OS", an appliance on a disk); efivarfs, for
+# the Secure Boot state the ramdisk reports.
 python3 image/modules.py "$work/k/lib/modules/$kver" \
   virtio_pci virtio_net e1000 e1000e igb ixgbe i40e ice mlx5_core bnxt_en virtio_blk \
-  crc32c_generic ext4 > "$work/order"
+  crc32c_generic ext4 efivarfs > "$work/order"
 : > "$root/etc/modules.order"
 while read -r m; do
   cp "$work/k/lib/modules/$kver/$m" "$root/lib/modules/"

@@ -134,11 +134,7 @@ pub async fn script(
             Some(Outcome::LocalBoot) => {
                 record("script").await;
                 tracing::info!(%mac, "boot: local disk (an OS node, or its OS being installed)");
-                Ok(templates::render(
-                    &script_root(app)?,
-                    local_disk,
-                    &[],
-                ))
+                Ok(templates::render(&script_root(app)?, local_disk, &[]))
             }
             Some(_) => {
                 tracing::info!(%mac, %peer, "boot: no DHCP sighting of this MAC at this address; refused");
@@ -155,11 +151,7 @@ pub async fn script(
     match ask(epoch, true).await {
         Some(Outcome::LocalBoot) => {
             tracing::info!(%mac, "boot: local disk (an OS node, or its OS being installed)");
-            Ok(templates::render(
-                &script_root(app)?,
-                local_disk,
-                &[],
-            ))
+            Ok(templates::render(&script_root(app)?, local_disk, &[]))
         }
         Some(Outcome::DiscoveryToken { token }) => {
             let token = zeroize::Zeroizing::new(token);

@@ -362,7 +362,10 @@ mod subnet_tests {
             "shim"
         );
         let e = with("uefi_chain = \"grub\"\n", "").unwrap_err();
-        assert_eq!(e, "boot.uefi_chain must be \"ipxe\" or \"shim\", not \"grub\"");
+        assert_eq!(
+            e,
+            "boot.uefi_chain must be \"ipxe\" or \"shim\", not \"grub\""
+        );
         let e = with("uefi_chain = \"shim\"\nlisten_tftp = \"off\"\n", "").unwrap_err();
         assert!(e.contains("boot.listen_tftp cannot be \"off\""), "{e}");
         assert!(!with("listen_tftp = \"off\"\n", "").unwrap().tftp_on());

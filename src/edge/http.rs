@@ -56,8 +56,24 @@ async fn public(
 ) -> Result<Response<Body>, Infallible> {
     let (peer, local) = addrs;
     if let Some(rest) = req.uri().path().strip_prefix(&format!("{BASE_PATH}/boot/")) {
+        // HEAD for a file: UEFI HTTP boot asks the boot file's size first. Never for a script or
+        // a per-boot archive, which a GET mints or spends.
+        if req.method() == Method::HEAD && rest.starts_with("files/") {
+            let name = &rest["files/".len()..];
+            return Ok(match crate::edge::boot::http::file_len(&edge, name) {
+                Some(len) => Response::builder()
+                    .status(200)
+                    .header("content-type", "application/octet-stream")
+                    .header("content-length", len)
+                    .body(full(Bytes::new()))
+                    .expect("a valid response"),
+                None => error(&ApiError::not_found(format!("no boot resource {rest}"))),
+            });
+        }
         if req.method() != Method::GET {
-            return Ok(error(&ApiError::invalid_input("use GET for boot files")));
+            return Ok(error(&ApiError::invalid_input(
+                "use GET for boot scripts and archives (HEAD only for files/)",
+            )));
         }
         let query = req.uri().query().unwrap_or("").to_string();
         crate::base::metrics::get()

@@ -172,6 +172,106 @@ fn tftp_get(port: u16, name: &str) -> Result<Vec<u8>, i32> {
     }
 }
 
+/// A read request for `name` with plain UDP: the TFTP error's code and message, as the server
+/// sent them (a client such as GRUB prints the message).
+fn tftp_error(port: u16, name: &str) -> (u16, String) {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut rrq = vec![0, 1];
+    rrq.extend_from_slice(name.as_bytes());
+    rrq.extend_from_slice(b"\0octet\0");
+    s.send_to(&rrq, ("127.0.0.1", port)).unwrap();
+    let mut b = [0u8; 1024];
+    let (n, _) = s.recv_from(&mut b).unwrap();
+    assert_eq!(&b[..2], &[0, 5], "not an error packet: {:?}", &b[..n]);
+    let code = u16::from_be_bytes([b[2], b[3]]);
+    let msg = String::from_utf8_lossy(&b[4..n])
+        .trim_end_matches('\0')
+        .to_string();
+    (code, msg)
+}
+
+/// The Secure Boot chain's GRUB reads everything over TFTP: `grub/grub.cfg` (written at start),
+/// then its per-machine configuration and per-boot initrd, which the TFTP server makes per
+/// request with the same rules as `boot.ipxe` over HTTP: refused by name, writing nothing, for a
+/// MAC the boot server's DHCP did not see at the asking address; the per-boot initrd is the
+/// ramdisk with the archive appended, served once.
+#[test]
+fn grubs_configuration_and_per_boot_initrd_over_tftp_follow_the_boot_script_rules() {
+    let (mut a, _, tftp) = boot_appliance("dhcp");
+    let root = a.state().join("boot");
+    std::fs::write(root.join("vmlinuz"), b"kernel").unwrap();
+    std::fs::write(root.join("initrd.img"), b"ramdisk").unwrap();
+    let chain = String::from_utf8(tftp_get(tftp, "/grub/grub.cfg").unwrap()).unwrap();
+    assert!(
+        chain.contains("configfile (tftp,127.0.0.1)/grub/${net_default_mac}.cfg"),
+        "{chain}"
+    );
+    let mac = "52:54:00:aa:bb:01";
+    let before = a.snapshot();
+    let (code, msg) = tftp_error(tftp, &format!("/grub/{mac}.cfg"));
+    assert_eq!(code, 2);
+    assert!(
+        msg.contains(&format!(
+            "the boot server's DHCP did not see {mac} at 127.0.0.1"
+        )),
+        "{msg}"
+    );
+    assert_eq!(
+        a.snapshot(),
+        before,
+        "a refused configuration wrote something"
+    );
+    for bad in [
+        "/grub/not-a-mac.cfg",
+        "/per-boot/00ff/initrd.img",
+        "/per-boot/x.cpio",
+    ] {
+        assert_eq!(tftp_get(tftp, bad), Err(68), "{bad}");
+    }
+    assert_eq!(
+        tftp_get(tftp, &format!("/per-boot/{}/initrd.img", "ab".repeat(16))),
+        Err(68)
+    );
+    assert_eq!(a.snapshot(), before);
+
+    // With sightings not required (docs/config.md), the configuration is made: GRUB's words.
+    let cfg = a.state().join("config.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    // (and a gateway for the ramdisk to join through).
+    std::fs::write(
+        &cfg,
+        format!("gateway_url = \"https://127.0.0.1:8443\"\n{text}")
+            .replace("[boot]\n", "[boot]\nrequire_sighting = false\n"),
+    )
+    .unwrap();
+    a.restart();
+    let got = tftp_get(tftp, &format!("/grub/{mac}.cfg"));
+    if got.is_err() {
+        panic!(
+            "refused: {:?}",
+            tftp_error(tftp, &format!("/grub/{mac}.cfg"))
+        );
+    }
+    let grub = String::from_utf8(got.unwrap()).unwrap();
+    assert!(grub.contains("linux (tftp,127.0.0.1)/vmlinuz "), "{grub}");
+    let nonce = grub
+        .split("per-boot/")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .unwrap()
+        .to_string();
+    let name = format!("/per-boot/{nonce}/initrd.img");
+    let initrd = tftp_get(tftp, &name).unwrap();
+    // The ramdisk, zero padding to four bytes, then the newc archive with the token in it.
+    assert_eq!(&initrd[..8], b"ramdisk\0");
+    assert_eq!(&initrd[8..14], b"070701");
+    assert!(initrd.windows(15).any(|w| w == b"discovery-token"));
+    // Served once.
+    assert_eq!(tftp_get(tftp, &name), Err(68));
+}
+
 #[test]
 fn boot_files_are_read_beneath_the_boot_root_and_links_out_of_it_are_refused() {
     for privsep in [true, false] {

@@ -446,6 +446,38 @@ fn bad_gateway_limits_are_named_and_nothing_starts() {
     }
 }
 
+/// `[boot] uefi_chain = "shim"` is refused at start, by name, when shim or GRUB is missing from
+/// the boot root, or when TFTP (which hands shim out) is off; and any other chain's name too.
+#[test]
+fn a_shim_chain_that_cannot_boot_is_named_and_nothing_starts() {
+    let boot = |extra: &str| {
+        format!(
+            "[boot]\nenabled = true\nmode = \"proxy\"\nserver_ip = \"127.0.0.1\"\n\
+             listen_dhcp = \"127.0.0.1:{}\"\nlisten_proxy = \"127.0.0.1:{}\"\n{extra}",
+            free_udp(),
+            free_udp()
+        )
+    };
+    serve_refuses_config(
+        "boot",
+        &boot(&format!(
+            "listen_tftp = \"127.0.0.1:{}\"\nuefi_chain = \"shim\"\n",
+            free_udp()
+        )),
+        "boot.uefi_chain = \"shim\" needs shimx64.efi in the boot root",
+    );
+    serve_refuses_config(
+        "boot",
+        &boot("listen_tftp = \"off\"\nuefi_chain = \"shim\"\n"),
+        "boot.uefi_chain = \"shim\" hands shim out over TFTP: boot.listen_tftp cannot be \"off\"",
+    );
+    serve_refuses_config(
+        "boot",
+        &boot("uefi_chain = \"grub\"\n"),
+        "boot.uefi_chain must be \"ipxe\" or \"shim\", not \"grub\"",
+    );
+}
+
 fn claims_with(serial: &str, mac: &str) -> Value {
     let mut m = machine();
     m["serials"]["product"] = json!(serial);

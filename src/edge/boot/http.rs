@@ -153,26 +153,32 @@ pub fn chain_script(root: &ReadRoot, base: &str) -> String {
     )
 }
 
-/// GRUB's name for the HTTP listener: `http://10.0.0.1:8080` is `(http,10.0.0.1:8080)` (a path
-/// after the host stays after the device). `None` for a URL GRUB cannot fetch (`https://`: the
-/// network GRUB speaks no TLS).
-pub fn grub_device(base: &str) -> Option<String> {
-    let rest = base.strip_prefix("http://")?;
-    let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let host = host.strip_suffix(":80").unwrap_or(host);
-    (!host.is_empty() && !host.contains([' ', ')', ',', '"', '$', ';']))
-        .then(|| format!("(http,{host}){path}"))
+/// A per-boot name beneath `per-boot/`: `<nonce>.cpio` (the archive alone) or
+/// `<nonce>/initrd.img` (the ramdisk with the archive appended, `true`); the nonce is 32 hex
+/// digits. Over HTTP and, for GRUB, over TFTP.
+pub fn per_boot_name(r: &str) -> Option<(&str, bool)> {
+    let (nonce, combined) = match (r.strip_suffix(".cpio"), r.strip_suffix("/initrd.img")) {
+        (Some(n), _) => (n, false),
+        (None, Some(n)) => (n, true),
+        _ => return None,
+    };
+    (nonce.len() == 32 && nonce.bytes().all(|c| c.is_ascii_hexdigit())).then_some((nonce, combined))
 }
 
-/// The `grub/grub.cfg` GRUB reads over TFTP: it fetches the per-machine configuration over HTTP
-/// by the MAC it booted from. `None` when the boot URL is not one GRUB can fetch.
-pub fn grub_chain(root: &ReadRoot, base: &str) -> Option<String> {
-    let device = grub_device(base)?;
-    Some(templates::render(
-        root,
-        templates::CHAIN_GRUB,
-        &[("base", &device), ("base_path", BASE_PATH)],
-    ))
+/// What follows a ramdisk of `len` bytes to make it the per-boot initrd: zero padding to a
+/// multiple of four (the kernel skips it between concatenated archives), then the archive.
+pub fn archive_suffix(len: u64, archive: &[u8]) -> Vec<u8> {
+    let mut suffix = vec![0u8; ((4 - len % 4) % 4) as usize];
+    suffix.extend_from_slice(archive);
+    suffix
+}
+
+/// The length of the boot file `name` (`files/<name>`), for a HEAD request.
+pub fn file_len(edge: &Edge, name: &str) -> Option<u64> {
+    if !valid_file_name(name) {
+        return None;
+    }
+    FileBody::open(&edge.boot_root, name).map(|b| b.len())
 }
 
 fn valid_file_name(n: &str) -> bool {
@@ -196,39 +202,23 @@ pub async fn handle(
     if rest == "chain.ipxe" {
         return BootAnswer::Text(chain_script(&edge.boot_root, &base));
     }
-    // GRUB's per-machine configuration (the shim chain): `grub/<mac>.cfg`, the MAC as GRUB's
-    // `$net_default_mac` writes it; anything else is not found.
-    let grub = rest.strip_prefix("grub/").and_then(|r| r.strip_suffix(".cfg"));
-    if rest == "boot.ipxe" || grub.is_some() {
-        let mac = match grub {
-            Some(m) => Some(m.to_string()),
-            None => query
-                .split('&')
-                .find_map(|kv| kv.strip_prefix("mac="))
-                .map(|m| m.replace("%3A", ":").replace("%3a", ":")),
-        };
+    if rest == "boot.ipxe" {
+        let mac = query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("mac="))
+            .map(|m| m.replace("%3A", ":").replace("%3a", ":"));
         let Some(mac) = mac.as_deref().and_then(crate::proto::claims::loose_mac) else {
-            if grub.is_some() {
-                return BootAnswer::NotFound;
-            }
             return BootAnswer::Text(templates::render(
                 &edge.boot_root,
                 templates::NEEDS_MAC,
                 &[],
             ));
         };
-        let base = match grub {
-            Some(_) => match grub_device(&base) {
-                Some(d) => d,
-                None => return BootAnswer::NotFound,
-            },
-            None => base,
-        };
         let ask = Ask::BootScript {
             mac,
             peer: peer.ip().to_string(),
             base,
-            grub: grub.is_some(),
+            grub: false,
         };
         return match edge.core.ask(ask).await {
             Answer::Text { text } => BootAnswer::Text(text),
@@ -242,14 +232,9 @@ pub async fn handle(
         // `<nonce>.cpio` is the archive alone; `<nonce>/initrd.img` the ramdisk with the archive
         // appended (one initrd works with every firmware's way of loading initrds). Either is
         // served once.
-        let (nonce, combined) = match (r.strip_suffix(".cpio"), r.strip_suffix("/initrd.img")) {
-            (Some(n), _) => (n, false),
-            (None, Some(n)) => (n, true),
-            _ => return BootAnswer::NotFound,
-        };
-        if nonce.len() != 32 || !nonce.bytes().all(|c| c.is_ascii_hexdigit()) {
+        let Some((nonce, combined)) = per_boot_name(r) else {
             return BootAnswer::NotFound;
-        }
+        };
         let archive = match edge
             .core
             .ask(Ask::BootArchive {
@@ -270,11 +255,7 @@ pub async fn handle(
         let Some(mut body) = FileBody::open(&edge.boot_root, "initrd.img") else {
             return BootAnswer::NotFound;
         };
-        // The kernel skips zero padding between concatenated archives; the padding is computed
-        // from the length of the file as opened.
-        let mut suffix = vec![0u8; ((4 - body.remaining % 4) % 4) as usize];
-        suffix.extend_from_slice(&archive);
-        body.suffix = Some(bytes::Bytes::from(suffix));
+        body.suffix = Some(bytes::Bytes::from(archive_suffix(body.remaining, &archive)));
         return BootAnswer::Stream(body);
     }
     if let Some(name) = rest.strip_prefix("files/") {
@@ -287,28 +268,4 @@ pub async fn handle(
         };
     }
     BootAnswer::NotFound
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grub_names_the_http_listener_as_a_device_and_cannot_name_tls() {
-        assert_eq!(
-            grub_device("http://10.0.0.1:8080").as_deref(),
-            Some("(http,10.0.0.1:8080)")
-        );
-        assert_eq!(
-            grub_device("http://10.0.0.1:80").as_deref(),
-            Some("(http,10.0.0.1)")
-        );
-        assert_eq!(
-            grub_device("http://boot.rack1/site").as_deref(),
-            Some("(http,boot.rack1)/site")
-        );
-        for bad in ["https://10.0.0.1", "tftp://10.0.0.1", "http://", "http://a)b"] {
-            assert_eq!(grub_device(bad), None, "{bad}");
-        }
-    }
 }

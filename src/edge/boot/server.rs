@@ -4,6 +4,8 @@
 use crate::base::fsutil::ReadRoot;
 use crate::config::BootConfig;
 use crate::edge::boot::dhcp::{self, Files, ReplyCtx};
+use crate::edge::boot::templates;
+use crate::edge::boot::tftp::Made;
 use crate::edge::{Answer, Ask, Edge};
 use dhcproto::{Encodable, Encoder};
 use socket2::{Domain, Protocol, Socket, Type};
@@ -47,6 +49,79 @@ pub const SHIM: &str = "shimx64.efi";
 pub const GRUB: &str = "grubx64.efi";
 /// Where GRUB looks for its configuration on the TFTP server (Debian's network image's prefix).
 pub const GRUB_CFG: &str = "grub/grub.cfg";
+
+/// GRUB's name for this appliance's TFTP server. GRUB fetches everything over TFTP: Debian's signed
+/// network image has no HTTP module built in, and under Secure Boot GRUB may load no module.
+fn grub_device(server: Ipv4Addr) -> String {
+    format!("(tftp,{server})")
+}
+
+/// TFTP's "file not found" (error 1).
+fn not_found() -> (u16, String) {
+    (1, "file not found".to_string())
+}
+
+/// The files the TFTP server makes per request rather than reads from the boot root, for GRUB:
+/// `grub/<mac>.cfg` (the per-machine configuration, the same decisions as `boot.ipxe`, asked
+/// from the address the request came from) and `per-boot/<nonce>/initrd.img` (the ramdisk with
+/// its per-boot archive, served once, to the address it was made for). `None` for any other name.
+fn tftp_made(edge: Arc<Edge>, server: Ipv4Addr) -> crate::edge::boot::tftp::Maker {
+    Arc::new(move |name: String, peer: SocketAddr| {
+        let edge = edge.clone();
+        Box::pin(async move {
+            let name = name.trim_start_matches('/');
+            if let Some(mac) = name
+                .strip_prefix("grub/")
+                .and_then(|r| r.strip_suffix(".cfg"))
+                .filter(|m| *m != "grub")
+            {
+                let Some(mac) = crate::proto::claims::loose_mac(mac) else {
+                    return Some(Err(not_found()));
+                };
+                let ask = Ask::BootScript {
+                    mac,
+                    peer: peer.ip().to_string(),
+                    base: grub_device(server),
+                    grub: true,
+                };
+                return Some(match edge.core.ask(ask).await {
+                    Answer::Text { text } => Ok(Made::bytes(text.into_bytes())),
+                    Answer::Forbidden { message }
+                    | Answer::TooMany { message }
+                    | Answer::Unavailable { message } => Err((2, message)),
+                    _ => Err((2, "the core gave no configuration".to_string())),
+                });
+            }
+            let (nonce, combined) =
+                crate::edge::boot::http::per_boot_name(name.strip_prefix("per-boot/")?)?;
+            let archive = match edge
+                .core
+                .ask(Ask::BootArchive {
+                    nonce: nonce.into(),
+                    peer: peer.ip().to_string(),
+                })
+                .await
+            {
+                Answer::Bytes { b64: Some(b) } => crate::base::crypto::b64_decode(&b),
+                _ => None,
+            };
+            let Some(archive) = archive else {
+                return Some(Err(not_found()));
+            };
+            if !combined {
+                return Some(Ok(Made::bytes(archive)));
+            }
+            let Ok(file) = edge.boot_root.open_file(std::path::Path::new("initrd.img")) else {
+                return Some(Err(not_found()));
+            };
+            let Ok(len) = file.metadata().map(|m| m.len()) else {
+                return Some(Err(not_found()));
+            };
+            let suffix = crate::edge::boot::http::archive_suffix(len, &archive);
+            Some(Ok(Made::file_then(file, len, suffix)))
+        })
+    })
+}
 
 fn files(root: &ReadRoot) -> Files {
     Files {
@@ -326,18 +401,20 @@ pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootS
     let script = crate::edge::boot::http::chain_script(&read_root, http_base);
     crate::base::fsutil::write_atomic(&root.join("chain.ipxe"), script.as_bytes(), 0o644)
         .map_err(|e| format!("cannot write chain.ipxe: {e}"))?;
-    // GRUB (the shim chain) reads grub/grub.cfg over TFTP; it fetches the per-machine
-    // configuration over HTTP. Written whatever the chain, like chain.ipxe: an operator who
-    // switches to shim needs no other step.
-    if let Some(cfg) = crate::edge::boot::http::grub_chain(&read_root, http_base) {
+    // GRUB (the shim chain) reads grub/grub.cfg over TFTP, then its per-machine configuration
+    // (made per request: `tftp_made`). Written whatever the chain, like chain.ipxe: an operator
+    // who switches to shim needs no other step.
+    if let Some(ip) = b.server_ip {
+        let cfg = templates::render(
+            &read_root,
+            templates::CHAIN_GRUB,
+            &[("base", &grub_device(ip))],
+        );
         let dir = root.join("grub");
-        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         crate::base::fsutil::write_atomic(&root.join(GRUB_CFG), cfg.as_bytes(), 0o644)
             .map_err(|e| format!("cannot write {GRUB_CFG}: {e}"))?;
-    } else if b.uefi_chain == "shim" {
-        return Err(format!(
-            "boot.uefi_chain = \"shim\" needs an http:// boot URL (GRUB speaks no TLS), not {http_base}"
-        ));
     }
     Ok(Some(BootSockets { dhcp, proxy, tftp }))
 }
@@ -373,11 +450,13 @@ pub fn run(
     if let Some(t) = sockets.tftp {
         let on_transfer: crate::edge::boot::tftp::OnTransfer =
             Arc::new(|peer, file| tracing::info!(%peer, %file, "tftp: sent"));
+        let made = b.server_ip.map(|ip| tftp_made(edge.clone(), ip));
         tasks.push(tokio::spawn(crate::edge::boot::tftp::serve(
             tokio_udp(t)?,
             edge.boot_root.clone(),
             (b.tftp_max_transfers, b.tftp_max_per_source),
             on_transfer,
+            made,
         )));
     }
     tracing::info!(mode = %b.mode, dhcp = %b.listen_dhcp, tftp = %b.listen_tftp, %http_base, "boot server up");

@@ -113,26 +113,17 @@ mod tests {
             DISCOVERY_GRUB,
             &[
                 ("mac", "52:54:00:00:00:01"),
-                ("base", "(http,10.0.0.1:8080)"),
-                ("base_path", "/api/compute"),
+                ("base", "(tftp,10.0.0.1)"),
                 ("kernel_args", "console=ttyS0"),
                 ("nonce", "00ff"),
             ],
         );
         assert!(!s.contains("{{"), "{s}");
-        assert!(s.contains(
-            "linux (http,10.0.0.1:8080)/api/compute/boot/files/vmlinuz console=ttyS0\n"
-        ));
-        assert!(s.contains("initrd (http,10.0.0.1:8080)/api/compute/boot/per-boot/00ff/initrd.img"));
-        let c = render(
-            &root,
-            CHAIN_GRUB,
-            &[("base", "(http,10.0.0.1:8080)"), ("base_path", "/api/compute")],
-        );
+        assert!(s.contains("linux (tftp,10.0.0.1)/vmlinuz console=ttyS0\n"));
+        assert!(s.contains("initrd (tftp,10.0.0.1)/per-boot/00ff/initrd.img"));
+        let c = render(&root, CHAIN_GRUB, &[("base", "(tftp,10.0.0.1)")]);
         assert!(!c.contains("{{"), "{c}");
-        assert!(c.contains(
-            "configfile (http,10.0.0.1:8080)/api/compute/boot/grub/${net_default_mac}.cfg"
-        ));
+        assert!(c.contains("configfile (tftp,10.0.0.1)/grub/${net_default_mac}.cfg"));
     }
 
     #[test]

@@ -156,8 +156,83 @@ pub fn oack(
     any.then_some(v)
 }
 
+/// A requested name as logs show it: a per-boot name's nonce (the one-time name of a discovery
+/// token's archive) is left out.
+pub fn shown(name: &str) -> String {
+    match name.find("per-boot/") {
+        Some(i) => {
+            let rest = &name[i + "per-boot/".len()..];
+            let after = rest.find(['/', '.']).map_or("", |j| &rest[j..]);
+            format!("{}per-boot/<nonce>{after}", &name[..i])
+        }
+        None => name.to_string(),
+    }
+}
+
 /// Called after each complete transfer with the peer and the file name.
 pub type OnTransfer = Arc<dyn Fn(std::net::SocketAddr, &str) + Send + Sync>;
+
+/// A file made for one request (GRUB's per-machine configuration, a per-boot initrd): a file's
+/// first `len` bytes, then `tail`; or `tail` alone.
+pub struct Made {
+    file: Option<(std::fs::File, u64)>,
+    tail: Vec<u8>,
+}
+
+impl Made {
+    pub fn bytes(tail: Vec<u8>) -> Self {
+        Made { file: None, tail }
+    }
+
+    pub fn file_then(file: std::fs::File, len: u64, tail: Vec<u8>) -> Self {
+        Made {
+            file: Some((file, len)),
+            tail,
+        }
+    }
+}
+
+/// Makes the files the boot root does not hold: `None` for a name it does not make (the boot
+/// root is read), `Some(Err((code, message)))` when it refuses (sent as that TFTP error: 1 not
+/// found, 2 refused, with the message).
+pub type Maker = Arc<
+    dyn Fn(
+            String,
+            std::net::SocketAddr,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Option<Result<Made, (u16, String)>>> + Send>,
+        > + Send
+        + Sync,
+>;
+
+/// What a transfer sends: a file beneath the boot root, or a made one.
+struct Source {
+    file: Option<std::fs::File>,
+    file_len: u64,
+    tail: Vec<u8>,
+}
+
+impl Source {
+    fn len(&self) -> u64 {
+        self.file_len + self.tail.len() as u64
+    }
+
+    /// Positional read: the file's part with `pread`, the tail from memory.
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<usize> {
+        if off < self.file_len {
+            use std::os::unix::fs::FileExt;
+            let room = (self.file_len - off).min(buf.len() as u64) as usize;
+            return match &self.file {
+                Some(f) => f.read_at(&mut buf[..room], off),
+                None => Ok(0),
+            };
+        }
+        let start = ((off - self.file_len) as usize).min(self.tail.len());
+        let n = buf.len().min(self.tail.len() - start);
+        buf[..n].copy_from_slice(&self.tail[start..start + n]);
+        Ok(n)
+    }
+}
 
 /// Serves read requests on `socket` until it fails.
 /// `limits`: transfers at once in all, and from one source address.
@@ -166,6 +241,7 @@ pub async fn serve(
     root: Arc<ReadRoot>,
     limits: (usize, usize),
     on_transfer: OnTransfer,
+    made: Option<Maker>,
 ) {
     let (max_transfers, per_source) = limits;
     let limit = Arc::new(Semaphore::new(max_transfers));
@@ -219,6 +295,7 @@ pub async fn serve(
         };
         let root = root.clone();
         let on_transfer = on_transfer.clone();
+        let made = made.clone();
         tokio::spawn(async move {
             let _permit = permit;
             // The source's slot is given back however the transfer ends.
@@ -234,18 +311,22 @@ pub async fn serve(
                 return;
             }
             let m = crate::base::metrics::get();
-            match transfer(&sock, &root, &req).await {
+            let made = match &made {
+                Some(m) => m(req.filename.clone(), peer).await,
+                None => None,
+            };
+            match transfer(&sock, &root, &req, made).await {
                 Ok(size) => {
                     m.tftp_transfers
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     m.tftp_bytes
                         .fetch_add(size, std::sync::atomic::Ordering::Relaxed);
-                    on_transfer(peer, &req.filename)
+                    on_transfer(peer, &shown(&req.filename))
                 }
                 Err(e) => {
                     m.tftp_failures
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::info!(%peer, file = %req.filename, error = %e, "tftp: transfer ended")
+                    tracing::info!(%peer, file = %shown(&req.filename), error = %e, "tftp: transfer ended")
                 }
             }
         });
@@ -253,7 +334,39 @@ pub async fn serve(
 }
 
 /// Sends one file; the number of file bytes sent when the last block is acknowledged.
-async fn transfer(sock: &UdpSocket, root: &ReadRoot, req: &ReadRequest) -> Result<u64, String> {
+async fn transfer(
+    sock: &UdpSocket,
+    root: &ReadRoot,
+    req: &ReadRequest,
+    made: Option<Result<Made, (u16, String)>>,
+) -> Result<u64, String> {
+    let source = match made {
+        Some(Ok(m)) => {
+            let (file, file_len) = match m.file {
+                Some((f, n)) => (Some(f), n),
+                None => (None, 0),
+            };
+            Source {
+                file,
+                file_len,
+                tail: m.tail,
+            }
+        }
+        Some(Err((code, message))) => {
+            let _ = sock.send(&error_packet(code, &message)).await;
+            return Err(message);
+        }
+        None => open_source(sock, root, req).await?,
+    };
+    send(sock, req, &source).await
+}
+
+/// A file beneath the boot root, or the error packet sent and the reason.
+async fn open_source(
+    sock: &UdpSocket,
+    root: &ReadRoot,
+    req: &ReadRequest,
+) -> Result<Source, String> {
     let Some(path) = confine(&req.filename) else {
         let _ = sock
             .send(&error_packet(
@@ -274,11 +387,20 @@ async fn transfer(sock: &UdpSocket, root: &ReadRoot, req: &ReadRequest) -> Resul
         }
     };
     let meta = file.metadata().map_err(|e| e.to_string())?;
-    let size = meta.len();
     if !meta.is_file() {
         let _ = sock.send(&error_packet(1, "file not found")).await;
         return Err("not a file".into());
     }
+    Ok(Source {
+        file: Some(file),
+        file_len: meta.len(),
+        tail: Vec::new(),
+    })
+}
+
+/// Sends `source`; the number of bytes sent when the last block is acknowledged.
+async fn send(sock: &UdpSocket, req: &ReadRequest, source: &Source) -> Result<u64, String> {
+    let size = source.len();
     let blksize = req.blksize.map(|b| b.min(MAX_BLKSIZE));
     let window = req.windowsize.map(|w| w.min(MAX_WINDOW));
     let timeout = Duration::from_secs(req.timeout.unwrap_or(1).min(10) as u64);
@@ -300,8 +422,7 @@ async fn transfer(sock: &UdpSocket, root: &ReadRoot, req: &ReadRequest) -> Resul
         let want = (((last - next + 1) * bs as u64).min(size.saturating_sub(start))) as usize;
         let mut got = 0;
         while got < want {
-            use std::os::unix::fs::FileExt;
-            let n = file
+            let n = source
                 .read_at(&mut window_buf[got..want], start + got as u64)
                 .map_err(|e| e.to_string())?;
             if n == 0 {
@@ -418,6 +539,19 @@ mod tests {
         assert!(parse(&rrq(&many)).is_err());
         assert_eq!(parse(&[0, 4, 0, 7]), Ok(Packet::Ack(7)));
         assert_eq!(parse(&[0, 2, b'f', 0, b'o', 0]), Ok(Packet::Other(2)));
+    }
+
+    #[test]
+    fn a_per_boot_nonce_is_not_logged() {
+        assert_eq!(
+            shown("/per-boot/9ee4150d127dc68e9ab5a2b4903de5ff/initrd.img"),
+            "/per-boot/<nonce>/initrd.img"
+        );
+        assert_eq!(
+            shown("per-boot/9ee4150d127dc68e9ab5a2b4903de5ff.cpio"),
+            "per-boot/<nonce>.cpio"
+        );
+        assert_eq!(shown("/grub/grub.cfg"), "/grub/grub.cfg");
     }
 
     #[test]
