@@ -96,6 +96,30 @@ pub async fn script(
     let b = &app.config.boot;
     let limits = crate::edge::boot::gate::Limits::from(b);
     let now = crate::base::clock::now();
+    // GRUB asks over TFTP, whose source address can be forged blind: while this MAC's archive
+    // waits for this address, the answer names that archive, and nothing is minted, voided or
+    // counted (docs/boot.md "Secure Boot").
+    if grub {
+        let waiting = app
+            .boot_gate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .waiting_for(mac, peer_ip, now);
+        if let Some(nonce) = waiting {
+            tracing::info!(%mac, "boot: discovery ramdisk (its archive still waits)");
+            return Ok(templates::render(
+                &script_root(app)?,
+                discovery,
+                &[
+                    ("mac", mac),
+                    ("base", base),
+                    ("base_path", BASE_PATH),
+                    ("kernel_args", &app.config.boot.kernel_args),
+                    ("nonce", &nonce),
+                ],
+            ));
+        }
+    }
     let sighted = {
         let mut gate = app.boot_gate.lock().unwrap_or_else(|p| p.into_inner());
         gate.admit_script(mac, peer_ip, now, &limits)

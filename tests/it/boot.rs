@@ -262,6 +262,14 @@ fn grubs_configuration_and_per_boot_initrd_over_tftp_follow_the_boot_script_rule
         .and_then(|r| r.split('/').next())
         .unwrap()
         .to_string();
+    // Asked again from the same address (a TFTP source address can be forged blind) while the
+    // archive waits: the same archive, nothing minted, voided or counted, however often (past
+    // the per-MAC rate of 12 a minute).
+    for _ in 0..15 {
+        let again =
+            String::from_utf8(tftp_get(tftp, &format!("/grub/{mac}.cfg")).unwrap()).unwrap();
+        assert_eq!(again, grub);
+    }
     let name = format!("/per-boot/{nonce}/initrd.img");
     let initrd = tftp_get(tftp, &name).unwrap();
     // The ramdisk, zero padding to four bytes, then the newc archive with the token in it.
@@ -270,6 +278,93 @@ fn grubs_configuration_and_per_boot_initrd_over_tftp_follow_the_boot_script_rule
     assert!(initrd.windows(15).any(|w| w == b"discovery-token"));
     // Served once.
     assert_eq!(tftp_get(tftp, &name), Err(68));
+}
+
+/// A plain UDP socket toward the TFTP server at `port`, reads timing out after `ms`.
+fn tftp_socket(ms: u64) -> std::net::UdpSocket {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_millis(ms)))
+        .unwrap();
+    s
+}
+
+fn rrq(name: &str, opts: &[(&str, &str)]) -> Vec<u8> {
+    let mut v = vec![0, 1];
+    v.extend_from_slice(name.as_bytes());
+    v.extend_from_slice(b"\0octet\0");
+    for (k, val) in opts {
+        v.extend_from_slice(k.as_bytes());
+        v.push(0);
+        v.extend_from_slice(val.as_bytes());
+        v.push(0);
+    }
+    v
+}
+
+/// The attacks of the boot review on the TFTP transfer itself: a retransmitted request starts no
+/// second transfer; a client repeating a stale ACK loses its place after a few rounds instead of
+/// holding it for ever; a timeout the server does not honour is not echoed in the OACK.
+#[test]
+fn tftp_retransmissions_stale_acks_and_long_timeouts_hold_nothing() {
+    let (_a, _, tftp) = boot_appliance("proxy");
+    // The same request twice from one port: one transfer answers (one server port), no error.
+    let s = tftp_socket(1500);
+    let req = rrq("undionly.kpxe", &[]);
+    s.send_to(&req, ("127.0.0.1", tftp)).unwrap();
+    s.send_to(&req, ("127.0.0.1", tftp)).unwrap();
+    let mut ports = std::collections::HashSet::new();
+    let mut b = [0u8; 2048];
+    while let Ok((n, from)) = s.recv_from(&mut b) {
+        assert_ne!(
+            &b[..2],
+            &[0, 5],
+            "an error: {:?}",
+            String::from_utf8_lossy(&b[4..n])
+        );
+        ports.insert(from.port());
+        if ports.len() > 1 {
+            break;
+        }
+    }
+    assert_eq!(
+        ports.len(),
+        1,
+        "a retransmitted request started a second transfer"
+    );
+
+    // A stale ACK (block 0) again and again: the server gives up within six rounds.
+    let s = tftp_socket(500);
+    s.send_to(&rrq("undionly.kpxe", &[]), ("127.0.0.1", tftp))
+        .unwrap();
+    let (_, from) = s.recv_from(&mut b).unwrap();
+    let mut data_after = 0;
+    for i in 0..12 {
+        s.send_to(&[0, 4, 0, 0], from).unwrap();
+        while let Ok((_, f)) = s.recv_from(&mut b) {
+            if f == from && i >= 7 {
+                data_after += 1;
+            }
+        }
+    }
+    assert_eq!(data_after, 0, "stale ACKs kept the transfer alive");
+
+    // timeout=255 is not echoed (the server waits 10 s at most); timeout=5 is.
+    let oack_of = |t: &str| {
+        let s = tftp_socket(3000);
+        s.send_to(
+            &rrq("snponly.efi", &[("timeout", t), ("tsize", "0")]),
+            ("127.0.0.1", tftp),
+        )
+        .unwrap();
+        let mut b = [0u8; 2048];
+        let (n, _) = s.recv_from(&mut b).unwrap();
+        assert_eq!(&b[..2], &[0, 6], "not an OACK");
+        String::from_utf8_lossy(&b[2..n]).replace('\0', " ")
+    };
+    let o = oack_of("255");
+    assert!(!o.contains("timeout") && o.contains("tsize 3"), "{o}");
+    let o = oack_of("5");
+    assert!(o.contains("timeout 5"), "{o}");
 }
 
 #[test]

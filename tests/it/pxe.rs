@@ -715,6 +715,91 @@ fn a_vm_pxe_boots_through_proxy_dhcp_beside_the_sites_dhcp_server() {
     );
 }
 
+/// A provisioning network behind a router: the router namespace holds the VM's network (its
+/// bridge, `router.net`, the relay at `relay_ip`) and a veth to the rack namespace, where bca (and,
+/// for the proxy test, the site's DHCP server) live; the router has `up` on that link, bca
+/// `bca_ip` on `vb`.
+struct Routed {
+    router: Netns,
+    rack: Netns,
+    relay_ip: String,
+    up: String,
+    bca_ip: String,
+    vb: String,
+    vr: String,
+}
+
+impl Routed {
+    fn new(tag: &str, octet: u8) -> Self {
+        let router = Netns::new(tag, octet);
+        let rack = Netns::bare(
+            "rack",
+            format!("10.{}.{}", octet - 1, 10 + (std::process::id() % 200)),
+        );
+        let (relay_ip, up, bca_ip) = (
+            router.ip(),
+            format!("{}.1", rack.net),
+            format!("{}.2", rack.net),
+        );
+        let (vr, vb) = (format!("vr{}", rand_hex(3)), format!("vb{}", rand_hex(3)));
+        sh(&format!(
+            "ip -n {} link add {vr} type veth peer name {vb} netns {}",
+            router.name, rack.name
+        ));
+        sh(&format!("ip -n {} addr add {up}/24 dev {vr}", router.name));
+        sh(&format!("ip -n {} link set {vr} up", router.name));
+        sh(&format!(
+            "ip -n {} addr add {bca_ip}/24 dev {vb}",
+            rack.name
+        ));
+        sh(&format!("ip -n {} link set {vb} up", rack.name));
+        sh(&format!(
+            "ip -n {} route add {}.0/24 via {up}",
+            rack.name, router.net
+        ));
+        sh(&format!(
+            "ip netns exec {} sysctl -qw net.ipv4.ip_forward=1",
+            router.name
+        ));
+        Routed {
+            router,
+            rack,
+            relay_ip,
+            up,
+            bca_ip,
+            vb,
+            vr,
+        }
+    }
+
+    /// dnsmasq as a DHCP relay in the router, relaying the VM network's requests to each of
+    /// `servers`; its log in `dir/relay.log`.
+    fn relay(&self, dir: &Path, servers: &[&str]) -> Killed {
+        let mut c = self.router.cmd("dnsmasq");
+        c.args([
+            "--no-daemon",
+            "--port=0",
+            "--interface=br0",
+            "--conf-file=/dev/null",
+            "--no-resolv",
+            "--log-dhcp",
+            "--user=root",
+        ])
+        // The servers' answers come back on the link toward the rack.
+        .arg(format!("--interface={}", self.vr));
+        for s in servers {
+            c.arg(format!("--dhcp-relay={},{s}", self.relay_ip));
+        }
+        Killed(
+            c.arg(format!("--pid-file={}", dir.join("relay.pid").display()))
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.join("relay.log")).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    }
+}
+
 /// A provisioning network behind a router: the VM on the router's bridge (its network
 /// `10.95.x`), a real DHCP relay there (dnsmasq `--dhcp-relay`, forwarding to bca with `giaddr`
 /// the router's address on the VM's network), and bca in a namespace of its own on another network
@@ -726,33 +811,9 @@ fn a_vm_pxe_boots_through_proxy_dhcp_beside_the_sites_dhcp_server() {
 fn a_vm_pxe_boots_through_a_dhcp_relay_and_joins_across_the_router() {
     require_tools();
     let _vm = vm_lock();
-    let router = Netns::new("relay", 95);
-    let rack = Netns::bare("rack", format!("10.94.{}", 10 + (std::process::id() % 200)));
-    let (relay_ip, up, bca_ip) = (
-        router.ip(),
-        format!("{}.1", rack.net),
-        format!("{}.2", rack.net),
-    );
-    let (vr, vb) = (format!("vr{}", rand_hex(3)), format!("vb{}", rand_hex(3)));
-    sh(&format!(
-        "ip -n {} link add {vr} type veth peer name {vb} netns {}",
-        router.name, rack.name
-    ));
-    sh(&format!("ip -n {} addr add {up}/24 dev {vr}", router.name));
-    sh(&format!("ip -n {} link set {vr} up", router.name));
-    sh(&format!(
-        "ip -n {} addr add {bca_ip}/24 dev {vb}",
-        rack.name
-    ));
-    sh(&format!("ip -n {} link set {vb} up", rack.name));
-    sh(&format!(
-        "ip -n {} route add {}.0/24 via {up}",
-        rack.name, router.net
-    ));
-    sh(&format!(
-        "ip netns exec {} sysctl -qw net.ipv4.ip_forward=1",
-        router.name
-    ));
+    let r = Routed::new("relay", 95);
+    let (router, rack) = (&r.router, &r.rack);
+    let (relay_ip, up, bca_ip, vb) = (&r.relay_ip, &r.up, &r.bca_ip, &r.vb);
     let net = &router.net;
     // The relay's packets come from its address toward bca, with its address on the VM's
     // network as giaddr: both are listed.
@@ -762,31 +823,11 @@ fn a_vm_pxe_boots_through_a_dhcp_relay_and_joins_across_the_router() {
          [[boot.subnets]]\nrelay = \"{relay_ip}\"\nrange_start = \"{net}.100\"\nrange_end = \"{net}.150\"\n\
          netmask = \"255.255.255.0\"\nrouter = \"{relay_ip}\"\n"
     );
-    let a = appliance_in(&rack, &bca_ip, &boot, |t| t);
+    let a = appliance_in(rack, bca_ip, &boot, |t| t);
     let dir = a.dir.path().to_path_buf();
-    let _relay = Killed(
-        router
-            .cmd("dnsmasq")
-            .args([
-                "--no-daemon",
-                "--port=0",
-                "--interface=br0",
-                "--conf-file=/dev/null",
-                "--no-resolv",
-                "--log-dhcp",
-                "--user=root",
-            ])
-            // The server's answers come back on the link toward bca.
-            .arg(format!("--interface={vr}"))
-            .arg(format!("--dhcp-relay={relay_ip},{bca_ip}"))
-            .arg(format!("--pid-file={}", dir.join("relay.pid").display()))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("relay.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let _relay = r.relay(&dir, &[bca_ip]);
     let mac = "52:54:00:4e:1a:01";
-    boot_and_approve(&router, &a, mac, false);
+    boot_and_approve(router, &a, mac, false);
     // The address is from the relay's subnet, the lease names the relay, and the relay relayed.
     let leases = a.cli_json(&["boot", "leases", "--mac", mac]);
     let items = leases["items"].as_array().unwrap();

@@ -224,6 +224,19 @@ impl Gate {
         self.waiting.remove(nonce).map(|w| w.archive)
     }
 
+    /// The nonce of the archive waiting for `mac` at `ip`, if one is: GRUB's per-machine
+    /// configuration comes over TFTP, whose source address anyone can forge without an answer,
+    /// so a request for it while the machine's archive waits is answered with that archive
+    /// rather than a new one (which would void the machine's token and drop its archive).
+    pub fn waiting_for(&mut self, mac: &str, ip: IpAddr, now: i64) -> Option<String> {
+        self.expire(now);
+        let ip = canonical(ip);
+        self.waiting
+            .iter()
+            .find(|(_, w)| w.mac == mac && w.ip == ip)
+            .map(|(n, _)| n.clone())
+    }
+
     /// Archives waiting now.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
@@ -233,6 +246,30 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_archive_waiting_for_a_mac_is_found_only_at_its_address() {
+        let mut g = Gate::default();
+        let l = Limits {
+            sighting_seconds: 300,
+            scripts_per_source: 10,
+            scripts_per_mac: 10,
+            archives_per_source: 4,
+            max_archives: 16,
+        };
+        let ip: IpAddr = "10.0.0.5".parse().unwrap();
+        let mac = "52:54:00:00:00:01";
+        assert_eq!(g.waiting_for(mac, ip, 0), None);
+        g.keep("aa".into(), Zeroizing::new(vec![1]), mac, ip, 0, &l);
+        assert_eq!(g.waiting_for(mac, ip, 10).as_deref(), Some("aa"));
+        assert_eq!(g.waiting_for(mac, "10.0.0.6".parse().unwrap(), 10), None);
+        assert_eq!(g.waiting_for("52:54:00:00:00:02", ip, 10), None);
+        // Gone once taken, or once expired.
+        assert!(g.take("aa", ip, 20).is_some());
+        assert_eq!(g.waiting_for(mac, ip, 30), None);
+        g.keep("bb".into(), Zeroizing::new(vec![1]), mac, ip, 100, &l);
+        assert_eq!(g.waiting_for(mac, ip, 100 + ARCHIVE_TTL + 1), None);
+    }
 
     fn limits() -> Limits {
         Limits {

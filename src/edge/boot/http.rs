@@ -235,6 +235,15 @@ pub async fn handle(
         let Some((nonce, combined)) = per_boot_name(r) else {
             return BootAnswer::NotFound;
         };
+        // The ramdisk is opened before the archive is taken (taken, it is spent).
+        let body = if combined {
+            match FileBody::open(&edge.boot_root, "initrd.img") {
+                Some(b) => Some(b),
+                None => return BootAnswer::NotFound,
+            }
+        } else {
+            None
+        };
         let archive = match edge
             .core
             .ask(Ask::BootArchive {
@@ -249,11 +258,8 @@ pub async fn handle(
         let Some(archive) = archive else {
             return BootAnswer::NotFound;
         };
-        if !combined {
+        let Some(mut body) = body else {
             return BootAnswer::Bytes(archive);
-        }
-        let Some(mut body) = FileBody::open(&edge.boot_root, "initrd.img") else {
-            return BootAnswer::NotFound;
         };
         body.suffix = Some(bytes::Bytes::from(archive_suffix(body.remaining, &archive)));
         return BootAnswer::Stream(body);

@@ -94,6 +94,18 @@ fn tftp_made(edge: Arc<Edge>, server: Ipv4Addr) -> crate::edge::boot::tftp::Make
             }
             let (nonce, combined) =
                 crate::edge::boot::http::per_boot_name(name.strip_prefix("per-boot/")?)?;
+            // The ramdisk is opened before the archive is taken (taken, it is spent).
+            let ramdisk = if combined {
+                let Ok(file) = edge.boot_root.open_file(std::path::Path::new("initrd.img")) else {
+                    return Some(Err(not_found()));
+                };
+                let Ok(len) = file.metadata().map(|m| m.len()) else {
+                    return Some(Err(not_found()));
+                };
+                Some((file, len))
+            } else {
+                None
+            };
             let archive = match edge
                 .core
                 .ask(Ask::BootArchive {
@@ -108,14 +120,8 @@ fn tftp_made(edge: Arc<Edge>, server: Ipv4Addr) -> crate::edge::boot::tftp::Make
             let Some(archive) = archive else {
                 return Some(Err(not_found()));
             };
-            if !combined {
+            let Some((file, len)) = ramdisk else {
                 return Some(Ok(Made::bytes(archive)));
-            }
-            let Ok(file) = edge.boot_root.open_file(std::path::Path::new("initrd.img")) else {
-                return Some(Err(not_found()));
-            };
-            let Ok(len) = file.metadata().map(|m| m.len()) else {
-                return Some(Err(not_found()));
             };
             let suffix = crate::edge::boot::http::archive_suffix(len, &archive);
             Some(Ok(Made::file_then(file, len, suffix)))

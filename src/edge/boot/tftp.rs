@@ -159,15 +159,36 @@ pub fn oack(
 /// A requested name as logs show it: a per-boot name's nonce (the one-time name of a discovery
 /// token's archive) is left out.
 pub fn shown(name: &str) -> String {
-    match name.find("per-boot/") {
+    // Whatever the spelling: case and backslashes do not hide a nonce.
+    let norm = name.replace('\\', "/");
+    match norm.to_ascii_lowercase().find("per-boot/") {
         Some(i) => {
-            let rest = &name[i + "per-boot/".len()..];
+            let rest = &norm[i + "per-boot/".len()..];
             let after = rest.find(['/', '.']).map_or("", |j| &rest[j..]);
-            format!("{}per-boot/<nonce>{after}", &name[..i])
+            format!("{}per-boot/<nonce>{after}", &norm[..i])
         }
         None => name.to_string(),
     }
 }
+
+/// The transfers running, by client address and requested name.
+type Flights = Arc<std::sync::Mutex<std::collections::HashSet<(std::net::SocketAddr, String)>>>;
+
+/// A running transfer's place in [`Flights`], given back however it ends.
+struct InFlight(Flights, (std::net::SocketAddr, String));
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.1);
+    }
+}
+
+/// The longest a transfer may take, however its client acknowledges (the largest boot file, the
+/// ramdisk, takes seconds).
+const MAX_TRANSFER: Duration = Duration::from_secs(600);
 
 /// Called after each complete transfer with the peer and the file name.
 pub type OnTransfer = Arc<dyn Fn(std::net::SocketAddr, &str) + Send + Sync>;
@@ -247,6 +268,7 @@ pub async fn serve(
     let limit = Arc::new(Semaphore::new(max_transfers));
     let sources = Arc::new(crate::base::limits::PerSource::default());
     let local_ip = socket.local_addr().map(|a| a.ip()).ok();
+    let in_flight: Flights = Arc::default();
     let mut buf = vec![0u8; 2048];
     loop {
         let Ok((n, peer)) = socket.recv_from(&mut buf).await else {
@@ -272,6 +294,18 @@ pub async fn serve(
                 continue;
             }
         };
+        // A retransmitted request (the same client port, the same name) while its transfer runs
+        // is the same request: a second transfer would race the first, and for a made file
+        // (spent once) answer "not found" before the first's data.
+        let key = (peer, req.filename.clone());
+        if !in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.clone())
+        {
+            continue;
+        }
+        let flight = InFlight(in_flight.clone(), key);
         // A place among all transfers, then among this source's; either full: "busy, retry".
         let places = match limit.clone().try_acquire_owned() {
             Err(_) => Err("tftp: too many transfers at once; refusing one"),
@@ -283,7 +317,7 @@ pub async fn serve(
         let (permit, slot) = match places {
             Ok(p) => p,
             Err(why) => {
-                tracing::warn!(%peer, file = %req.filename, max_transfers, per_source, "{why}");
+                tracing::warn!(%peer, file = %shown(&req.filename), max_transfers, per_source, "{why}");
                 crate::base::metrics::get()
                     .tftp_refused_busy
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -297,6 +331,7 @@ pub async fn serve(
         let on_transfer = on_transfer.clone();
         let made = made.clone();
         tokio::spawn(async move {
+            let _flight = flight;
             let _permit = permit;
             // The source's slot is given back however the transfer ends.
             let _slot = slot;
@@ -403,11 +438,14 @@ async fn send(sock: &UdpSocket, req: &ReadRequest, source: &Source) -> Result<u6
     let size = source.len();
     let blksize = req.blksize.map(|b| b.min(MAX_BLKSIZE));
     let window = req.windowsize.map(|w| w.min(MAX_WINDOW));
-    let timeout = Duration::from_secs(req.timeout.unwrap_or(1).min(10) as u64);
+    // A timeout past 10 s is not honoured, so not echoed either (RFC 2349: the client then
+    // keeps its default).
+    let asked_timeout = req.timeout.filter(|t| (1..=10).contains(t));
+    let timeout = Duration::from_secs(asked_timeout.unwrap_or(1) as u64);
     let bs = blksize.unwrap_or(512);
     let win = window.unwrap_or(1) as u64;
     let mut ack = vec![0u8; 516];
-    if let Some(o) = oack(blksize, req.tsize.then_some(size), req.timeout, window) {
+    if let Some(o) = oack(blksize, req.tsize.then_some(size), asked_timeout, window) {
         wait_ack(sock, &o, 0, timeout, &mut ack).await?;
     }
     let blocks = size / bs as u64 + 1; // the last block is short (possibly empty)
@@ -416,6 +454,7 @@ async fn send(sock: &UdpSocket, req: &ReadRequest, source: &Source) -> Result<u6
     // One window of the file, read with one positional read.
     let mut window_buf = vec![0u8; bs * win as usize];
     let mut retries = 0;
+    let started = std::time::Instant::now();
     while next <= blocks {
         let last = (next + win - 1).min(blocks);
         let start = (next - 1) * bs as u64;
@@ -440,25 +479,33 @@ async fn send(sock: &UdpSocket, req: &ReadRequest, source: &Source) -> Result<u6
                 .await
                 .map_err(|e| e.to_string())?;
         }
-        match tokio::time::timeout(timeout, sock.recv(&mut ack)).await {
+        let progressed = match tokio::time::timeout(timeout, sock.recv(&mut ack)).await {
             Ok(Ok(n)) => match parse(&ack[..n]) {
                 Ok(Packet::Ack(a)) => {
                     // The acknowledged block, unwrapped into this window's range.
                     let acked = (next..=last).rev().find(|b| (b & 0xffff) as u16 == a);
                     if let Some(b) = acked {
                         next = b + 1;
-                        retries = 0;
                     }
+                    acked.is_some()
                 }
                 Ok(Packet::Error(..)) => return Err("the client aborted".into()),
-                _ => {}
+                _ => false,
             },
-            _ => {
-                retries += 1;
-                if retries > 5 {
-                    return Err("the client stopped acknowledging".into());
-                }
+            _ => false,
+        };
+        // A silence, a stale ACK or anything else that does not move the transfer on counts
+        // alike: a client repeating an old ACK cannot hold its place for ever.
+        if progressed {
+            retries = 0;
+        } else {
+            retries += 1;
+            if retries > 5 {
+                return Err("the client stopped acknowledging new blocks".into());
             }
+        }
+        if started.elapsed() > MAX_TRANSFER {
+            return Err("the transfer took longer than 10 minutes".into());
         }
     }
     Ok(size)
@@ -552,6 +599,12 @@ mod tests {
             "per-boot/<nonce>.cpio"
         );
         assert_eq!(shown("/grub/grub.cfg"), "/grub/grub.cfg");
+        for odd in [
+            "PER-BOOT/9ee4150d127dc68e9ab5a2b4903de5ff.cpio",
+            "per-boot\\9ee4150d127dc68e9ab5a2b4903de5ff\\initrd.img",
+        ] {
+            assert!(!shown(odd).contains("9ee4150d"), "{odd}: {}", shown(odd));
+        }
     }
 
     #[test]
