@@ -84,6 +84,20 @@ pub async fn script(
     } else {
         (templates::LOCAL_DISK, templates::DISCOVERY)
     };
+    // The discovery answer, naming the per-boot archive `nonce`.
+    let discovery_script = |nonce: &str| -> Result<String, ScriptRefused> {
+        Ok(templates::render(
+            &script_root(app)?,
+            discovery,
+            &[
+                ("mac", mac),
+                ("base", base),
+                ("base_path", BASE_PATH),
+                ("kernel_args", &app.config.boot.kernel_args),
+                ("nonce", nonce),
+            ],
+        ))
+    };
     let bad = |m: &str| ScriptRefused::Unavailable(m.to_string());
     let mac = crate::proto::claims::loose_mac(mac).ok_or_else(|| bad("not a MAC address"))?;
     let mac = mac.as_str();
@@ -107,17 +121,7 @@ pub async fn script(
             .waiting_for(mac, peer_ip, now);
         if let Some(nonce) = waiting {
             tracing::info!(%mac, "boot: discovery ramdisk (its archive still waits)");
-            return Ok(templates::render(
-                &script_root(app)?,
-                discovery,
-                &[
-                    ("mac", mac),
-                    ("base", base),
-                    ("base_path", BASE_PATH),
-                    ("kernel_args", &app.config.boot.kernel_args),
-                    ("nonce", &nonce),
-                ],
-            ));
+            return discovery_script(&nonce);
         }
     }
     let sighted = {
@@ -194,17 +198,7 @@ pub async fn script(
                 tracing::warn!(%mac, %peer, evicted, "boot: waiting per-boot archives gave way (a source at its cap, or all places taken)");
             }
             tracing::info!(%mac, "boot: discovery ramdisk");
-            Ok(templates::render(
-                &script_root(app)?,
-                discovery,
-                &[
-                    ("mac", mac),
-                    ("base", base),
-                    ("base_path", BASE_PATH),
-                    ("kernel_args", &app.config.boot.kernel_args),
-                    ("nonce", &nonce),
-                ],
-            ))
+            discovery_script(&nonce)
         }
         _ => Err(bad("no discovery token could be minted")),
     }

@@ -196,6 +196,11 @@ impl Default for BootConfig {
 }
 
 impl BootConfig {
+    /// Whether x64 UEFI clients get the signed chain (`uefi_chain = "shim"`).
+    pub fn uefi_shim(&self) -> bool {
+        self.uefi_chain == "shim"
+    }
+
     /// Whether TFTP is served (`listen_tftp` is not `"off"`).
     pub fn tftp_on(&self) -> bool {
         self.listen_tftp != "off"
@@ -226,7 +231,7 @@ impl BootConfig {
                 self.uefi_chain
             ));
         }
-        if self.uefi_chain == "shim" && !self.tftp_on() {
+        if self.uefi_shim() && !self.tftp_on() {
             return Err(
                 "boot.uefi_chain = \"shim\" hands shim out over TFTP: boot.listen_tftp cannot be \"off\""
                     .into(),

@@ -175,13 +175,8 @@ fn tftp_get(port: u16, name: &str) -> Result<Vec<u8>, i32> {
 /// A read request for `name` with plain UDP: the TFTP error's code and message, as the server
 /// sent them (a client such as GRUB prints the message).
 fn tftp_error(port: u16, name: &str) -> (u16, String) {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
-        .unwrap();
-    let mut rrq = vec![0, 1];
-    rrq.extend_from_slice(name.as_bytes());
-    rrq.extend_from_slice(b"\0octet\0");
-    s.send_to(&rrq, ("127.0.0.1", port)).unwrap();
+    let s = tftp_socket(5000);
+    s.send_to(&rrq(name, &[]), ("127.0.0.1", port)).unwrap();
     let mut b = [0u8; 1024];
     let (n, _) = s.recv_from(&mut b).unwrap();
     assert_eq!(&b[..2], &[0, 5], "not an error packet: {:?}", &b[..n]);

@@ -173,6 +173,22 @@ pub fn archive_suffix(len: u64, archive: &[u8]) -> Vec<u8> {
     suffix
 }
 
+/// The per-boot archive `nonce`, taken (spent) for `peer`: `None` when there is none for that
+/// address. Over HTTP and, for GRUB, over TFTP.
+pub async fn take_archive(edge: &Edge, nonce: &str, peer: SocketAddr) -> Option<Vec<u8>> {
+    match edge
+        .core
+        .ask(Ask::BootArchive {
+            nonce: nonce.into(),
+            peer: peer.ip().to_string(),
+        })
+        .await
+    {
+        Answer::Bytes { b64: Some(b) } => crate::base::crypto::b64_decode(&b),
+        _ => None,
+    }
+}
+
 /// The length of the boot file `name` (`files/<name>`), for a HEAD request.
 pub fn file_len(edge: &Edge, name: &str) -> Option<u64> {
     if !valid_file_name(name) {
@@ -244,18 +260,7 @@ pub async fn handle(
         } else {
             None
         };
-        let archive = match edge
-            .core
-            .ask(Ask::BootArchive {
-                nonce: nonce.into(),
-                peer: peer.ip().to_string(),
-            })
-            .await
-        {
-            Answer::Bytes { b64: Some(b) } => crate::base::crypto::b64_decode(&b),
-            _ => None,
-        };
-        let Some(archive) = archive else {
+        let Some(archive) = take_archive(edge, nonce, peer).await else {
             return BootAnswer::NotFound;
         };
         let Some(mut body) = body else {

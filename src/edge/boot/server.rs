@@ -106,18 +106,8 @@ fn tftp_made(edge: Arc<Edge>, server: Ipv4Addr) -> crate::edge::boot::tftp::Make
             } else {
                 None
             };
-            let archive = match edge
-                .core
-                .ask(Ask::BootArchive {
-                    nonce: nonce.into(),
-                    peer: peer.ip().to_string(),
-                })
-                .await
-            {
-                Answer::Bytes { b64: Some(b) } => crate::base::crypto::b64_decode(&b),
-                _ => None,
-            };
-            let Some(archive) = archive else {
+            let Some(archive) = crate::edge::boot::http::take_archive(&edge, nonce, peer).await
+            else {
                 return Some(Err(not_found()));
             };
             let Some((file, len)) = ramdisk else {
@@ -246,7 +236,7 @@ async fn answer(
         server_ip: b.server_ip?,
         http_base,
         files: &files,
-        uefi_shim: b.uefi_chain == "shim",
+        uefi_shim: b.uefi_shim(),
         tftp: b.tftp_on(),
         lease,
         netmask: pool.map_or(b.netmask, |p| p.netmask),
@@ -384,7 +374,7 @@ pub fn bind(b: &BootConfig, http_base: &str, root: &Path) -> Result<Option<BootS
         return Ok(None);
     }
     let read_root = crate::base::fsutil::ReadRoot::open(root)?;
-    if b.uefi_chain == "shim" {
+    if b.uefi_shim() {
         if let Some(missing) = [SHIM, GRUB].into_iter().find(|f| !read_root.is_file(f)) {
             return Err(format!(
                 "boot.uefi_chain = \"shim\" needs {missing} in the boot root {} (make image puts \

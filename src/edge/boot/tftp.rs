@@ -193,47 +193,32 @@ const MAX_TRANSFER: Duration = Duration::from_secs(600);
 /// Called after each complete transfer with the peer and the file name.
 pub type OnTransfer = Arc<dyn Fn(std::net::SocketAddr, &str) + Send + Sync>;
 
-/// A file made for one request (GRUB's per-machine configuration, a per-boot initrd): a file's
-/// first `len` bytes, then `tail`; or `tail` alone.
+/// What a transfer sends: a file's first `file_len` bytes, then `tail`; a file of the boot root
+/// (no tail), or one made for one request (GRUB's per-machine configuration, a per-boot initrd:
+/// a tail alone, or the ramdisk then the archive).
 pub struct Made {
-    file: Option<(std::fs::File, u64)>,
-    tail: Vec<u8>,
-}
-
-impl Made {
-    pub fn bytes(tail: Vec<u8>) -> Self {
-        Made { file: None, tail }
-    }
-
-    pub fn file_then(file: std::fs::File, len: u64, tail: Vec<u8>) -> Self {
-        Made {
-            file: Some((file, len)),
-            tail,
-        }
-    }
-}
-
-/// Makes the files the boot root does not hold: `None` for a name it does not make (the boot
-/// root is read), `Some(Err((code, message)))` when it refuses (sent as that TFTP error: 1 not
-/// found, 2 refused, with the message).
-pub type Maker = Arc<
-    dyn Fn(
-            String,
-            std::net::SocketAddr,
-        ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Option<Result<Made, (u16, String)>>> + Send>,
-        > + Send
-        + Sync,
->;
-
-/// What a transfer sends: a file beneath the boot root, or a made one.
-struct Source {
     file: Option<std::fs::File>,
     file_len: u64,
     tail: Vec<u8>,
 }
 
-impl Source {
+impl Made {
+    pub fn bytes(tail: Vec<u8>) -> Self {
+        Made {
+            file: None,
+            file_len: 0,
+            tail,
+        }
+    }
+
+    pub fn file_then(file: std::fs::File, len: u64, tail: Vec<u8>) -> Self {
+        Made {
+            file: Some(file),
+            file_len: len,
+            tail,
+        }
+    }
+
     fn len(&self) -> u64 {
         self.file_len + self.tail.len() as u64
     }
@@ -254,6 +239,19 @@ impl Source {
         Ok(n)
     }
 }
+
+/// Makes the files the boot root does not hold: `None` for a name it does not make (the boot
+/// root is read), `Some(Err((code, message)))` when it refuses (sent as that TFTP error: 1 not
+/// found, 2 refused, with the message).
+pub type Maker = Arc<
+    dyn Fn(
+            String,
+            std::net::SocketAddr,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Option<Result<Made, (u16, String)>>> + Send>,
+        > + Send
+        + Sync,
+>;
 
 /// Serves read requests on `socket` until it fails.
 /// `limits`: transfers at once in all, and from one source address.
@@ -376,17 +374,7 @@ async fn transfer(
     made: Option<Result<Made, (u16, String)>>,
 ) -> Result<u64, String> {
     let source = match made {
-        Some(Ok(m)) => {
-            let (file, file_len) = match m.file {
-                Some((f, n)) => (Some(f), n),
-                None => (None, 0),
-            };
-            Source {
-                file,
-                file_len,
-                tail: m.tail,
-            }
-        }
+        Some(Ok(m)) => m,
         Some(Err((code, message))) => {
             let _ = sock.send(&error_packet(code, &message)).await;
             return Err(message);
@@ -397,11 +385,7 @@ async fn transfer(
 }
 
 /// A file beneath the boot root, or the error packet sent and the reason.
-async fn open_source(
-    sock: &UdpSocket,
-    root: &ReadRoot,
-    req: &ReadRequest,
-) -> Result<Source, String> {
+async fn open_source(sock: &UdpSocket, root: &ReadRoot, req: &ReadRequest) -> Result<Made, String> {
     let Some(path) = confine(&req.filename) else {
         let _ = sock
             .send(&error_packet(
@@ -426,15 +410,11 @@ async fn open_source(
         let _ = sock.send(&error_packet(1, "file not found")).await;
         return Err("not a file".into());
     }
-    Ok(Source {
-        file: Some(file),
-        file_len: meta.len(),
-        tail: Vec::new(),
-    })
+    Ok(Made::file_then(file, meta.len(), Vec::new()))
 }
 
 /// Sends `source`; the number of bytes sent when the last block is acknowledged.
-async fn send(sock: &UdpSocket, req: &ReadRequest, source: &Source) -> Result<u64, String> {
+async fn send(sock: &UdpSocket, req: &ReadRequest, source: &Made) -> Result<u64, String> {
     let size = source.len();
     let blksize = req.blksize.map(|b| b.min(MAX_BLKSIZE));
     let window = req.windowsize.map(|w| w.min(MAX_WINDOW));
